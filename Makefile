@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make run` (the main job) and `make test` (the suite).
+# Both bootstrap .venv on first use and are quick once it exists.
+PYTHON ?= python3
+VENV ?= .venv
+# On a machine without CUDA, install this CPU build first so the project's `torch>=2.1`
+# range is already satisfied and pip does not fetch a multi-GB CUDA build (ENVIRONMENT.md).
+# Override with `make TORCH_SPEC= test` to let pip choose.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo torch==2.13.0)
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.bitcomm-installed
+
+.PHONY: run test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(BIN)/python -m pip install -q "$(TORCH_SPEC)")
+	$(BIN)/python -m pip install -q -e ".[dev,mpi]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/bitcomm bench codecs
+
+test: $(STAMP)
+	$(BIN)/python -m ruff check bitcomm tests
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check bitcomm tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

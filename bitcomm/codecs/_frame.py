@@ -1,0 +1,176 @@
+"""Shared plumbing for the codecs: buffer checks, fixed-width headers, bit packing kernels.
+
+Every codec frame is a 1-D ``torch.uint8`` tensor on the device of the data it encodes. Headers
+are little-endian fixed-width fields written with :mod:`struct`; they are built on the host and
+copied to the device once, so a CUDA encoder costs one small host-to-device copy per frame.
+
+Two implementations of bit packing live here: a numpy one for CPU tensors (``np.packbits`` is
+vectorised and much faster than anything expressible in torch ops on the CPU) and a torch-only one
+for every other device. They produce the same bytes; the tests check that on the CPU by forcing
+the torch path, which is the path CUDA tensors take.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+
+__all__: list[str] = []
+
+# Set by tests to run the torch-only kernels (the CUDA path) on CPU tensors.
+FORCE_TORCH = False
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def use_numpy(t: torch.Tensor) -> bool:
+    """Say whether ``t`` takes the numpy fast path (CPU tensors, unless tests force torch)."""
+    return t.device.type == "cpu" and not FORCE_TORCH
+
+
+def check_float(x: object, name: str = "x") -> torch.Tensor:
+    """Return ``x`` flattened if it is a floating-point tensor, else raise ``TypeError``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected {name} to be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"expected {name} to be a floating-point tensor, got dtype {x.dtype}")
+    return x.detach().reshape(-1)
+
+
+def check_int(x: object, name: str = "x") -> torch.Tensor:
+    """Return ``x`` flattened if it is an integer tensor, else raise ``TypeError``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected {name} to be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INT_DTYPES:
+        raise TypeError(f"expected {name} to be an integer tensor, got dtype {x.dtype}")
+    return x.detach().reshape(-1)
+
+
+def check_count(value: object, name: str) -> int:
+    """Return ``value`` as a non-negative ``int`` or raise ``TypeError``/``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"expected {name} to be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"expected {name} >= 0, got {value}")
+    return int(value)
+
+
+def as_buffer(buf: object, name: str = "frame") -> torch.Tensor:
+    """Return ``buf`` as a contiguous 1-D uint8 tensor (bytes-like objects are copied to CPU)."""
+    if isinstance(buf, (bytes, bytearray, memoryview)):
+        return torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    if isinstance(buf, np.ndarray):
+        if buf.dtype != np.uint8:
+            raise TypeError(f"expected {name} to hold uint8, got numpy dtype {buf.dtype}")
+        return torch.from_numpy(np.ascontiguousarray(buf).reshape(-1))
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"expected {name} to be a uint8 tensor or bytes, got {type(buf).__name__}")
+    if buf.dtype != torch.uint8:
+        raise TypeError(f"expected {name} to be a uint8 tensor, got dtype {buf.dtype}")
+    if buf.dim() != 1:
+        raise ValueError(f"expected {name} to be 1-D, got shape {tuple(buf.shape)}")
+    return buf.contiguous()
+
+
+def need(buf: torch.Tensor, end: int, codec: str, field: str) -> None:
+    """Raise ``ValueError`` unless ``buf`` holds at least ``end`` bytes (for ``field``)."""
+    if buf.numel() < end:
+        raise ValueError(
+            f"truncated {codec} frame: {field} needs bytes up to offset {end}, "
+            f"got a buffer of {buf.numel()} bytes"
+        )
+
+
+def read_struct(buf: torch.Tensor, offset: int, fmt: struct.Struct, codec: str, field: str):
+    """Unpack ``fmt`` from ``buf[offset:]``, raising ``ValueError`` if the buffer is short."""
+    need(buf, offset + fmt.size, codec, field)
+    raw = buf[offset : offset + fmt.size].cpu().numpy().tobytes()
+    return fmt.unpack(raw)
+
+
+def host_bytes(data: bytes, device: torch.device) -> torch.Tensor:
+    """Return ``data`` as a uint8 tensor on ``device``."""
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else _empty_u8()
+    return t.to(device)
+
+
+def _empty_u8() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Concatenate uint8 parts (moved to ``device`` first) into one frame."""
+    return torch.cat([p.to(device) for p in parts])
+
+
+def float_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Return the little-endian bytes of a contiguous fp16/fp32/int32/int64 tensor as uint8."""
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def from_bytes(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret a uint8 slice as ``dtype`` (copying when it is misaligned for ``dtype``)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if buf.numel() == 0:
+        return torch.empty(0, dtype=dtype, device=buf.device)
+    if buf.storage_offset() % itemsize:
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
+# --- bit packing kernels (MSB-first inside a byte, zero padding) -------------------------------
+
+_BIT_WEIGHTS = {}
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    w = _BIT_WEIGHTS.get(device)
+    if w is None:
+        w = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device)
+        _BIT_WEIGHTS[device] = w
+    return w
+
+
+def packbits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack the last dimension of a 0/1 (or bool) tensor MSB-first, zero-padding to whole bytes.
+
+    The torch-only twin of ``np.packbits(bits, axis=-1)``; returns uint8 of shape
+    ``(..., ceil(n / 8))``.
+    """
+    n = bits.shape[-1]
+    pad = (-n) % 8
+    b = bits.to(torch.uint8)
+    if pad:
+        b = torch.nn.functional.pad(b, (0, pad))
+    b = b.reshape(*b.shape[:-1], -1, 8)
+    # Each byte is a dot product with [128, ..., 1]; uint8 arithmetic cannot overflow here.
+    return (b * _weights(b.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Unpack the last dimension MSB-first into 0/1 uint8, keeping the first ``n`` bits."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def check_padding(rows: torch.Tensor, n: int, codec: str, field: str) -> None:
+    """Raise ``ValueError`` unless the padding bits after ``n`` bits of every row are zero.
+
+    ``rows`` is ``(planes, ceil(n / 8))`` uint8 (or 1-D for a single row of bits).
+    """
+    rem = n % 8
+    if rem == 0 or rows.numel() == 0:
+        return
+    last = rows.reshape(-1, rows.shape[-1])[:, -1]
+    mask = (1 << (8 - rem)) - 1
+    bad = torch.nonzero(last & mask).reshape(-1)
+    if bad.numel():
+        row = int(bad[0].item())
+        raise ValueError(
+            f"corrupt {codec} frame: {field} padding bits must be zero, got last byte "
+            f"0x{int(last[row].item()):02x} in row {row} with n={n}"
+        )

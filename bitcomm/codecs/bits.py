@@ -1,0 +1,192 @@
+"""Pack unsigned integers into exactly ``width`` bits each (1 <= width <= 16), bit-plane layout.
+
+Wire format
+-----------
+The payload (:func:`pack`) is ``width`` *bit planes*, most significant plane first. Plane ``p``
+holds bit ``p`` of every value, value ``i`` at byte ``i // 8``, bit position ``7 - i % 8``
+(MSB-first inside a byte, the ``numpy.packbits`` / ``bitarray(endian="big")`` order). Each plane
+is padded with zero bits to a whole byte, so the payload is ``width * ceil(n / 8)`` bytes: exactly
+``width`` bits per value plus at most 7 padding bits per plane. Bit planes are the layout of
+choice because a plane is one ``packbits`` on the CPU and one shift-and-sum on a GPU, with no
+bit straddling byte boundaries.
+
+The frame (:func:`encode`) is a header followed by the payload::
+
+    offset  size  field
+    0       8     n       int64, little-endian: number of values
+    8       1     width   uint8: bits per value, 1..16
+    9       ...   payload width * ceil(n / 8) bytes
+
+Worked example: ``encode(torch.tensor([5, 0, 3]), width=3)``. In binary the values are
+``101 000 011``. Plane 2 takes the top bits ``1 0 0`` -> ``10000000`` = ``0x80``; plane 1 takes
+``0 0 1`` -> ``00100000`` = ``0x20``; plane 0 takes ``1 0 1`` -> ``10100000`` = ``0xa0``. The
+frame is the 12 bytes ``03 00 00 00 00 00 00 00 03 80 20 a0``.
+
+Errors: a non-integer tensor raises ``TypeError``; a value below 0 or at least ``2**width``
+raises ``OverflowError``; ``width`` outside 1..16 raises ``ValueError``; a truncated frame, a bad
+header field or non-zero padding raises ``ValueError`` naming the field. Empty tensors round-trip.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+
+from bitcomm.codecs import _frame
+
+__all__ = ["pack", "unpack", "packed_size", "encode", "decode", "encoded_size", "HEADER"]
+
+HEADER = struct.Struct("<qB")
+"""Frame header: n (int64) and width (uint8), little-endian, 9 bytes."""
+
+_CODEC = "bits"
+MAX_WIDTH = 16
+
+
+def _check_width(width: object) -> int:
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)):
+        raise TypeError(f"expected width to be an int, got {type(width).__name__}")
+    if not 1 <= width <= MAX_WIDTH:
+        raise ValueError(f"expected 1 <= width <= {MAX_WIDTH}, got {width}")
+    return int(width)
+
+
+def packed_size(n: int, width: int) -> int:
+    """Return the payload size in bytes for ``n`` values of ``width`` bits: w * ceil(n/8)."""
+    n = _frame.check_count(n, "n")
+    return _check_width(width) * ((n + 7) // 8)
+
+
+def encoded_size(n: int, width: int) -> int:
+    """Return the frame size in bytes (header plus payload) for ``n`` values of ``width`` bits."""
+    return HEADER.size + packed_size(n, width)
+
+
+def _check_range(v: torch.Tensor, width: int) -> None:
+    if v.numel() == 0:
+        return
+    lo, hi = torch.aminmax(v)
+    lo, hi = int(lo.item()), int(hi.item())
+    if lo < 0 or hi >= (1 << width):
+        bad = lo if lo < 0 else hi
+        raise OverflowError(f"expected values in [0, {(1 << width) - 1}] for width={width}, "
+                            f"got {bad}")
+
+
+def pack(x: torch.Tensor, width: int, *, check: bool = True) -> torch.Tensor:
+    """Pack the integers of ``x`` into ``width`` bit planes; return the payload (no header).
+
+    Args:
+        x: integer tensor of any shape (flattened), values in ``[0, 2**width)``.
+        width: bits per value, 1..16.
+        check: verify the range (``OverflowError`` otherwise); callers that know the range
+            may skip the pass.
+
+    Returns:
+        uint8 tensor of :func:`packed_size` bytes on ``x``'s device.
+    """
+    v = _frame.check_int(x)
+    width = _check_width(width)
+    if check:
+        _check_range(v, width)
+    n = v.numel()
+    nb = (n + 7) // 8
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=v.device)
+    if _frame.use_numpy(v):
+        a = v.numpy()
+        # A narrow working dtype keeps the per-plane passes cheap.
+        if width <= 8 and a.dtype != np.uint8:
+            a = a.astype(np.uint8)
+        elif 8 < width <= 16 and a.dtype not in (np.uint16, np.int16):
+            a = a.astype(np.uint16)
+        out = np.empty((width, nb), dtype=np.uint8)
+        tmp = np.empty_like(a)
+        for row, p in enumerate(range(width - 1, -1, -1)):
+            # packbits treats any non-zero element as a 1 bit.
+            np.bitwise_and(a, a.dtype.type(1 << p), out=tmp)
+            out[row] = np.packbits(tmp)
+        return torch.from_numpy(out.reshape(-1))
+    shifts = torch.arange(width - 1, -1, -1, device=v.device, dtype=torch.int64)
+    wide = v if v.dtype in (torch.int32, torch.int64) else v.to(torch.int32)
+    planes = (wide.unsqueeze(0) >> shifts.to(wide.dtype).unsqueeze(1)) & 1
+    return _frame.packbits(planes).reshape(-1)
+
+
+def unpack(payload: torch.Tensor, n: int, width: int, *, dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
+    """Unpack ``n`` values of ``width`` bits from a payload made by :func:`pack`.
+
+    Args:
+        payload: uint8 tensor of exactly :func:`packed_size` bytes.
+        n: number of values (not on the wire: the caller knows it).
+        width: bits per value.
+        dtype: result dtype; default uint8 for width <= 8, else int32.
+
+    Returns:
+        1-D integer tensor of ``n`` values on the payload's device.
+    """
+    buf = _frame.as_buffer(payload, "payload")
+    n = _frame.check_count(n, "n")
+    width = _check_width(width)
+    nb = (n + 7) // 8
+    if buf.numel() != width * nb:
+        raise ValueError(f"expected a {_CODEC} payload of {width * nb} bytes for n={n}, "
+                         f"width={width}, got {buf.numel()}")
+    if dtype is None:
+        dtype = torch.uint8 if width <= 8 else torch.int32
+    if n == 0:
+        return torch.empty(0, dtype=dtype, device=buf.device)
+    planes = buf.reshape(width, nb)
+    _frame.check_padding(planes, n, _CODEC, "plane")
+    if _frame.use_numpy(buf):
+        p = planes.numpy()
+        acc = np.zeros(nb * 8, dtype=np.uint8 if width <= 8 else np.uint16)
+        tmp = np.empty(nb * 8, dtype=acc.dtype)
+        for row in range(width):
+            shift = width - 1 - row
+            bits = np.unpackbits(p[row])
+            if shift:
+                np.left_shift(bits, shift, out=tmp, dtype=acc.dtype)
+                acc |= tmp
+            else:
+                acc |= bits
+        if acc.dtype == np.uint16:
+            # torch has no general uint16 arithmetic; int32 holds every 16-bit value.
+            return torch.from_numpy(acc[:n].astype(np.int32)).to(dtype)
+        return torch.from_numpy(acc[:n]).to(dtype)
+    bits = _frame.unpackbits(planes, n).to(torch.int64)
+    shifts = torch.arange(width - 1, -1, -1, device=buf.device, dtype=torch.int64).unsqueeze(1)
+    return (bits << shifts).sum(0).to(dtype)
+
+
+def encode(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Encode integers as a self-describing frame: header (n, width) then :func:`pack`'s planes.
+
+    Example:
+        >>> encode(torch.tensor([5, 0, 3]), 3).tolist()
+        [3, 0, 0, 0, 0, 0, 0, 0, 3, 128, 32, 160]
+    """
+    v = _frame.check_int(x)
+    payload = pack(v, width)
+    header = _frame.host_bytes(HEADER.pack(v.numel(), width), v.device)
+    return torch.cat([header, payload])
+
+
+def decode(frame: torch.Tensor, *, dtype: torch.dtype | None = None
+           ) -> tuple[torch.Tensor, int]:
+    """Decode one frame from the start of ``frame``; return ``(values, bytes_consumed)``.
+
+    Bytes after the frame are left alone, so frames can be read back to back.
+    """
+    buf = _frame.as_buffer(frame)
+    n, width = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
+    if n < 0:
+        raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
+    if not 1 <= width <= MAX_WIDTH:
+        raise ValueError(f"corrupt {_CODEC} frame: expected width in 1..{MAX_WIDTH}, got {width}")
+    end = HEADER.size + width * ((n + 7) // 8)
+    _frame.need(buf, end, _CODEC, "payload")
+    return unpack(buf[HEADER.size:end], n, width, dtype=dtype), end

@@ -1,0 +1,281 @@
+"""QSGD: unbiased stochastic quantisation in buckets, 2, 4 or 8 bits per element.
+
+003_d4ff896956a00db6.txt, Section 6 (SparCML's use of QSGD, Alistarh et al. 2017): the vector is
+cut into buckets of ``B`` consecutive elements, each quantised independently against one
+full-precision scale. With ``bits`` per element, one bit is the sign and ``bits - 1`` bits are a
+level in ``0..s`` with ``s = 2**(bits - 1) - 1`` (1, 7 or 127 levels). For ``y = |x| / scale * s``
+the level is ``floor(y)`` or ``floor(y) + 1``, the latter with probability ``y - floor(y)``, so
+``E[level] = y`` and the decoded ``sign * scale * level / s`` is unbiased. The scale is the
+bucket's max ``|x|`` (``scale="max"``, the default: lowest variance) or its L2 norm
+(``scale="l2"``, QSGD's own choice, for which QSGD proves
+``E||Q(v) - v||^2 <= min(n / s^2, sqrt(n) / s) * ||v||^2`` per bucket).
+
+Randomness comes from a counter-based hash (:mod:`bitcomm.codecs._rng`) keyed by ``seed`` or by
+one draw from ``generator``: the same seed gives the same bytes, on CPU and CUDA alike. Its
+uniforms have 16 bits, so the rounding probability is ``frac`` to within 2**-17: the decoded
+mean is within ``scale / s * 2**-17`` of ``x``, far below float32 resolution of the scale for 8
+bits and below any measurable bias for 2 and 4.
+
+Non-finite input raises ``ValueError`` naming the first bucket whose scale is not finite (a NaN
+or inf anywhere in a bucket makes its max and norm non-finite, so the check costs nothing).
+
+Wire format
+-----------
+::
+
+    offset   size            field
+    0        8               n       int64 LE: number of elements
+    8        1               bits    uint8: 2, 4 or 8
+    9        1               scale   uint8: 0 = max |x|, 1 = L2 norm
+    10       4               bucket  uint32 LE: B >= 1
+    14       4 * nb          scales  float32 LE, nb = ceil(n / B), one per bucket
+    14+4nb   ceil(n*bits/8)  codes   element codes, MSB-first, zero padding
+
+An element's code is ``sign << (bits - 1) | level`` with sign bit 1 for ``x < 0``. Codes are
+packed MSB-first: with 4 bits, element ``2j`` is the high nibble of code byte ``j``; with 2 bits,
+element ``4j`` takes bits 7-6.
+
+Worked example: ``encode(torch.tensor([1.0, -0.5, 0.0]), bits=4, bucket=4)``: one bucket, scale
+``max |x| = 1.0`` (``00 00 80 3f``), ``s = 7``. ``y = [7, 3.5, 0]``: element 0 is level 7 exactly
+(code ``0111``), element 2 is level 0 (``0000``), element 1 is level 3 or 4 with probability 1/2
+each, negative: code ``1011`` or ``1100``. The frame is the 14-byte header
+``03 00 00 00 00 00 00 00 04 00 04 00 00 00``, the scale, then ``7b 00`` or ``7c 00``; it
+decodes to ``[1, -3/7, 0]`` or ``[1, -4/7, 0]``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+
+from bitcomm.codecs import _frame, _rng
+
+__all__ = ["encode", "decode", "encoded_size", "HEADER", "BITS", "SCALES", "DEFAULT_BUCKET"]
+
+HEADER = struct.Struct("<qBBI")
+"""Frame header: n (int64), bits (uint8), scale kind (uint8), bucket (uint32); 14 bytes."""
+BITS = (2, 4, 8)
+"""Allowed bits per element."""
+SCALES = ("max", "l2")
+"""Scale kinds; their index is the header's scale code."""
+DEFAULT_BUCKET = 512
+
+_CODEC = "qsgd"
+_CHUNK = 1 << 18  # elements quantised per pass, to stay in cache
+
+
+def _check_config(bits: object, bucket: object, scale: object) -> tuple[int, int, str]:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+        raise TypeError(f"expected bits to be an int, got {type(bits).__name__}")
+    if bits not in BITS:
+        raise ValueError(f"expected bits in {BITS}, got {bits}")
+    if isinstance(bucket, bool) or not isinstance(bucket, (int, np.integer)):
+        raise TypeError(f"expected bucket to be an int, got {type(bucket).__name__}")
+    if not 1 <= bucket <= 0xFFFFFFFF:
+        raise ValueError(f"expected 1 <= bucket <= 2**32 - 1, got {bucket}")
+    if scale not in SCALES:
+        raise ValueError(f"expected scale in {SCALES}, got {scale!r}")
+    return int(bits), int(bucket), str(scale)
+
+
+def encoded_size(n: int, bits: int = 4, bucket: int = DEFAULT_BUCKET) -> int:
+    """Return the exact frame size: 14 + 4 * ceil(n / bucket) + ceil(n * bits / 8) bytes."""
+    n = _frame.check_count(n, "n")
+    bits, bucket, _ = _check_config(bits, bucket, "max")
+    return HEADER.size + 4 * (-(-n // bucket)) + (n * bits + 7) // 8
+
+
+def _scales_into(out: torch.Tensor, v: torch.Tensor, bucket: int, kind: str) -> None:
+    """Write the scales of the buckets of ``v`` (which starts on a bucket boundary) to ``out``."""
+    n = v.numel()
+    full = n // bucket
+    parts = [(0, full, v[: full * bucket].view(full, bucket))] if full else []
+    if out.numel() > full:
+        parts.append((full, full + 1, v[full * bucket:].view(1, -1)))
+    for lo, hi, block in parts:
+        if kind == "max":
+            low, high = torch.aminmax(block, dim=1)  # one pass, no |x| temporary
+            out[lo:hi] = torch.maximum(-low, high).to(torch.float32)
+        else:
+            # float64 accumulation: CPU and CUDA reduce in different orders, and rounding a
+            # float64 norm to float32 hides that difference in all but rare ties.
+            out[lo:hi] = torch.linalg.vector_norm(block.to(torch.float64), dim=1)
+
+
+def _check_scales(scales: torch.Tensor, bucket: int, n: int, kind: str) -> None:
+    bad = torch.nonzero(~torch.isfinite(scales)).reshape(-1)
+    if bad.numel():
+        i = int(bad[0].item())
+        raise ValueError(f"expected finite values, got a non-finite {kind} scale "
+                         f"{float(scales[i].item())} in bucket {i} (elements {i * bucket}.."
+                         f"{min(n, (i + 1) * bucket) - 1})")
+
+
+def _unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.tensor([8 - bits * (j + 1) for j in range(per)], dtype=torch.uint8,
+                          device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
+
+
+class _Work:
+    """Scratch buffers for one chunk, reused so the hot loop allocates nothing."""
+
+    __slots__ = ("f", "t", "s", "h", "tmp", "pair")
+
+    def __init__(self, size: int, device: torch.device):
+        self.f = torch.empty(size, dtype=torch.float32, device=device)
+        self.t = torch.empty(size, dtype=torch.int32, device=device)
+        self.s = torch.empty(size, dtype=torch.int32, device=device)
+        self.h = torch.empty(size // 2, dtype=torch.int32, device=device)
+        self.tmp = torch.empty(size // 2, dtype=torch.int32, device=device)
+        self.pair = torch.empty(size // 2, dtype=torch.int64, device=device)
+
+
+def _pack_chunk(codes: torch.Tensor, bits: int, work: _Work, out: torch.Tensor) -> None:
+    # Merge neighbours inside int64 words: the low int32 of a pair is the earlier element, so
+    # (v << bits) | (v >> 32) holds "first then second" in its low bits (little-endian view).
+    # Narrowing copies keep the low bits only.
+    width = bits
+    while width < 8:
+        v = codes.view(torch.int64)
+        merged = work.pair[: v.numel()]
+        torch.bitwise_left_shift(v, width, out=merged)
+        v >>= 32
+        merged |= v
+        width *= 2
+        if width < 8:
+            codes = merged.to(torch.int32)
+        else:
+            out.copy_(merged)
+            return
+    out.copy_(codes)
+
+
+def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scale: str = "max",
+           seed: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Quantise ``x`` stochastically and return one qsgd frame.
+
+    Args:
+        x: floating-point tensor (flattened); quantised in float32.
+        bits: 2, 4 or 8 bits per element (one of them the sign).
+        bucket: elements per bucket, each with its own fp32 scale.
+        scale: ``"max"`` (max ``|x|``) or ``"l2"`` (the bucket's L2 norm, as in QSGD).
+        seed: int making the frame reproducible on any device.
+        generator: ``torch.Generator`` to draw the stream key from instead (one draw per call);
+            with neither, torch's default CPU generator is used.
+
+    Returns:
+        uint8 frame on ``x``'s device, :func:`encoded_size` bytes long.
+
+    Raises:
+        ValueError: a bucket holds NaN or inf, or a bad ``bits``/``bucket``/``scale``.
+    """
+    v = _frame.check_float(x)
+    bits, bucket, scale = _check_config(bits, bucket, scale)
+    key = _rng.key_from(seed, generator)
+    n = v.numel()
+    s = (1 << (bits - 1)) - 1
+    scales = torch.empty(-(-n // bucket), dtype=torch.float32, device=v.device)
+    aligned = _CHUNK % bucket == 0
+    if not aligned:  # buckets straddle chunks: all scales first, then a gather per element
+        _scales_into(scales, v, bucket, scale)
+        factor_all = torch.where(scales > 0, (s * 65536.0) / scales, torch.zeros_like(scales))
+    codes = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=v.device)
+    size = min(_CHUNK, -(-n // _rng.BLOCK) * _rng.BLOCK)
+    work = _Work(size, v.device)
+    sign_shift = 32 - bits
+    for start in range(0, n, _CHUNK):
+        m = min(_CHUNK, n - start)
+        padded = -(-m // _rng.BLOCK) * _rng.BLOCK
+        xs = v[start : start + m]
+        if xs.dtype != torch.float32:
+            xs = xs.to(torch.float32)
+        f, t, sg = work.f[:padded], work.t[:padded], work.s[:padded]
+        torch.abs(xs, out=f[:m])
+        f[m:].zero_()
+        # Fixed-point stochastic rounding: t = round(y * 2**16) with y = |x| * s / scale, then
+        # level = (t + r) >> 16 for a uniform 16-bit r: E[level] = t / 2**16 = y within 2**-17.
+        if aligned:
+            # Scales chunk by chunk, while the chunk is in cache for the quantisation pass too.
+            first, nbk = start // bucket, -(-m // bucket)
+            sc = scales[first : first + nbk]
+            _scales_into(sc, xs, bucket, scale)
+            factor = torch.where(sc > 0, (s * 65536.0) / sc, torch.zeros_like(sc))
+            full = m // bucket
+            f[: full * bucket].view(full, bucket).mul_(factor[:full, None])
+            if full < nbk:
+                f[full * bucket : m].mul_(factor[full])
+        else:
+            index = torch.arange(start, start + m, device=v.device).div_(bucket,
+                                                                         rounding_mode="floor")
+            f[:m].mul_(factor_all[index])
+        f.add_(0.5)
+        t.copy_(f)  # float -> int32 truncates: t = round(y * 2**16)
+        _rng.add_random16_(t, key, start, work=(work.h, work.tmp))
+        t >>= 16
+        t.clamp_(max=s)
+        # The float's sign bit, moved to bit (bits - 1) by an arithmetic shift of its int view.
+        torch.bitwise_right_shift(xs.view(torch.int32), sign_shift, out=sg[:m])
+        sg[m:].zero_()
+        sg &= 1 << (bits - 1)
+        t |= sg
+        lo = start * bits // 8
+        nbytes = padded * bits // 8
+        dest = codes[lo : lo + nbytes]
+        if dest.numel() == nbytes:
+            _pack_chunk(t, bits, work, dest)
+        else:  # the last chunk: pack the padded codes, keep the bytes that belong to n
+            tail = torch.empty(nbytes, dtype=torch.uint8, device=v.device)
+            _pack_chunk(t, bits, work, tail)
+            dest.copy_(tail[: dest.numel()])
+    _check_scales(scales, bucket, n, scale)  # once at the end: one device sync, not one a chunk
+    header = HEADER.pack(n, bits, SCALES.index(scale), bucket)
+    return torch.cat([_frame.host_bytes(header, v.device), _frame.float_bytes(scales), codes])
+
+
+def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
+           ) -> tuple[torch.Tensor, int]:
+    """Decode one qsgd frame to ``sign * scale * level / s``; return ``(values, consumed)``."""
+    buf = _frame.as_buffer(frame)
+    n, bits, scale_code, bucket = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
+    if n < 0:
+        raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
+    if bits not in BITS:
+        raise ValueError(f"corrupt {_CODEC} frame: expected bits in {BITS}, got {bits}")
+    if scale_code >= len(SCALES):
+        raise ValueError(f"corrupt {_CODEC} frame: expected scale code 0 or 1, got {scale_code}")
+    if bucket < 1:
+        raise ValueError(f"corrupt {_CODEC} frame: expected bucket >= 1, got {bucket}")
+    nb = -(-n // bucket)
+    off = HEADER.size
+    _frame.need(buf, off + 4 * nb, _CODEC, "scales")
+    scales = _frame.from_bytes(buf[off : off + 4 * nb], torch.float32)
+    bad = torch.nonzero(~torch.isfinite(scales) | (scales < 0)).reshape(-1)
+    if bad.numel():
+        i = int(bad[0].item())
+        raise ValueError(f"corrupt {_CODEC} frame: expected a finite scale >= 0 in bucket {i}, "
+                         f"got {float(scales[i].item())}")
+    off += 4 * nb
+    end = off + (n * bits + 7) // 8
+    _frame.need(buf, end, _CODEC, "codes")
+    codes = _unpack_codes(buf[off:end], n, bits)
+    if n and n * bits % 8:
+        used = (n * bits) % 8
+        if int(buf[end - 1].item()) & ((1 << (8 - used)) - 1):
+            raise ValueError(f"corrupt {_CODEC} frame: codes padding bits must be zero")
+    s = (1 << (bits - 1)) - 1
+    level = (codes & s).to(torch.float32)
+    neg = (codes >> (bits - 1)).bool()
+    step = scales / s
+    if n % bucket == 0:
+        out = level.view(nb, bucket).mul_(step.unsqueeze(1)).view(-1)
+    else:
+        out = level.mul_(step.repeat_interleave(bucket)[:n])
+    out = torch.where(neg, -out, out)
+    return out.to(dtype), end
+
