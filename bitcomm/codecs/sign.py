@@ -106,6 +106,8 @@ def pack(x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.packbits((v >= 0).numpy()))
     a = v.numpy()
     n = a.size
+    if n <= _CHUNK:
+        return torch.from_numpy(np.packbits(a >= 0))
     out = np.empty((n + 7) // 8, dtype=np.uint8)
     # Comparing and packing a cache-sized chunk at a time avoids writing and re-reading an
     # n-byte boolean array: measured 1.5x faster than np.packbits(a >= 0) at 64M elements.

@@ -1,0 +1,19 @@
+"""Bit-level codecs: tensor <-> packed bytes, pure ``encode``/``decode`` pairs.
+
+One module per codec, each documenting its wire format with a worked example:
+
+* :mod:`~bitcomm.codecs.bits`: unsigned integers in exactly w bits (bit planes), 1 <= w <= 16.
+* :mod:`~bitcomm.codecs.sign`: 1 bit per element, MSB-first, bit 1 = ``x >= 0``; scaled frames.
+* :mod:`~bitcomm.codecs.counts`: counts in [0, m] in ceil(log2(m+1)) bits, or radix-packed.
+* :mod:`~bitcomm.codecs.qsgd`: stochastic bucketed quantisation at 2, 4 or 8 bits.
+* :mod:`~bitcomm.codecs.redsync`: RedSync's sign-uniform mean of k selected elements.
+* :mod:`~bitcomm.codecs.sparse`: self-describing (index, value) frames.
+* :mod:`~bitcomm.codecs.select`: top-k, trimmed top-k and threshold binary search selectors.
+
+Every ``decode`` returns ``(result, bytes_consumed)`` (the convention of Python's ``codecs``
+module), so frames can be read back to back from one buffer.
+"""
+
+from bitcomm.codecs import bits, counts, qsgd, redsync, select, sign, sparse
+
+__all__ = ["bits", "counts", "qsgd", "redsync", "select", "sign", "sparse"]

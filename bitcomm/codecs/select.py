@@ -1,0 +1,147 @@
+"""Communication-set selectors: which k elements of a residual to send.
+
+Three methods from RedSync (000_10f5b8196955b2ac.txt, Section 5.2), all taking non-negative
+*scores* (``|x|`` for top-k by magnitude, ``x.clamp(min=0)`` for the k largest positive values)
+and returning int64 indices in ascending order:
+
+* :func:`topk`: the exact k largest scores. Ties at the k-th value are broken towards lower
+  indices, so every device returns the same set (``torch.topk`` alone breaks ties differently
+  on CPU and CUDA).
+* :func:`trimmed_topk` (Algorithm 2): start from ``threshold = mean + 0.8 * (max - mean)`` and
+  lower it in steps of ``eps * (max - mean)`` until at least k scores exceed it, then run the exact
+  top-k on those survivors only. Exactly ``min(k, n)`` indices, the same set as :func:`topk`.
+  The paper's loop condition reads ``while nnz > k``; its text (and termination) need
+  ``while nnz < k``, which is what this does.
+* :func:`threshold_search` (Algorithm 3): binary search of ``ratio`` in [0, 1] for a threshold
+  ``mean + ratio * (max - mean)`` that between k and 2k scores exceed, stopping when the interval
+  is narrower than ``eps``. Avoids any sort, returns *at least* k indices (at most 2k when the
+  window is found). Algorithm 3 as printed assigns the threshold itself to the bounds and moves
+  the wrong bound when ``k/2 < nnz <= k``; here ``nnz < k`` lowers the upper bound and
+  ``nnz > 2k`` raises the lower bound. When fewer than k scores exceed the mean (k is a large
+  fraction of n, outside the paper's regime), it falls back to :func:`topk`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitcomm.codecs import _frame
+
+__all__ = ["topk", "trimmed_topk", "threshold_search", "select", "METHODS"]
+
+METHODS = ("topk", "trimmed", "threshold")
+"""Selector names accepted by :func:`select`."""
+
+
+def _prepare(scores: torch.Tensor, k: int, check: bool) -> tuple[torch.Tensor, int]:
+    s = _frame.check_float(scores, "scores")
+    k = _frame.check_count(k, "k")
+    if check and s.numel() and not bool(torch.isfinite(s).all()):
+        raise ValueError("expected finite scores, got NaN or inf")
+    return s, min(k, s.numel())
+
+
+def _all(s: torch.Tensor) -> torch.Tensor:
+    return torch.arange(s.numel(), device=s.device)
+
+
+def _exact(s: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact top-k indices (ascending), ties at the k-th value towards lower indices."""
+    n = s.numel()
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=s.device)
+    if k >= n:
+        return _all(s)
+    kth = torch.topk(s, k, sorted=False).values.min()
+    above = torch.nonzero(s > kth).reshape(-1)
+    equal = torch.nonzero(s == kth).reshape(-1)[: k - above.numel()]
+    return torch.cat([above, equal]).sort().values
+
+
+def topk(scores: torch.Tensor, k: int, *, check: bool = True) -> torch.Tensor:
+    """Return the indices of the k largest scores in ascending order (ties: lower index first).
+
+    Args:
+        scores: non-negative float tensor (flattened).
+        k: how many to select; more than ``n`` selects everything.
+        check: raise ``ValueError`` on NaN or inf scores (skip if the caller checked).
+    """
+    s, k = _prepare(scores, k, check)
+    return _exact(s, k)
+
+
+def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool = True
+                 ) -> torch.Tensor:
+    """Return the same indices as :func:`topk`, sorting only scores above a trimmed threshold.
+
+    Args:
+        scores: non-negative float tensor.
+        k: how many to select.
+        eps: step by which the threshold ratio decreases (RedSync Algorithm 2 uses 0.2).
+        check: raise ``ValueError`` on NaN or inf scores.
+    """
+    s, k = _prepare(scores, k, check)
+    if not 0 < eps <= 1:
+        raise ValueError(f"expected 0 < eps <= 1, got {eps}")
+    n = s.numel()
+    if k == 0 or k >= n:
+        return _exact(s, k)
+    mean = float(s.mean(dtype=torch.float64).item())
+    top = float(s.max().item())
+    step = 1
+    while True:
+        ratio = 1.0 - eps * step
+        if ratio < 0:  # below the mean: the survivors would be most of the tensor anyway
+            return _exact(s, k)
+        keep = torch.nonzero(s > mean + ratio * (top - mean)).reshape(-1)
+        if keep.numel() >= k:
+            return keep[_exact(s[keep], k)]
+        step += 1
+
+
+def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: bool = True
+                     ) -> torch.Tensor:
+    """Return at least k indices (ascending) whose scores exceed a binary-searched threshold.
+
+    Args:
+        scores: non-negative float tensor.
+        k: the least number to select; the search aims for k to 2k.
+        eps: stop when the ratio interval is narrower than this.
+        check: raise ``ValueError`` on NaN or inf scores.
+    """
+    s, k = _prepare(scores, k, check)
+    if not 0 < eps < 1:
+        raise ValueError(f"expected 0 < eps < 1, got {eps}")
+    n = s.numel()
+    if k == 0 or k >= n:
+        return _exact(s, k)
+    mean = float(s.mean(dtype=torch.float64).item())
+    top = float(s.max().item())
+    if int((s > mean).sum().item()) < k:
+        return _exact(s, k)
+    lo, hi = 0.0, 1.0  # invariant: at least k scores exceed the threshold at ratio lo
+    while hi - lo > eps:
+        mid = lo + (hi - lo) / 2
+        nnz = int((s > mean + mid * (top - mean)).sum().item())
+        if k <= nnz <= 2 * k:
+            lo = mid
+            break
+        if nnz < k:
+            hi = mid
+        else:
+            lo = mid
+    return torch.nonzero(s > mean + lo * (top - mean)).reshape(-1)
+
+
+def select(scores: torch.Tensor, k: int, method: str = "topk", *, check: bool = True,
+           **options: float) -> torch.Tensor:
+    """Dispatch to a selector by name (``"topk"``, ``"trimmed"`` or ``"threshold"``)."""
+    if method == "topk":
+        if options:
+            raise TypeError(f"topk takes no options, got {sorted(options)}")
+        return topk(scores, k, check=check)
+    if method == "trimmed":
+        return trimmed_topk(scores, k, check=check, **options)
+    if method == "threshold":
+        return threshold_search(scores, k, check=check, **options)
+    raise ValueError(f"expected method in {METHODS}, got {method!r}")

@@ -1,0 +1,204 @@
+"""Sparse frames: (index, value) pairs of a dense vector, for the sparse allgather collectives.
+
+One self-describing frame per rank (RedSync 000_10f5b8196955b2ac.txt, Section 5.3: "the packaged
+message should include an initial element, which indicates the length"; SparCML
+003_d4ff896956a00db6.txt adds quantised values). Frames from several ranks can be concatenated and
+read back one after another, since each decoder reports the bytes it consumed.
+
+Wire format
+-----------
+::
+
+    offset  size      field
+    0       8         n        int64 LE: length of the dense vector
+    8       8         k        int64 LE: number of entries, 0 <= k <= n
+    16      1         values   uint8: 0 = fp32, 1 = fp16, 2 = qsgd, 3 = mean
+    17      k * iw    indices  strictly increasing, int32 LE when n < 2**31 (iw = 4), else
+                               int64 LE (iw = 8)
+    ...               payload  fp32: k float32 LE; fp16: k float16 LE;
+                               qsgd: one :mod:`bitcomm.codecs.qsgd` frame of the k values;
+                               mean: one float32 LE, the value of every entry (RedSync's
+                               sign-uniform mean, 5.2.3)
+
+The encoder sorts the entries by index (the canonical order, which also makes frames identical
+across devices); duplicate or out-of-range indices raise ``ValueError``. Non-finite values raise
+``ValueError``; values too large for fp16 raise ``OverflowError``.
+
+Worked example: ``encode(torch.tensor([5, 2]), torch.tensor([1.0, -2.0]), n=8)`` sorts to indices
+``[2, 5]`` with values ``[-2, 1]``:
+``08 00 00 00 00 00 00 00 | 02 00 00 00 00 00 00 00 | 00 | 02 00 00 00 05 00 00 00 |
+00 00 00 c0 00 00 80 3f`` (33 bytes). :func:`decode` returns the dense
+``[0, 0, -2, 0, 0, 1, 0, 0]``, or adds those values into ``out``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from bitcomm.codecs import _frame, qsgd
+
+__all__ = ["encode", "decode", "decode_entries", "encoded_size", "HEADER", "FORMATS"]
+
+HEADER = struct.Struct("<qqB")
+"""Frame header: n (int64), k (int64), value format (uint8); 17 bytes."""
+FORMATS = ("fp32", "fp16", "qsgd", "mean")
+"""Value formats; their index is the header's format code."""
+
+_CODEC = "sparse"
+_FP16_MAX = 65504.0
+
+
+def _index_dtype(n: int) -> torch.dtype:
+    return torch.int32 if n < 1 << 31 else torch.int64
+
+
+def _check_format(values: object) -> str:
+    if values not in FORMATS:
+        raise ValueError(f"expected values in {FORMATS}, got {values!r}")
+    return str(values)
+
+
+def encoded_size(n: int, k: int, values: str = "fp32", *, bits: int = 4,
+                 bucket: int = qsgd.DEFAULT_BUCKET) -> int:
+    """Return the exact frame size in bytes for ``k`` entries of an ``n``-vector.
+
+    ``bits`` and ``bucket`` matter only for ``values="qsgd"``.
+    """
+    n = _frame.check_count(n, "n")
+    k = _frame.check_count(k, "k")
+    fmt = _check_format(values)
+    size = HEADER.size + k * _index_dtype(n).itemsize
+    if fmt == "fp32":
+        return size + 4 * k
+    if fmt == "fp16":
+        return size + 2 * k
+    if fmt == "qsgd":
+        return size + qsgd.encoded_size(k, bits, bucket)
+    return size + 4
+
+
+def encode(indices: torch.Tensor, values: torch.Tensor, n: int, fmt: str = "fp32", *,
+           bits: int = 4, bucket: int = qsgd.DEFAULT_BUCKET, scale: str = "max",
+           seed: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Encode entries ``(indices[i], values[i])`` of an ``n``-vector as one sparse frame.
+
+    Args:
+        indices: integer tensor of k distinct positions in ``[0, n)``, any order.
+        values: float tensor of k values (for ``fmt="mean"``, their mean is what is sent).
+        n: the dense length.
+        fmt: ``"fp32"``, ``"fp16"``, ``"qsgd"`` or ``"mean"``.
+        bits, bucket, scale, seed, generator: the qsgd options, for ``fmt="qsgd"``.
+
+    Returns:
+        uint8 frame on ``values``' device, :func:`encoded_size` bytes long.
+    """
+    idx = _frame.check_int(indices, "indices")
+    val = _frame.check_float(values, "values")
+    n = _frame.check_count(n, "n")
+    fmt = _check_format(fmt)
+    k = idx.numel()
+    if val.numel() != k:
+        raise ValueError(f"expected as many values as indices ({k}), got {val.numel()}")
+    device = val.device
+    idx = idx.to(device=device, dtype=torch.int64)
+    if k:
+        lo, hi = torch.aminmax(idx)
+        if int(lo.item()) < 0 or int(hi.item()) >= n:
+            bad = int(lo.item()) if int(lo.item()) < 0 else int(hi.item())
+            raise ValueError(f"expected indices in [0, {n}), got {bad}")
+        idx, order = idx.sort()
+        val = val[order]
+        if k > 1 and bool((idx[1:] == idx[:-1]).any()):
+            dup = int(idx[1:][idx[1:] == idx[:-1]][0].item())
+            raise ValueError(f"expected distinct indices, got {dup} more than once")
+        if not bool(torch.isfinite(val).all()):
+            raise ValueError("expected finite values, got NaN or inf")
+    parts = [
+        _frame.host_bytes(HEADER.pack(n, k, FORMATS.index(fmt)), device),
+        _frame.float_bytes(idx.to(_index_dtype(n))),
+    ]
+    if fmt == "fp32":
+        parts.append(_frame.float_bytes(val.to(torch.float32)))
+    elif fmt == "fp16":
+        if k and float(val.abs().max().item()) > _FP16_MAX:
+            raise OverflowError(f"expected |values| <= {_FP16_MAX} for fp16, got "
+                                f"{float(val.abs().max().item())}")
+        parts.append(_frame.float_bytes(val.to(torch.float16)))
+    elif fmt == "qsgd":
+        parts.append(qsgd.encode(val, bits, bucket, scale=scale, seed=seed, generator=generator))
+    else:
+        mean = float(val.to(torch.float64).mean().item()) if k else 0.0
+        parts.append(_frame.host_bytes(struct.pack("<f", mean), device))
+    return torch.cat(parts)
+
+
+def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
+                   ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Decode one sparse frame to ``(indices, values, n, bytes_consumed)`` without densifying."""
+    buf = _frame.as_buffer(frame)
+    n, k, code = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
+    if n < 0:
+        raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
+    if not 0 <= k <= n:
+        raise ValueError(f"corrupt {_CODEC} frame: expected 0 <= k <= n={n}, got k={k}")
+    if code >= len(FORMATS):
+        raise ValueError(f"corrupt {_CODEC} frame: expected a value format code below "
+                         f"{len(FORMATS)}, got {code}")
+    fmt = FORMATS[code]
+    itype = _index_dtype(n)
+    off = HEADER.size
+    end = off + k * itype.itemsize
+    _frame.need(buf, end, _CODEC, "indices")
+    idx = _frame.from_bytes(buf[off:end], itype).to(torch.int64)
+    if k:
+        if int(idx[0].item()) < 0 or int(idx[-1].item()) >= n:
+            raise ValueError(f"corrupt {_CODEC} frame: expected indices in [0, {n}), got "
+                             f"{int(idx[0].item())}..{int(idx[-1].item())}")
+        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise ValueError(f"corrupt {_CODEC} frame: expected strictly increasing indices")
+    off = end
+    if fmt in ("fp32", "fp16"):
+        vtype = torch.float32 if fmt == "fp32" else torch.float16
+        end = off + k * vtype.itemsize
+        _frame.need(buf, end, _CODEC, "values")
+        val = _frame.from_bytes(buf[off:end], vtype).to(dtype)
+        if not bool(torch.isfinite(val).all()):
+            raise ValueError(f"corrupt {_CODEC} frame: expected finite {fmt} values")
+    elif fmt == "qsgd":
+        val, used = qsgd.decode(buf[off:], dtype=dtype)
+        if val.numel() != k:
+            raise ValueError(f"corrupt {_CODEC} frame: expected a qsgd block of k={k} values, "
+                             f"got {val.numel()}")
+        end = off + used
+    else:
+        end = off + 4
+        (mean,) = _frame.read_struct(buf, off, struct.Struct("<f"), _CODEC, "mean")
+        if not math.isfinite(mean):
+            raise ValueError(f"corrupt {_CODEC} frame: expected a finite mean, got {mean}")
+        val = torch.full((k,), mean, dtype=dtype, device=buf.device)
+    return idx, val, n, end
+
+
+def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
+           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
+    """Decode one sparse frame into a dense vector; return ``(dense, bytes_consumed)``.
+
+    Args:
+        frame: buffer starting with a sparse frame.
+        out: optional 1-D float tensor of length n to *add* the entries into (returned).
+        dtype: dtype of a freshly allocated result when ``out`` is not given.
+    """
+    idx, val, n, end = decode_entries(frame, dtype=dtype if out is None else out.dtype)
+    if out is None:
+        out = torch.zeros(n, dtype=dtype, device=val.device)
+    else:
+        _frame.check_float(out, "out")
+        if out.dim() != 1 or out.numel() != n:
+            raise ValueError(f"expected out to be 1-D of length {n}, got shape "
+                             f"{tuple(out.shape)}")
+    # Indices are distinct, so index_add_ is deterministic on every device.
+    out.index_add_(0, idx.to(out.device), val.to(out.device))
+    return out, end
