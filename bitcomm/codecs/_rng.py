@@ -8,10 +8,10 @@ from an integer hash of ``(key, i)`` computed with int32 torch ops only:
   ``j = b * 2**15 + (p mod 2**15)``: the first half of a block takes the low 16 bits of
   ``hash(j)``, the second half the high 16 bits, so one hash feeds two positions without an
   interleaving copy.
-* ``hash(j)`` starts from ``h = (j mod 2**31) ^ key'`` and applies the "lowbias32" finaliser with
-  arithmetic shifts (int32 has no logical shift; each step is still a bijection):
-  ``h ^= h >> 16; h *= 0x7feb352d; h ^= h >> 15; h *= 0x846ca68b; h ^= h >> 16``, products
-  modulo 2**32. ``key' = key ^ ((j >> 31) * 0x27d4eb2f)`` (low 32 bits) keeps streams longer
+* ``hash(j)`` starts from ``h = (j mod 2**31) ^ key'`` and applies the "lowbias32" finaliser
+  on 32-bit words: ``h ^= h >>> 16; h *= 0x7feb352d; h ^= h >>> 15; h *= 0x846ca68b;
+  h ^= h >>> 16``, products modulo 2**32 and ``>>>`` a logical shift (int32 has only arithmetic
+  shifts, so the sign-extended bits are masked off). ``key' = key ^ ((j >> 31) * 0x27d4eb2f)`` (low 32 bits) keeps streams longer
   than 2**32 positions from repeating.
 * the 16-bit value ``r`` is in ``[0, 65536)``.
 
@@ -59,16 +59,21 @@ def key_from(seed: int | None = None, generator: torch.Generator | None = None) 
     return int(draw.item())
 
 
+def _xorshift_(h: torch.Tensor, tmp: torch.Tensor, shift: int) -> None:
+    # h ^= h >>> shift. int32 shifts are arithmetic, and an arithmetic xorshift is not a
+    # bijection (it always clears the sign bit), so mask the sign-extended bits away.
+    torch.bitwise_right_shift(h, shift, out=tmp)
+    tmp &= (1 << (32 - shift)) - 1
+    h ^= tmp
+
+
 def _hash_(h: torch.Tensor, tmp: torch.Tensor) -> None:
     # int32 multiplication wraps modulo 2**32 on CPU and CUDA alike.
-    torch.bitwise_right_shift(h, 16, out=tmp)
-    h ^= tmp
+    _xorshift_(h, tmp, 16)
     h.mul_(_M1)
-    torch.bitwise_right_shift(h, 15, out=tmp)
-    h ^= tmp
+    _xorshift_(h, tmp, 15)
     h.mul_(_M2)
-    torch.bitwise_right_shift(h, 16, out=tmp)
-    h ^= tmp
+    _xorshift_(h, tmp, 16)
 
 
 def add_random16_(t: torch.Tensor, key: int, start: int, *, work: tuple | None = None

@@ -1,0 +1,149 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bitcomm.codecs import counts
+from conftest import AWKWARD, unhex
+
+MS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 15, 16, 100, 255, 256, 1000, 65535]
+
+
+def test_golden_fixed():
+    frame = counts.encode(torch.tensor([2, 0, 1]), m=2)
+    assert frame.tolist() == unhex("03 00 00 00 00 00 00 00 02 00 00 80 20")
+    values, used = counts.decode(frame)
+    assert values.tolist() == [2, 0, 1] and used == 13
+
+
+def test_golden_radix():
+    frame = counts.encode(torch.tensor([2, 0, 1]), m=2, packing="radix")
+    assert frame.tolist() == unhex("03 00 00 00 00 00 00 00 02 00 01 80 00 80 00 80 00 80 80")
+    values, used = counts.decode(frame)
+    assert values.tolist() == [2, 0, 1] and used == 19
+
+
+def test_width_is_ceil_log2():
+    for m in range(0, 2000):
+        assert counts.width(m) == math.ceil(math.log2(m + 1))
+
+
+def test_radix_groups():
+    # three values in [0, 2] fit in 5 bits, five in 8 (1.6 bits each, as the issue asks)
+    assert counts.radix_group(2) == (5, 8)
+    for m in range(1, 300):
+        g, b = counts.radix_group(m)
+        assert (m + 1) ** g <= 1 << b < 2 * (m + 1) ** g  # b is the least that holds g counts
+        assert b <= 16
+        assert b / g <= counts.width(m)  # never worse than fixed
+        assert b / g >= math.log2(m + 1) - 1e-12  # and never beats information theory
+
+
+def test_radix_approaches_log2_for_large_n():
+    n = 1 << 20
+    for m in (2, 4, 5, 8):
+        per_value = counts.packed_size(n, m, "radix") * 8 / n
+        g, b = counts.radix_group(m)
+        assert per_value == pytest.approx(b / g, rel=1e-3)
+        assert per_value < counts.width(m)
+    assert counts.packed_size(3000, 2, "fixed") == 750
+    assert counts.packed_size(3000, 2, "radix") == 600
+
+
+@pytest.mark.parametrize("packing", counts.PACKINGS)
+@pytest.mark.parametrize("m", MS)
+def test_round_trip_and_exact_size(path, m, packing):
+    g = torch.Generator().manual_seed(m)
+    for n in AWKWARD:
+        x = torch.randint(0, m + 1, (n,), generator=g)
+        frame = counts.encode(x, m, packing)
+        assert frame.numel() == counts.encoded_size(n, m, packing)
+        out, used = counts.decode(frame)
+        assert used == frame.numel()
+        assert torch.equal(out.long(), x)
+        assert out.dtype == (torch.uint8 if m <= 255 else torch.int32)
+
+
+def test_numpy_and_torch_paths_give_identical_bytes():
+    from bitcomm.codecs import _frame
+    x = torch.randint(0, 6, (10001,), generator=torch.Generator().manual_seed(1))
+    for packing in counts.PACKINGS:
+        a = counts.encode(x, 5, packing)
+        _frame.FORCE_TORCH = True
+        try:
+            b = counts.encode(x, 5, packing)
+        finally:
+            _frame.FORCE_TORCH = False
+        assert torch.equal(a, b)
+
+
+def test_bad_input():
+    with pytest.raises(OverflowError, match=r"counts in \[0, 3\], got 4"):
+        counts.encode(torch.tensor([1, 4]), 3)
+    with pytest.raises(OverflowError, match="got -2"):
+        counts.encode(torch.tensor([-2, 1]), 3, "radix")
+    with pytest.raises(TypeError, match="integer tensor"):
+        counts.encode(torch.tensor([1.0]), 3)
+    with pytest.raises(ValueError, match="0 <= m <= 65535, got 70000"):
+        counts.encode(torch.tensor([1]), 70000)
+    with pytest.raises(ValueError, match="packing in"):
+        counts.encode(torch.tensor([1]), 3, "huffman")
+    with pytest.raises(OverflowError, match="got 1"):
+        counts.encode(torch.tensor([0, 1]), 0)
+
+
+def test_corrupt_payloads():
+    # fixed, m = 2: the 2-bit value 3 is not a count
+    frame = counts.encode(torch.tensor([2, 0, 1]), 2)
+    bad = frame.clone()
+    bad[-1] = 0xA0  # low plane 1 0 1 -> the first count becomes 3
+    with pytest.raises(ValueError, match="decoded count 3 > m=2"):
+        counts.decode(bad)
+    # radix, m = 2: an 8-bit code of 255 > 3**5 - 1
+    frame = counts.encode(torch.tensor([2, 0, 1]), 2, "radix")
+    bad = frame.clone()
+    bad[11:] = 0x80
+    with pytest.raises(ValueError, match="radix code 255 >= .* = 243"):
+        counts.decode(bad)
+    # radix padding counts must be zero: code 1 = [0, 0, 0, 0, 1], only 3 counts are real
+    bad = frame.clone()
+    bad[11:] = 0
+    bad[-1] = 0x80
+    with pytest.raises(ValueError, match="padding counts"):
+        counts.decode(bad)
+    bad = frame.clone()
+    bad[10] = 9
+    with pytest.raises(ValueError, match="packing code 0 or 1, got 9"):
+        counts.decode(bad)
+    for cut in (0, 10, 11, frame.numel() - 1):
+        with pytest.raises(ValueError, match="truncated counts frame"):
+            counts.decode(frame[:cut])
+
+
+def test_empty_and_m_zero():
+    for packing in counts.PACKINGS:
+        out, used = counts.decode(counts.encode(torch.empty(0, dtype=torch.int64), 7, packing))
+        assert out.numel() == 0 and used == 11
+        frame = counts.encode(torch.zeros(10, dtype=torch.int64), 0, packing)
+        assert frame.numel() == 11  # m = 0 needs no bits at all
+        assert counts.decode(frame)[0].tolist() == [0] * 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 300).flatmap(
+    lambda m: st.tuples(st.just(m), st.sampled_from(counts.PACKINGS),
+                        st.lists(st.integers(0, m), max_size=200))))
+def test_property_round_trip(case):
+    m, packing, values = case
+    frame = counts.encode(torch.tensor(values, dtype=torch.int64), m, packing)
+    assert frame.numel() == counts.encoded_size(len(values), m, packing)
+    assert counts.decode(frame)[0].long().tolist() == values
+
+
+def test_few_million():
+    n = 2_000_003
+    x = torch.randint(0, 5, (n,), generator=torch.Generator().manual_seed(3))
+    for packing in counts.PACKINGS:
+        assert torch.equal(counts.decode(counts.encode(x, 4, packing))[0].long(), x)

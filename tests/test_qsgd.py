@@ -1,0 +1,228 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bitcomm.codecs import _rng, qsgd
+from conftest import AWKWARD, unhex
+
+
+def test_golden_values_on_levels():
+    # Scale 7 and s = 7: every value sits exactly on a level, so the frame is seed-independent.
+    x = torch.tensor([7.0, -3.0, 0.0, 1.0, 2.0])
+    expect = unhex("05 00 00 00 00 00 00 00 04 00 00 02 00 00 | 00 00 e0 40 | 7b 01 20")
+    for seed in range(5):
+        frame = qsgd.encode(x, bits=4, seed=seed)
+        assert frame.tolist() == expect
+    out, used = qsgd.decode(frame)
+    assert out.tolist() == x.tolist() and used == len(expect)
+
+
+def test_golden_worked_example():
+    frame = qsgd.encode(torch.tensor([1.0, -0.5, 0.0]), bits=4, bucket=4, seed=1)
+    head = unhex("03 00 00 00 00 00 00 00 04 00 04 00 00 00 00 00 80 3f")
+    assert frame.tolist()[:18] == head
+    assert frame.tolist()[18:] in ([0x7B, 0x00], [0x7C, 0x00])
+    seen = {tuple(qsgd.encode(torch.tensor([1.0, -0.5, 0.0]), 4, 4, seed=s).tolist()[18:])
+            for s in range(40)}
+    assert seen == {(0x7B, 0x00), (0x7C, 0x00)}
+
+
+@pytest.mark.parametrize("bits", qsgd.BITS)
+@pytest.mark.parametrize("bucket", [1, 7, 512, 500, 1 << 20])
+def test_round_trip_error_and_size(bits, bucket):
+    s = (1 << (bits - 1)) - 1
+    g = torch.Generator().manual_seed(bits * 1000 + bucket)
+    for n in AWKWARD + [70001, 300001]:
+        x = torch.randn(n, generator=g)
+        frame = qsgd.encode(x, bits, bucket, seed=n)
+        assert frame.numel() == qsgd.encoded_size(n, bits, bucket)
+        out, used = qsgd.decode(frame)
+        assert used == frame.numel()
+        if n:
+            # each element is within one level step of its bucket's scale, with its sign
+            pad = (-n) % bucket
+            xb = torch.nn.functional.pad(x, (0, pad)).view(-1, bucket)
+            step = (xb.abs().amax(1) / s).repeat_interleave(bucket)[:n]
+            assert bool(((out - x).abs() <= step * (1 + 1e-6)).all())
+            assert bool((out * x >= 0).all())
+
+
+def test_same_seed_same_bytes_and_generators():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(qsgd.encode(x, seed=3), qsgd.encode(x, seed=3))
+    assert not torch.equal(qsgd.encode(x, seed=3), qsgd.encode(x, seed=4))
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    a1, a2 = qsgd.encode(x, generator=g1), qsgd.encode(x, generator=g1)
+    assert not torch.equal(a1, a2)  # the generator advances
+    assert torch.equal(a1, qsgd.encode(x, generator=g2))
+    assert torch.equal(a2, qsgd.encode(x, generator=g2))
+    with pytest.raises(ValueError, match="at most one of seed and generator"):
+        qsgd.encode(x, seed=1, generator=g1)
+
+
+@pytest.mark.parametrize("bits", qsgd.BITS)
+@pytest.mark.parametrize("scale", qsgd.SCALES)
+def test_unbiased(bits, scale):
+    """The mean of R decodes converges to x: |mean - x| within 5 standard errors everywhere."""
+    n, reps, bucket = 1024, 400, 256
+    x = torch.randn(n, generator=torch.Generator().manual_seed(11))
+    s = (1 << (bits - 1)) - 1
+    acc = torch.zeros(n, dtype=torch.float64)
+    for r in range(reps):
+        acc += qsgd.decode(qsgd.encode(x, bits, bucket, scale=scale, seed=r))[0].double()
+    mean = acc / reps
+    xb = x.view(-1, bucket)
+    sc = xb.abs().amax(1) if scale == "max" else xb.norm(dim=1)
+    step = (sc / s).repeat_interleave(bucket).double()
+    # Bernoulli rounding: per-element std <= step / 2
+    assert bool(((mean - x.double()).abs() <= 5 * step / 2 / math.sqrt(reps) + 1e-7).all())
+    # the average signed error over all elements is far smaller still (no systematic bias)
+    assert abs(float((mean - x.double()).mean())) <= 5 * float(step.mean()) / 2 / math.sqrt(
+        reps * n)
+
+
+@pytest.mark.parametrize("bits", qsgd.BITS)
+def test_qsgd_variance_bound_l2(bits):
+    """E||Q(v) - v||^2 <= min(n/s^2, sqrt(n)/s) ||v||^2 per bucket (QSGD, L2 scale)."""
+    bucket, reps = 512, 200
+    s = (1 << (bits - 1)) - 1
+    for dist in ("normal", "sparse-ish"):
+        g = torch.Generator().manual_seed(bits)
+        v = torch.randn(bucket, generator=g)
+        if dist == "sparse-ish":
+            v = v * (torch.rand(bucket, generator=g) < 0.05)
+        err = 0.0
+        for r in range(reps):
+            q = qsgd.decode(qsgd.encode(v, bits, bucket, scale="l2", seed=r))[0]
+            err += float(((q - v).double() ** 2).sum())
+        bound = min(bucket / s**2, math.sqrt(bucket) / s) * float((v.double() ** 2).sum())
+        assert err / reps <= bound
+
+
+def test_non_finite_raises_naming_the_bucket():
+    x = torch.ones(1500)
+    x[1100] = float("nan")
+    with pytest.raises(ValueError, match=r"non-finite max scale nan in bucket 2 \(elements "
+                                         r"1024..1499\)"):
+        qsgd.encode(x, seed=0)
+    x[1100] = float("inf")
+    with pytest.raises(ValueError, match="non-finite l2 scale inf in bucket 2"):
+        qsgd.encode(x, scale="l2", seed=0)
+    x = torch.ones(20)
+    x[19] = float("-inf")
+    with pytest.raises(ValueError, match="bucket 2"):
+        qsgd.encode(x, bucket=7, seed=0)  # buckets that do not divide the chunk
+
+
+def test_bad_config():
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match=r"bits in \(2, 4, 8\), got 3"):
+        qsgd.encode(x, bits=3)
+    with pytest.raises(ValueError, match="bucket"):
+        qsgd.encode(x, bucket=0)
+    with pytest.raises(ValueError, match="scale in"):
+        qsgd.encode(x, scale="mean")
+    with pytest.raises(TypeError, match="floating-point"):
+        qsgd.encode(torch.ones(4, dtype=torch.int32))
+    with pytest.raises(TypeError, match="seed"):
+        qsgd.encode(x, seed=1.5)
+
+
+def test_truncated_and_corrupt_frames():
+    frame = qsgd.encode(torch.randn(1001), 4, 100, seed=0)
+    for cut in (0, 13, 14, 20, frame.numel() - 1):
+        with pytest.raises(ValueError, match="truncated qsgd frame"):
+            qsgd.decode(frame[:cut])
+    bad = frame.clone()
+    bad[8] = 3
+    with pytest.raises(ValueError, match=r"bits in \(2, 4, 8\), got 3"):
+        qsgd.decode(bad)
+    bad = frame.clone()
+    bad[9] = 5
+    with pytest.raises(ValueError, match="scale code"):
+        qsgd.decode(bad)
+    bad = frame.clone()
+    bad[10:14] = 0
+    with pytest.raises(ValueError, match="bucket >= 1"):
+        qsgd.decode(bad)
+    bad = frame.clone()
+    bad[14 + 4 * 3: 14 + 4 * 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="finite scale >= 0 in bucket 3"):
+        qsgd.decode(bad)
+    bad = frame.clone()
+    bad[-1] |= 0x01  # 1001 4-bit codes leave 4 padding bits
+    with pytest.raises(ValueError, match="padding"):
+        qsgd.decode(bad)
+
+
+def test_empty_and_zero_buckets():
+    out, used = qsgd.decode(qsgd.encode(torch.empty(0), seed=0))
+    assert out.numel() == 0 and used == 14
+    out, _ = qsgd.decode(qsgd.encode(torch.zeros(700), seed=0))
+    assert out.abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_float_dtypes(dtype):
+    x = torch.randn(300, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert torch.equal(qsgd.encode(x, seed=2), qsgd.encode(x.float(), seed=2))
+    assert qsgd.decode(qsgd.encode(x, seed=2), dtype=dtype)[0].dtype == dtype
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, width=32), max_size=300), st.sampled_from(qsgd.BITS),
+       st.integers(1, 64), st.integers(0, 2**40))
+def test_property_round_trip(values, bits, bucket, seed):
+    x = torch.tensor(values, dtype=torch.float32)
+    frame = qsgd.encode(x, bits, bucket, seed=seed)
+    out, used = qsgd.decode(frame)
+    assert used == frame.numel() == qsgd.encoded_size(len(values), bits, bucket)
+    assert bool((out * x >= 0).all())
+
+
+def test_few_million():
+    n = 3_000_001
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    out, _ = qsgd.decode(qsgd.encode(x, 8, seed=1))
+    assert float((out - x).abs().max()) <= float(x.abs().max()) / 127 * (1 + 1e-6)
+
+
+# --- the counter-based stream ----------------------------------------------------------------
+
+def _numpy_stream(key: int, start: int, count: int) -> np.ndarray:
+    """Independent reference of _rng's documented stream, in numpy's wrapping integer math."""
+    pos = np.arange(start, start + count, dtype=np.int64)
+    block, p = pos >> 16, pos & 0xFFFF
+    j = block * (1 << 15) + (p & 0x7FFF)
+    keyp = (key ^ ((j >> 31) * 0x27D4EB2F)) & 0xFFFFFFFF
+    h = ((j % (1 << 31)) ^ keyp).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x7FEB352D)
+        h ^= h >> np.uint32(15)
+        h *= np.uint32(0x846CA68B)
+        h ^= h >> np.uint32(16)
+    u = h.astype(np.int64)
+    return np.where(p < (1 << 15), u & 0xFFFF, u >> 16)
+
+
+@pytest.mark.parametrize("start", [0, 1 << 16, 5 << 16, (1 << 32) - (1 << 16), 3 << 32])
+def test_stream_matches_numpy_reference(start):
+    for key in (0, 12345, -7, 2**31 - 1):
+        ours = _rng.random16(key, start, 3 << 16).numpy()
+        ref = _numpy_stream(key & 0xFFFFFFFF, start, 3 << 16)
+        assert np.array_equal(ours, ref)
+
+
+def test_stream_is_uniform():
+    r = _rng.random16(42, 0, 1 << 20).numpy()
+    assert r.min() >= 0 and r.max() < 65536
+    counts = np.bincount(r >> 12, minlength=16)
+    expected = r.size / 16
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 37.7  # 99.9th percentile of chi-square with 15 degrees of freedom
+    assert abs(np.corrcoef(r[:-1], r[1:])[0, 1]) < 0.01

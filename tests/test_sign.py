@@ -1,0 +1,139 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from bitarray import bitarray
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bitcomm.codecs import sign
+from conftest import AWKWARD, unhex
+
+
+def test_golden_worked_example():
+    x = torch.tensor([1.5, -2.0, 0.0, -0.0, -1e-9, 3.0, 7.0, -4.0, 2.0])
+    frame = sign.encode(x)
+    assert frame.tolist() == unhex("09 00 00 00 00 00 00 00 b6 80")
+    out, used = sign.decode(frame)
+    assert out.tolist() == [1, -1, 1, 1, -1, 1, 1, -1, 1] and used == 10
+
+
+def test_golden_scaled():
+    frame = sign.encode_scaled(torch.tensor([3.0, -4.0]))
+    assert frame.tolist() == unhex("02 00 00 00 00 00 00 00 30 46 62 40 80")
+    out, used = sign.decode_scaled(frame)
+    rms = np.float32(math.sqrt(12.5))
+    assert out.tolist() == [float(rms), -float(rms)] and used == 13
+
+
+def test_convention_matches_numpy_and_deepspeed(path):
+    x = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 1e-45, -1e-45])
+    payload = sign.pack(x)
+    assert payload.tolist() == np.packbits(x.numpy() >= 0).tolist()
+    # DeepSpeed 1-bit Adam: x.sign().add_(1).bool() (sign(0) = 0 -> True)
+    ds = x.sign().add_(1).bool()
+    assert sign.unpack(payload, x.numel()).gt(0).tolist() == ds.tolist()
+
+
+def test_nan_encodes_as_negative_and_scaled_frame_rejects_it(path):
+    x = torch.tensor([float("nan"), 1.0])
+    assert sign.unpack(sign.pack(x), 2).tolist() == [-1.0, 1.0]
+    with pytest.raises(ValueError, match="finite"):
+        sign.encode_scaled(x)
+    with pytest.raises(ValueError, match="finite"):
+        sign.encode_scaled(torch.tensor([float("inf"), 1.0]), "mean_abs")
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 100, 1001])
+def test_bits_match_bitarray(path, n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    ref = bitarray([bool(v >= 0) for v in x], endian="big").tobytes()
+    assert bytes(sign.pack(x).tolist()) == ref
+
+
+def test_round_trip_awkward_sizes(path):
+    g = torch.Generator().manual_seed(0)
+    for n in AWKWARD + [(1 << 20) - 1, 1 << 20, (1 << 20) + 9, 3 * (1 << 20) + 5]:
+        x = torch.randn(n, generator=g)
+        frame = sign.encode(x)
+        assert frame.numel() == sign.encoded_size(n) == 8 + (n + 7) // 8
+        out, used = sign.decode(frame)
+        assert used == frame.numel()
+        assert torch.equal(out, torch.where(x >= 0, 1.0, -1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_dtypes(path, dtype):
+    x = torch.randn(77, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out, _ = sign.decode(sign.encode(x), dtype=dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out, torch.where(x >= 0, 1.0, -1.0).to(dtype))
+
+
+def test_numpy_and_torch_paths_give_identical_bytes():
+    from bitcomm.codecs import _frame
+    x = torch.randn(3 * (1 << 20) + 3, generator=torch.Generator().manual_seed(5))
+    a = sign.encode(x)
+    _frame.FORCE_TORCH = True
+    try:
+        b = sign.encode(x)
+        ob = sign.decode(b)[0]
+    finally:
+        _frame.FORCE_TORCH = False
+    assert torch.equal(a, b)
+    assert torch.equal(sign.decode(a)[0], ob)
+
+
+@pytest.mark.parametrize("kind", sign.SCALES)
+def test_scales_against_numpy(kind):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(7)) * 3
+    a = x.double().numpy()
+    ref = np.sqrt(np.mean(a * a)) if kind == "rms" else np.mean(np.abs(a))
+    out, used = sign.decode_scaled(sign.encode_scaled(x, kind))
+    assert used == sign.scaled_size(1000) == 12 + 125
+    assert out.abs().unique().tolist() == [pytest.approx(float(np.float32(ref)), rel=0, abs=0)]
+    assert torch.equal(out.sign(), torch.where(x >= 0, 1.0, -1.0))
+
+
+def test_empty_round_trip():
+    out, used = sign.decode(sign.encode(torch.empty(0)))
+    assert out.numel() == 0 and used == 8
+    out, used = sign.decode_scaled(sign.encode_scaled(torch.empty(0)))
+    assert out.numel() == 0 and used == 12
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="floating-point tensor, got dtype torch.int64"):
+        sign.encode(torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="floating-point dtype"):
+        sign.unpack(torch.zeros(1, dtype=torch.uint8), 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="scale in"):
+        sign.encode_scaled(torch.ones(3), "max")
+    with pytest.raises(TypeError, match="uint8 tensor"):
+        sign.decode(torch.zeros(9, dtype=torch.int32))
+
+
+def test_truncated_and_corrupt_frames():
+    frame = sign.encode(torch.randn(20))
+    for cut in (0, 7, 8, frame.numel() - 1):
+        with pytest.raises(ValueError, match="truncated sign frame"):
+            sign.decode(frame[:cut])
+    bad = frame.clone()
+    bad[-1] |= 0x01  # n = 20 leaves 4 padding bits
+    with pytest.raises(ValueError, match="padding bits must be zero"):
+        sign.decode(bad)
+    scaled = sign.encode_scaled(torch.randn(20))
+    bad = scaled.clone()
+    bad[8:12] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # NaN scale
+    with pytest.raises(ValueError, match="finite scale"):
+        sign.decode_scaled(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(allow_nan=False, width=32), max_size=200))
+def test_property_round_trip(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    out, used = sign.decode(sign.encode(x))
+    assert used == sign.encoded_size(len(values))
+    assert out.tolist() == [1.0 if v >= 0 else -1.0 for v in values]
