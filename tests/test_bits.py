@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bitcomm.codecs import bits
+
 from conftest import AWKWARD, unhex
 
 

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bitcomm.codecs import counts
+
 from conftest import AWKWARD, unhex
 
 MS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 15, 16, 100, 255, 256, 1000, 65535]

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bitcomm.codecs import _rng, qsgd
+
 from conftest import AWKWARD, unhex
 
 

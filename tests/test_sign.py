@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bitcomm.codecs import sign
+
 from conftest import AWKWARD, unhex
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from bitcomm.codecs import bits, counts, qsgd, redsync, sign, sparse
+from bitcomm.codecs import counts, qsgd, redsync, sign, sparse
 
 __all__ = ["Row", "run", "DEFAULT_SIZES", "TARGETS"]
 
@@ -116,6 +116,7 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
         repeat: timed repetitions per measurement (median reported) after one warm-up.
         seed: seed of the test data and of qsgd's randomness.
         progress: called with each row as soon as it is measured.
+
     """
     rows: list[Row] = []
 
@@ -130,9 +131,10 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
         a = x.numpy()
         packed = np.packbits(a < 0)
         anchors = {
-            "packbits": _time(lambda: np.packbits(a < 0), repeat),
-            "unpackbits": _time(lambda: np.unpackbits(packed).astype(np.float32) * 2 - 1, repeat),
-            "copy": _time(lambda: a.copy(), repeat),
+            "packbits": _time(lambda a=a: np.packbits(a < 0), repeat),
+            "unpackbits": _time(
+                lambda p=packed: np.unpackbits(p).astype(np.float32) * 2 - 1, repeat),
+            "copy": _time(lambda a=a: a.copy(), repeat),
         }
         for name, t in anchors.items():
             emit(Row("anchor", name, n, t, 4 * n / t / 1e9, 0, 0))
@@ -141,7 +143,7 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
             frame = enc()
             out = dec(frame)
             wrong = check(out)
-            for op, fn in (("encode", enc), ("decode", lambda: dec(frame))):
+            for op, fn in (("encode", enc), ("decode", lambda d=dec, f=frame: d(f))):
                 t = _time(fn, repeat)
                 row = Row(codec, op, n, t, 4 * n / t / 1e9, int(frame.numel()), wrong)
                 anchor = "packbits" if op == "encode" else "unpackbits"

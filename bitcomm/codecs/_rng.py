@@ -10,9 +10,10 @@ from an integer hash of ``(key, i)`` computed with int32 torch ops only:
   interleaving copy.
 * ``hash(j)`` starts from ``h = (j mod 2**31) ^ key'`` and applies the "lowbias32" finaliser
   on 32-bit words: ``h ^= h >>> 16; h *= 0x7feb352d; h ^= h >>> 15; h *= 0x846ca68b;
-  h ^= h >>> 16``, products modulo 2**32 and ``>>>`` a logical shift (int32 has only arithmetic
-  shifts, so the sign-extended bits are masked off). ``key' = key ^ ((j >> 31) * 0x27d4eb2f)`` (low 32 bits) keeps streams longer
-  than 2**32 positions from repeating.
+  h ^= h >>> 16``, products modulo 2**32 and ``>>>`` a logical shift (int32 has only
+  arithmetic shifts, so the sign-extended bits are masked off).
+  ``key' = key ^ ((j >> 31) * 0x27d4eb2f)`` (low 32 bits) keeps streams longer than 2**32
+  positions from repeating.
 * the 16-bit value ``r`` is in ``[0, 65536)``.
 
 16-bit values halve the hashing work. For stochastic rounding (:mod:`bitcomm.codecs.qsgd`) they

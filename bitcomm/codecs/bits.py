@@ -86,6 +86,7 @@ def pack(x: torch.Tensor, width: int, *, check: bool = True) -> torch.Tensor:
 
     Returns:
         uint8 tensor of :func:`packed_size` bytes on ``x``'s device.
+
     """
     v = _frame.check_int(x)
     width = _check_width(width)
@@ -127,6 +128,7 @@ def unpack(payload: torch.Tensor, n: int, width: int, *, dtype: torch.dtype | No
 
     Returns:
         1-D integer tensor of ``n`` values on the payload's device.
+
     """
     buf = _frame.as_buffer(payload, "payload")
     n = _frame.check_count(n, "n")
@@ -168,6 +170,7 @@ def encode(x: torch.Tensor, width: int) -> torch.Tensor:
     Example:
         >>> encode(torch.tensor([5, 0, 3]), 3).tolist()
         [3, 0, 0, 0, 0, 0, 0, 0, 3, 128, 32, 160]
+
     """
     v = _frame.check_int(x)
     payload = pack(v, width)

@@ -141,6 +141,7 @@ def pack(x: torch.Tensor, m: int, packing: str = "fixed", *, check: bool = True)
         m: the largest count the receiver must accept (at ring step ``i``, ``m = i``).
         packing: ``"fixed"`` or ``"radix"``.
         check: verify ``0 <= x <= m`` (``OverflowError`` otherwise).
+
     """
     v = _frame.check_int(x)
     m = _check_m(m)
@@ -172,11 +173,14 @@ def unpack(payload: torch.Tensor, n: int, m: int, packing: str = "fixed", *,
 
     Args:
         payload: uint8 tensor of exactly :func:`packed_size` bytes.
-        n, m, packing: as given to :func:`pack` (not on the wire).
+        n: number of counts (not on the wire).
+        m: the largest count, as given to :func:`pack`.
+        packing: as given to :func:`pack`.
         dtype: result dtype; default uint8 when m <= 255, else int32.
 
     Raises:
         ValueError: a count above ``m`` or a radix code out of range (corrupt payload).
+
     """
     buf = _frame.as_buffer(payload, "payload")
     n = _frame.check_count(n, "n")
@@ -225,6 +229,7 @@ def encode(x: torch.Tensor, m: int, packing: str = "fixed") -> torch.Tensor:
     Example:
         >>> encode(torch.tensor([2, 0, 1]), m=2).tolist()
         [3, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 128, 32]
+
     """
     v = _frame.check_int(x)
     payload = pack(v, m, packing)

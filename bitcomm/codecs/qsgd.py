@@ -174,6 +174,7 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
 
     Raises:
         ValueError: a bucket holds NaN or inf, or a bad ``bits``/``bucket``/``scale``.
+
     """
     v = _frame.check_float(x)
     bits, bucket, scale = _check_config(bits, bucket, scale)

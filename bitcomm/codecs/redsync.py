@@ -61,6 +61,7 @@ def encode(x: torch.Tensor, k: int, side: str = "top", method: str = "topk",
 
     Returns:
         A sparse frame (value format ``mean``) on ``x``'s device.
+
     """
     v = _frame.check_float(x)
     k = _frame.check_count(k, "k")

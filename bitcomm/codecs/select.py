@@ -65,6 +65,7 @@ def topk(scores: torch.Tensor, k: int, *, check: bool = True) -> torch.Tensor:
         scores: non-negative float tensor (flattened).
         k: how many to select; more than ``n`` selects everything.
         check: raise ``ValueError`` on NaN or inf scores (skip if the caller checked).
+
     """
     s, k = _prepare(scores, k, check)
     return _exact(s, k)
@@ -79,6 +80,7 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
         k: how many to select.
         eps: step by which the threshold ratio decreases (RedSync Algorithm 2 uses 0.2).
         check: raise ``ValueError`` on NaN or inf scores.
+
     """
     s, k = _prepare(scores, k, check)
     if not 0 < eps <= 1:
@@ -108,6 +110,7 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
         k: the least number to select; the search aims for k to 2k.
         eps: stop when the ratio interval is narrower than this.
         check: raise ``ValueError`` on NaN or inf scores.
+
     """
     s, k = _prepare(scores, k, check)
     if not 0 < eps < 1:

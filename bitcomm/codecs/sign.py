@@ -98,6 +98,7 @@ def pack(x: torch.Tensor) -> torch.Tensor:
 
     Returns:
         uint8 tensor on ``x``'s device.
+
     """
     v = _frame.check_float(x)
     if not _frame.use_numpy(v):
@@ -127,6 +128,7 @@ def unpack(payload: torch.Tensor, n: int, *, dtype: torch.dtype = torch.float32)
         payload: uint8 tensor of exactly ``ceil(n / 8)`` bytes (padding bits zero).
         n: number of signs (not on the wire).
         dtype: floating-point result dtype.
+
     """
     buf = _frame.as_buffer(payload, "payload")
     n = _frame.check_count(n, "n")
@@ -153,6 +155,7 @@ def encode(x: torch.Tensor) -> torch.Tensor:
     Example:
         >>> encode(torch.tensor([1.0, -1.0, 0.0])).tolist()
         [3, 0, 0, 0, 0, 0, 0, 0, 160]
+
     """
     v = _frame.check_float(x)
     header = _frame.host_bytes(HEADER.pack(v.numel()), v.device)
@@ -201,6 +204,7 @@ def encode_scaled(x: torch.Tensor, scale: str = "rms") -> torch.Tensor:
     Args:
         x: floating-point tensor (flattened).
         scale: ``"rms"`` (``||x||_2 / sqrt(n)``, what 1-bit Adam uses) or ``"mean_abs"``.
+
     """
     v = _frame.check_float(x)
     s = compute_scale(v, scale)

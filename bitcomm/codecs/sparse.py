@@ -90,10 +90,15 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int, fmt: str = "fp32
         values: float tensor of k values (for ``fmt="mean"``, their mean is what is sent).
         n: the dense length.
         fmt: ``"fp32"``, ``"fp16"``, ``"qsgd"`` or ``"mean"``.
-        bits, bucket, scale, seed, generator: the qsgd options, for ``fmt="qsgd"``.
+        bits: qsgd bits per value (``fmt="qsgd"`` only, as are the next four).
+        bucket: qsgd bucket size.
+        scale: qsgd scale kind.
+        seed: qsgd seed.
+        generator: qsgd generator.
 
     Returns:
         uint8 frame on ``values``' device, :func:`encoded_size` bytes long.
+
     """
     idx = _frame.check_int(indices, "indices")
     val = _frame.check_float(values, "values")
@@ -190,6 +195,7 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
         frame: buffer starting with a sparse frame.
         out: optional 1-D float tensor of length n to *add* the entries into (returned).
         dtype: dtype of a freshly allocated result when ``out`` is not given.
+
     """
     idx, val, n, end = decode_entries(frame, dtype=dtype if out is None else out.dtype)
     if out is None:

@@ -1,0 +1,44 @@
+import json
+
+from click.testing import CliRunner
+
+from bitcomm.cli import Size, SizeList, main
+
+
+def test_size_parsing():
+    assert Size().convert("128K", None, None) == 128 * 1024
+    assert Size().convert("16M", None, None) == 16 << 20
+    assert Size().convert("1G", None, None) == 1 << 30
+    assert Size().convert("4096", None, None) == 4096
+    assert SizeList().convert("1K,2M", None, None) == (1024, 2 << 20)
+
+
+def test_bad_size_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "codecs", "--sizes", "12Q", "--out",
+                                       str(tmp_path)])
+    assert result.exit_code == 2
+    assert "expected a size like 4096, 128K, 16M or 1G, got '12Q'" in result.output
+
+
+def test_bench_codecs_prints_and_saves_rows(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "codecs", "--sizes", "64K,1000", "--repeat", "1",
+                                       "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "codecs.json").read_text())
+    rows = data["rows"]
+    assert (tmp_path / "codecs.csv").read_text().count("\n") == len(rows) + 1
+    codecs = {(r["codec"], r["op"]) for r in rows}
+    for name in ("sign", "sign-scaled", "counts-w1", "counts-w4", "counts-radix-m2", "qsgd-2",
+                 "qsgd-4", "qsgd-8", "redsync-1%", "sparse-fp32-1%"):
+        assert (name, "encode") in codecs and (name, "decode") in codecs
+    for anchor in ("packbits", "unpackbits", "copy"):
+        assert ("anchor", anchor) in codecs
+    assert all(r["wrong"] == 0 for r in rows)
+    by = {(r["codec"], r["op"], r["n"]): r for r in rows}
+    for n in (65536, 1000):
+        anchor = by[("anchor", "packbits", n)]["seconds"]
+        row = by[("sign", "encode", n)]
+        assert row["ratio"] == anchor / row["seconds"]
+        assert row["wire_bytes"] == (n + 7) // 8
+        assert by[("qsgd-4", "encode", n)]["wire_bytes"] == 14 + 4 * -(-n // 512) + n // 2
+    assert "sign" in result.output and "#wrong" in result.output

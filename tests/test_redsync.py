@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from bitcomm.codecs import redsync, select
+
+from conftest import unhex
+
+
+def test_golden_worked_example():
+    x = torch.tensor([0.5, -3.0, 2.0, 1.0, -1.0])
+    frame = redsync.encode(x, 2, "top")
+    assert frame.tolist() == unhex(
+        "05 00 00 00 00 00 00 00 | 02 00 00 00 00 00 00 00 | 03 | 02 00 00 00 03 00 00 00 |"
+        "00 00 c0 3f")
+    dense, used = redsync.decode(frame)
+    assert dense.tolist() == [0, 0, 1.5, 1.5, 0] and used == 29
+    dense, _ = redsync.decode(redsync.encode(x, 2, "bottom"))
+    assert dense.tolist() == [0, -2, 0, 0, -2]
+
+
+@pytest.mark.parametrize("method", select.METHODS)
+@pytest.mark.parametrize("side", redsync.SIDES)
+def test_selects_same_signed_extremes_and_their_mean(method, side):
+    x = torch.randn(50_000, generator=torch.Generator().manual_seed(4))
+    k = 500
+    idx, val, n, used = redsync.decode_entries(redsync.encode(x, k, side, method))
+    assert n == x.numel() and used == redsync.encoded_size(n, idx.numel())
+    signed = x if side == "top" else -x
+    assert bool((signed[idx] > 0).all())
+    if method == "threshold":
+        assert k <= idx.numel() <= 2 * k
+    else:
+        assert idx.tolist() == torch.topk(signed, k).indices.sort().values.tolist()
+    mean = float(x[idx].double().mean())
+    assert val.tolist() == pytest.approx([mean] * idx.numel(), rel=1e-6)
+    chosen = torch.zeros_like(x, dtype=torch.bool)
+    chosen[idx] = True
+    assert float(signed[chosen].min()) >= float(signed[~chosen].max())
+
+
+def test_fewer_elements_of_the_side_than_k():
+    x = torch.tensor([-1.0, 2.0, -3.0, 0.0, 4.0])
+    idx, val, _, _ = redsync.decode_entries(redsync.encode(x, 4, "top"))
+    assert idx.tolist() == [1, 4] and val.tolist() == [3.0, 3.0]  # zero is never sent
+    frame = redsync.encode(-torch.ones(6).abs(), 3, "top")
+    idx, val, n, used = redsync.decode_entries(frame)
+    assert idx.numel() == 0 and n == 6 and used == redsync.encoded_size(6, 0) == 21
+    assert redsync.decode(frame)[0].abs().sum() == 0
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="finite"):
+        redsync.encode(torch.tensor([1.0, float("inf")]), 1)
+    with pytest.raises(ValueError, match="side in"):
+        redsync.encode(torch.ones(3), 1, "left")
+    with pytest.raises(ValueError, match="method in"):
+        redsync.encode(torch.ones(3), 1, method="sort")
+    with pytest.raises(TypeError, match="floating-point"):
+        redsync.encode(torch.ones(3, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="k >= 0"):
+        redsync.encode(torch.ones(3), -2)

@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from bitcomm.codecs import select
+
+
+def brute_topk(s: torch.Tensor, k: int) -> list[int]:
+    order = sorted(range(s.numel()), key=lambda i: (-float(s[i]), i))
+    return sorted(order[:k])
+
+
+@pytest.mark.parametrize("method", ["topk", "trimmed"])
+def test_exact_selectors_match_brute_force_with_ties(method):
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 9, 100, 1000):
+        s = torch.randint(0, 6, (n,), generator=g).float()  # many ties
+        for k in (0, 1, n // 3, n - 1, n, n + 5):
+            got = select.select(s, k, method).tolist()
+            assert got == brute_topk(s, min(k, n)), (n, k)
+
+
+def test_trimmed_equals_topk_on_continuous_data():
+    s = torch.randn(200_000, generator=torch.Generator().manual_seed(1)).abs()
+    for k in (1, 20, 2000, 100_000):
+        assert torch.equal(select.trimmed_topk(s, k), select.topk(s, k))
+
+
+def test_all_equal_scores():
+    s = torch.full((50,), 3.0)
+    assert select.trimmed_topk(s, 7).tolist() == list(range(7))
+    assert select.threshold_search(s, 7).tolist() == list(range(7))
+
+
+def test_threshold_search_contract():
+    g = torch.Generator().manual_seed(2)
+    s = torch.randn(100_000, generator=g).abs()
+    for k in (10, 100, 1000, 10_000):
+        idx = select.threshold_search(s, k)
+        assert k <= idx.numel() <= 2 * k
+        assert bool((idx[1:] > idx[:-1]).all())
+        chosen = torch.zeros_like(s, dtype=torch.bool)
+        chosen[idx] = True
+        # a threshold set: everything chosen beats everything left out
+        assert float(s[chosen].min()) > float(s[~chosen].max())
+    # k above the count over the mean falls back to the exact top-k
+    assert torch.equal(select.threshold_search(s, 90_000), select.topk(s, 90_000))
+
+
+def test_results_sorted_int64():
+    s = torch.rand(1000, generator=torch.Generator().manual_seed(3))
+    for method in select.METHODS:
+        idx = select.select(s, 50, method)
+        assert idx.dtype == torch.int64
+        assert bool((idx[1:] > idx[:-1]).all())
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="finite scores"):
+        select.topk(torch.tensor([1.0, float("nan")]), 1)
+    with pytest.raises(ValueError, match="method in"):
+        select.select(torch.ones(3), 1, "radix")
+    with pytest.raises(ValueError, match="k >= 0, got -1"):
+        select.topk(torch.ones(3), -1)
+    with pytest.raises(TypeError, match="floating-point"):
+        select.topk(torch.ones(3, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="eps"):
+        select.trimmed_topk(torch.ones(3), 1, eps=0)
+    with pytest.raises(TypeError, match="no options"):
+        select.select(torch.ones(3), 1, "topk", eps=0.1)

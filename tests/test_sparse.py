@@ -1,0 +1,131 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bitcomm.codecs import sparse
+
+from conftest import unhex
+
+
+def test_golden_worked_example():
+    frame = sparse.encode(torch.tensor([5, 2]), torch.tensor([1.0, -2.0]), n=8)
+    assert frame.tolist() == unhex(
+        "08 00 00 00 00 00 00 00 | 02 00 00 00 00 00 00 00 | 00 | 02 00 00 00 05 00 00 00 |"
+        "00 00 00 c0 00 00 80 3f")
+    dense, used = sparse.decode(frame)
+    assert dense.tolist() == [0, 0, -2, 0, 0, 1, 0, 0] and used == 33
+
+
+@pytest.mark.parametrize("fmt", sparse.FORMATS)
+def test_round_trip_and_size(fmt):
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((0, 0), (1, 1), (10, 0), (9, 9), (1000, 17), (100_000, 1000)):
+        idx = torch.randperm(n, generator=g)[:k]
+        val = torch.randn(k, generator=g)
+        if fmt == "mean":
+            val = val.abs() + 0.1
+        frame = sparse.encode(idx, val, n, fmt, seed=1)
+        assert frame.numel() == sparse.encoded_size(n, k, fmt)
+        dense, used = sparse.decode(frame)
+        assert used == frame.numel() and dense.numel() == n
+        ref = torch.zeros(n)
+        ref[idx] = val
+        if fmt == "fp32":
+            assert torch.equal(dense, ref)
+        elif fmt == "fp16":
+            assert torch.equal(dense, ref.half().float())
+        elif fmt == "qsgd":
+            assert bool(((dense - ref).abs() <= val.abs().max() / 7 * 1.0001).all()) if k else True
+            assert bool((dense[idx] * val >= 0).all())
+        else:
+            mean = float(val.double().mean()) if k else 0.0
+            assert dense[idx].tolist() == pytest.approx([mean] * k, rel=1e-6)
+            assert int((dense != 0).sum()) == k
+
+
+def test_decode_adds_into_out_and_frames_chain():
+    a = sparse.encode(torch.tensor([0, 3]), torch.tensor([1.0, 2.0]), 5)
+    b = sparse.encode(torch.tensor([3, 4]), torch.tensor([10.0, -1.0]), 5, "fp16")
+    buf = torch.cat([a, b])
+    out = torch.ones(5)
+    _, used = sparse.decode(buf, out=out)
+    _, used2 = sparse.decode(buf[used:], out=out)
+    assert used + used2 == buf.numel()
+    assert out.tolist() == [2, 1, 1, 13, 0]
+    idx, val, n, used3 = sparse.decode_entries(b)
+    assert idx.tolist() == [3, 4] and val.tolist() == [10, -1] and n == 5 and used3 == used2
+
+
+def test_large_n_uses_int64_indices_without_densifying():
+    n = 1 << 31
+    assert sparse.encoded_size(n, 3) == 17 + 3 * 8 + 3 * 4
+    assert sparse.encoded_size(n - 1, 3) == 17 + 3 * 4 + 3 * 4
+    frame = sparse.encode(torch.tensor([n - 1, 0, 5]), torch.tensor([1.0, 2.0, 3.0]), n)
+    idx, val, got_n, used = sparse.decode_entries(frame)
+    assert got_n == n and idx.tolist() == [0, 5, n - 1] and val.tolist() == [2, 3, 1]
+    assert used == frame.numel() == sparse.encoded_size(n, 3)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match=r"indices in \[0, 4\), got 4"):
+        sparse.encode(torch.tensor([4]), torch.tensor([1.0]), 4)
+    with pytest.raises(ValueError, match="got -1"):
+        sparse.encode(torch.tensor([-1]), torch.tensor([1.0]), 4)
+    with pytest.raises(ValueError, match="distinct indices, got 2 more than once"):
+        sparse.encode(torch.tensor([2, 1, 2]), torch.tensor([1.0, 2.0, 3.0]), 4)
+    with pytest.raises(ValueError, match="as many values as indices"):
+        sparse.encode(torch.tensor([1]), torch.tensor([1.0, 2.0]), 4)
+    with pytest.raises(ValueError, match="finite values"):
+        sparse.encode(torch.tensor([1]), torch.tensor([float("nan")]), 4)
+    with pytest.raises(OverflowError, match="fp16"):
+        sparse.encode(torch.tensor([1]), torch.tensor([1e5]), 4, "fp16")
+    with pytest.raises(ValueError, match="values in"):
+        sparse.encode(torch.tensor([1]), torch.tensor([1.0]), 4, "bf16")
+    with pytest.raises(TypeError, match="integer tensor"):
+        sparse.encode(torch.tensor([1.0]), torch.tensor([1.0]), 4)
+    with pytest.raises(ValueError, match="1-D of length 4"):
+        sparse.decode(sparse.encode(torch.tensor([1]), torch.tensor([1.0]), 4), out=torch.ones(3))
+
+
+def test_truncated_and_corrupt_frames():
+    frame = sparse.encode(torch.tensor([1, 5, 7]), torch.tensor([1.0, 2.0, 3.0]), 10)
+    for cut in (0, 16, 17, 28, frame.numel() - 1):
+        with pytest.raises(ValueError, match="truncated sparse frame"):
+            sparse.decode(frame[:cut])
+    bad = frame.clone()
+    bad[8] = 11  # k > n
+    with pytest.raises(ValueError, match="0 <= k <= n=10, got k=11"):
+        sparse.decode(bad)
+    bad = frame.clone()
+    bad[16] = 9
+    with pytest.raises(ValueError, match="format code below 4, got 9"):
+        sparse.decode(bad)
+    bad = frame.clone()
+    bad[21] = 1  # second index 5 -> 1: not increasing
+    with pytest.raises(ValueError, match="strictly increasing"):
+        sparse.decode(bad)
+    bad = frame.clone()
+    bad[25] = 10  # last index 7 -> 10 >= n
+    with pytest.raises(ValueError, match=r"indices in \[0, 10\)"):
+        sparse.decode(bad)
+    bad = frame.clone()
+    bad[-4:] = torch.tensor([0, 0, 0x80, 0x7F], dtype=torch.uint8)  # +inf value
+    with pytest.raises(ValueError, match="finite fp32 values"):
+        sparse.decode(bad)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 500).flatmap(lambda n: st.tuples(
+    st.just(n), st.lists(st.integers(0, n - 1), unique=True, max_size=min(n, 60)))),
+    st.sampled_from(["fp32", "fp16"]))
+def test_property_round_trip(case, fmt):
+    n, indices = case
+    val = torch.linspace(-3, 3, len(indices))
+    frame = sparse.encode(torch.tensor(indices, dtype=torch.int64), val, n, fmt)
+    idx, got, got_n, used = sparse.decode_entries(frame)
+    assert got_n == n and used == frame.numel()
+    order = sorted(range(len(indices)), key=lambda i: indices[i])
+    assert idx.tolist() == [indices[i] for i in order]
+    want = val[order] if fmt == "fp32" else val[order].half().float()
+    assert torch.equal(got, want)
