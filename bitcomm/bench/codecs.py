@@ -56,10 +56,13 @@ class Row:
         return dataclasses.asdict(self)
 
 
+_MIN_SECONDS = 0.25  # small sizes repeat until this much time is spent, for a stable median
+
+
 def _time(fn: Callable[[], object], repeat: int) -> float:
     fn()  # warm-up: first-touch page faults and lazy initialisation stay out of the timing
-    times = []
-    for _ in range(repeat):
+    times: list[float] = []
+    while len(times) < repeat or (sum(times) < _MIN_SECONDS and len(times) < 50):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)

@@ -68,13 +68,13 @@ def _xorshift_(h: torch.Tensor, tmp: torch.Tensor, shift: int) -> None:
     h ^= tmp
 
 
-def _hash_(h: torch.Tensor, tmp: torch.Tensor) -> None:
+def _hash_but_last_(h: torch.Tensor, tmp: torch.Tensor) -> None:
+    # All of lowbias32 but its final h ^= h >>> 16, which add_random16_ folds into the split.
     # int32 multiplication wraps modulo 2**32 on CPU and CUDA alike.
     _xorshift_(h, tmp, 16)
     h.mul_(_M1)
     _xorshift_(h, tmp, 15)
     h.mul_(_M2)
-    _xorshift_(h, tmp, 16)
 
 
 def add_random16_(t: torch.Tensor, key: int, start: int, *, work: tuple | None = None
@@ -104,15 +104,18 @@ def add_random16_(t: torch.Tensor, key: int, start: int, *, work: tuple | None =
         piece ^= _signed32(key ^ ((j0 >> 31) * _HI))
         pos += cut - j0
         j0 = cut
-    _hash_(h, tmp)
+    _hash_but_last_(h, tmp)
+    # The last step h ^= h >>> 16 leaves the high half alone and xors it into the low half, so
+    # it is folded into splitting h: high = h >>> 16, low = (h ^ high) & 0xffff.
     tv = t.view(-1, 2, _HALF)
     hv = h.view(-1, _HALF)
     rv = tmp.view(-1, _HALF)
-    torch.bitwise_and(hv, 0xFFFF, out=rv)
-    tv[:, 0].add_(rv)
     torch.bitwise_right_shift(hv, 16, out=rv)
     rv &= 0xFFFF
     tv[:, 1].add_(rv)
+    hv ^= rv
+    hv &= 0xFFFF
+    tv[:, 0].add_(hv)
     return t
 
 

@@ -43,6 +43,7 @@ HEADER = struct.Struct("<qB")
 
 _CODEC = "bits"
 MAX_WIDTH = 16
+_CHUNK = 1 << 18  # values per chunk on the CPU path; a multiple of 8 keeps bytes aligned
 
 
 def _check_width(width: object) -> int:
@@ -104,11 +105,19 @@ def pack(x: torch.Tensor, width: int, *, check: bool = True) -> torch.Tensor:
         elif 8 < width <= 16 and a.dtype not in (np.uint16, np.int16):
             a = a.astype(np.uint16)
         out = np.empty((width, nb), dtype=np.uint8)
-        tmp = np.empty_like(a)
-        for row, p in enumerate(range(width - 1, -1, -1)):
-            # packbits treats any non-zero element as a 1 bit.
-            np.bitwise_and(a, a.dtype.type(1 << p), out=tmp)
-            out[row] = np.packbits(tmp)
+        tmp = np.empty(min(n, _CHUNK), dtype=a.dtype)
+        # Chunk by chunk, every plane of a chunk while it is in cache: the values are read
+        # from memory once, not once per plane.
+        for start in range(0, n, _CHUNK):
+            stop = min(n, start + _CHUNK)
+            part, t = a[start:stop], tmp[: stop - start]
+            lo, hi = start // 8, (stop + 7) // 8
+            for row, p in enumerate(range(width - 1, -1, -1)):
+                if width == 1:  # values are 0 or 1 already; packbits maps non-zero to 1
+                    out[row, lo:hi] = np.packbits(part)
+                    continue
+                np.bitwise_and(part, a.dtype.type(1 << p), out=t)
+                out[row, lo:hi] = np.packbits(t)
         return torch.from_numpy(out.reshape(-1))
     shifts = torch.arange(width - 1, -1, -1, device=v.device, dtype=torch.int64)
     wide = v if v.dtype in (torch.int32, torch.int64) else v.to(torch.int32)

@@ -187,11 +187,14 @@ def compute_scale(x: torch.Tensor, scale: str = "rms") -> float:
     n = v.numel()
     if n == 0:
         return 0.0
-    v64 = v.to(torch.float64)
-    if scale == "rms":
-        value = math.sqrt(float(torch.dot(v64, v64).item()) / n)
-    else:
-        value = float(v64.abs().sum().item()) / n
+    # float64 accumulation, converted a cache-sized chunk at a time (a whole float64 copy of
+    # x would cost more than the encoder); one device sync at the end.
+    acc = torch.zeros((), dtype=torch.float64, device=v.device)
+    for start in range(0, n, _CHUNK):
+        c = v[start : start + _CHUNK].to(torch.float64)
+        acc += torch.dot(c, c) if scale == "rms" else c.abs_().sum()
+    total = float(acc.item())
+    value = math.sqrt(total / n) if scale == "rms" else total / n
     value = float(np.float32(value))
     if not math.isfinite(value):
         raise ValueError(f"expected finite values for a {scale} scale, got scale {value}")
