@@ -101,11 +101,6 @@ def _empty_u8() -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
 
 
-def concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Concatenate uint8 parts (moved to ``device`` first) into one frame."""
-    return torch.cat([p.to(device) for p in parts])
-
-
 def float_bytes(t: torch.Tensor) -> torch.Tensor:
     """Return the little-endian bytes of a contiguous fp16/fp32/int32/int64 tensor as uint8."""
     return t.contiguous().view(torch.uint8).reshape(-1)
