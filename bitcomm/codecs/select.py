@@ -41,6 +41,11 @@ def _prepare(scores: torch.Tensor, k: int, check: bool) -> tuple[torch.Tensor, i
     return s, min(k, s.numel())
 
 
+def _mean_max(s: torch.Tensor) -> tuple[float, float]:
+    """Mean and max of the scores: the two ends RedSync's thresholds interpolate between."""
+    return float(s.mean(dtype=torch.float64).item()), float(s.max().item())
+
+
 def _all(s: torch.Tensor) -> torch.Tensor:
     return torch.arange(s.numel(), device=s.device)
 
@@ -85,11 +90,9 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
     s, k = _prepare(scores, k, check)
     if not 0 < eps <= 1:
         raise ValueError(f"expected 0 < eps <= 1, got {eps}")
-    n = s.numel()
-    if k == 0 or k >= n:
+    if k == 0 or k >= s.numel():
         return _exact(s, k)
-    mean = float(s.mean(dtype=torch.float64).item())
-    top = float(s.max().item())
+    mean, top = _mean_max(s)
     step = 1
     while True:
         ratio = 1.0 - eps * step
@@ -115,11 +118,9 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
     s, k = _prepare(scores, k, check)
     if not 0 < eps < 1:
         raise ValueError(f"expected 0 < eps < 1, got {eps}")
-    n = s.numel()
-    if k == 0 or k >= n:
+    if k == 0 or k >= s.numel():
         return _exact(s, k)
-    mean = float(s.mean(dtype=torch.float64).item())
-    top = float(s.max().item())
+    mean, top = _mean_max(s)
     if int((s > mean).sum().item()) < k:
         return _exact(s, k)
     lo, hi = 0.0, 1.0  # invariant: at least k scores exceed the threshold at ratio lo
