@@ -138,3 +138,12 @@ def test_property_round_trip(values):
     out, used = sign.decode(sign.encode(x))
     assert used == sign.encoded_size(len(values))
     assert out.tolist() == [1.0 if v >= 0 else -1.0 for v in values]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scaled_encode_leaves_input_untouched(dtype):
+    x = torch.tensor([-1.0, 2.0, -3.0], dtype=dtype)
+    before = x.clone()
+    for kind in sign.SCALES:
+        sign.encode_scaled(x, kind)
+    assert torch.equal(x, before)

@@ -192,7 +192,8 @@ def compute_scale(x: torch.Tensor, scale: str = "rms") -> float:
     acc = torch.zeros((), dtype=torch.float64, device=v.device)
     for start in range(0, n, _CHUNK):
         c = v[start : start + _CHUNK].to(torch.float64)
-        acc += torch.dot(c, c) if scale == "rms" else c.abs_().sum()
+        # not abs_(): for float64 input c is a view of the caller's tensor
+        acc += torch.dot(c, c) if scale == "rms" else c.abs().sum()
     total = float(acc.item())
     value = math.sqrt(total / n) if scale == "rms" else total / n
     value = float(np.float32(value))
