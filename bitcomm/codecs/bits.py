@@ -113,11 +113,9 @@ def pack(x: torch.Tensor, width: int, *, check: bool = True) -> torch.Tensor:
             part, t = a[start:stop], tmp[: stop - start]
             lo, hi = start // 8, (stop + 7) // 8
             for row, p in enumerate(range(width - 1, -1, -1)):
-                if width == 1:  # values are 0 or 1 already; packbits maps non-zero to 1
-                    out[row, lo:hi] = np.packbits(part)
-                    continue
-                np.bitwise_and(part, a.dtype.type(1 << p), out=t)
-                out[row, lo:hi] = np.packbits(t)
+                # packbits maps non-zero to 1, so one-bit values need no masking.
+                plane = part if width == 1 else np.bitwise_and(part, a.dtype.type(1 << p), out=t)
+                out[row, lo:hi] = np.packbits(plane)
         return torch.from_numpy(out.reshape(-1))
     shifts = torch.arange(width - 1, -1, -1, device=v.device, dtype=torch.int64)
     wide = v if v.dtype in (torch.int32, torch.int64) else v.to(torch.int32)
