@@ -104,7 +104,11 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, out_dir: str) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dicts = [r.as_dict() for r in rows]
-    (out / "codecs.json").write_text(json.dumps({"config": config, "rows": dicts}, indent=1))
+    # Strict JSON: a row without a ratio or target says null, not NaN.
+    strict = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in d.items()}
+              for d in dicts]
+    (out / "codecs.json").write_text(
+        json.dumps({"config": config, "rows": strict}, indent=1, allow_nan=False))
     with open(out / "codecs.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(dicts[0]))
         writer.writeheader()

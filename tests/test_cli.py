@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from bitcomm.cli import Size, SizeList, main
@@ -20,12 +21,18 @@ def test_bad_size_is_a_usage_error(tmp_path):
     assert "expected a size like 4096, 128K, 16M or 1G, got '12Q'" in result.output
 
 
+def by_key(rows, codec, op):
+    return next(r for r in rows if (r["codec"], r["op"]) == (codec, op))
+
+
 def test_bench_codecs_prints_and_saves_rows(tmp_path):
     result = CliRunner().invoke(main, ["bench", "codecs", "--sizes", "64K,1000", "--repeat", "1",
                                        "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    data = json.loads((tmp_path / "codecs.json").read_text())
+    # strict JSON: NaN is not JSON, rows without a ratio say null
+    data = json.loads((tmp_path / "codecs.json").read_text(), parse_constant=pytest.fail)
     rows = data["rows"]
+    assert by_key(rows, "anchor", "packbits")["ratio"] is None
     assert (tmp_path / "codecs.csv").read_text().count("\n") == len(rows) + 1
     codecs = {(r["codec"], r["op"]) for r in rows}
     for name in ("sign", "sign-scaled", "counts-w1", "counts-w4", "counts-radix-m2", "qsgd-2",

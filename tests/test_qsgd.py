@@ -6,12 +6,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bitcomm.codecs import _rng, qsgd
+from bitcomm.codecs import _frame, _rng, qsgd
 
 from conftest import AWKWARD, unhex
 
 
-def test_golden_values_on_levels():
+def test_golden_values_on_levels(path):
     # Scale 7 and s = 7: every value sits exactly on a level, so the frame is seed-independent.
     x = torch.tensor([7.0, -3.0, 0.0, 1.0, 2.0])
     expect = unhex("05 00 00 00 00 00 00 00 04 00 00 02 00 00 | 00 00 e0 40 | 7b 01 20")
@@ -22,7 +22,7 @@ def test_golden_values_on_levels():
     assert out.tolist() == x.tolist() and used == len(expect)
 
 
-def test_golden_worked_example():
+def test_golden_worked_example(path):
     frame = qsgd.encode(torch.tensor([1.0, -0.5, 0.0]), bits=4, bucket=4, seed=1)
     head = unhex("03 00 00 00 00 00 00 00 04 00 04 00 00 00 00 00 80 3f")
     assert frame.tolist()[:18] == head
@@ -34,7 +34,7 @@ def test_golden_worked_example():
 
 @pytest.mark.parametrize("bits", qsgd.BITS)
 @pytest.mark.parametrize("bucket", [1, 7, 512, 500, 1 << 20])
-def test_round_trip_error_and_size(bits, bucket):
+def test_round_trip_error_and_size(bits, bucket, path):
     s = (1 << (bits - 1)) - 1
     g = torch.Generator().manual_seed(bits * 1000 + bucket)
     for n in AWKWARD + [70001, 300001]:
@@ -67,7 +67,7 @@ def test_same_seed_same_bytes_and_generators():
 
 @pytest.mark.parametrize("bits", qsgd.BITS)
 @pytest.mark.parametrize("scale", qsgd.SCALES)
-def test_unbiased(bits, scale):
+def test_unbiased(bits, scale, path):
     """The mean of R decodes converges to x: |mean - x| within 5 standard errors everywhere."""
     n, reps, bucket = 1024, 400, 256
     x = torch.randn(n, generator=torch.Generator().manual_seed(11))
@@ -104,7 +104,7 @@ def test_qsgd_variance_bound_l2(bits):
         assert err / reps <= bound
 
 
-def test_non_finite_raises_naming_the_bucket():
+def test_non_finite_raises_naming_the_bucket(path):
     x = torch.ones(1500)
     x[1100] = float("nan")
     with pytest.raises(ValueError, match=r"non-finite max scale nan in bucket 2 \(elements "
@@ -160,7 +160,7 @@ def test_truncated_and_corrupt_frames():
         qsgd.decode(bad)
 
 
-def test_empty_and_zero_buckets():
+def test_empty_and_zero_buckets(path):
     out, used = qsgd.decode(qsgd.encode(torch.empty(0), seed=0))
     assert out.numel() == 0 and used == 14
     out, _ = qsgd.decode(qsgd.encode(torch.zeros(700), seed=0))
@@ -168,7 +168,7 @@ def test_empty_and_zero_buckets():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
-def test_other_float_dtypes(dtype):
+def test_other_float_dtypes(dtype, path):
     x = torch.randn(300, generator=torch.Generator().manual_seed(1)).to(dtype)
     assert torch.equal(qsgd.encode(x, seed=2), qsgd.encode(x.float(), seed=2))
     assert qsgd.decode(qsgd.encode(x, seed=2), dtype=dtype)[0].dtype == dtype
@@ -190,6 +190,39 @@ def test_few_million():
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))
     out, _ = qsgd.decode(qsgd.encode(x, 8, seed=1))
     assert float((out - x).abs().max()) <= float(x.abs().max()) / 127 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("bits", qsgd.BITS)
+@pytest.mark.parametrize("scale", qsgd.SCALES)
+def test_compiled_cpu_path_matches_torch_path(bits, scale):
+    """The numba CPU kernel and the torch-only (CUDA) path write the same bytes."""
+    g = torch.Generator().manual_seed(bits)
+    sizes = [0, 1, 7, 9, 65535, 65537, (1 << 18) + 3, 3 * 65536 + 5]
+    for n in sizes:
+        for bucket in (1, 7, 512, 65536, 100000):
+            for dtype in (torch.float32, torch.float64, torch.float16):
+                x = (torch.randn(n, generator=g) * 3).to(dtype)
+                x[:3] = torch.tensor([-0.0, 0.0, 1e-40])[: min(n, 3)].to(dtype)  # signed 0s
+                x[3:50:5] *= 1e30 if dtype != torch.float16 else 1  # buckets of mixed scale
+                cpu = qsgd.encode(x, bits, bucket, scale=scale, seed=n + bucket)
+                _frame.FORCE_TORCH = True
+                try:
+                    ref = qsgd.encode(x, bits, bucket, scale=scale, seed=n + bucket)
+                finally:
+                    _frame.FORCE_TORCH = False
+                assert torch.equal(cpu, ref), (n, bucket, dtype)
+
+
+@pytest.mark.parametrize("task", [0, 5, (1 << 16) - 1, 1 << 16, 3 << 16])
+def test_compiled_stream_matches_torch_stream(task):
+    """The numba kernel's stream equals _rng's, also past 2**32 positions (a new high word)."""
+    from bitcomm.codecs import _qsgd_cpu
+
+    r = np.empty(_qsgd_cpu.TASK, dtype=np.int32)
+    for key in (0, 12345, -7, 2**31 - 1):
+        _qsgd_cpu._stream(task, key & 0xFFFFFFFF, r)
+        ref = _rng.random16(key, task * _qsgd_cpu.TASK, _qsgd_cpu.TASK).numpy()
+        assert np.array_equal(r, ref)
 
 
 # --- the counter-based stream ----------------------------------------------------------------

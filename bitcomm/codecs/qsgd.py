@@ -16,6 +16,10 @@ uniforms have 16 bits, so the rounding probability is ``frac`` to within 2**-17:
 mean is within ``scale / s * 2**-17`` of ``x``, far below float32 resolution of the scale for 8
 bits and below any measurable bias for 2 and 4.
 
+CPU tensors are quantised by a numba-compiled kernel (:mod:`bitcomm.codecs._qsgd_cpu`: one
+cache-resident pass per block of 2**16 elements, on all cores); every other device runs the same
+arithmetic as torch ops. Both write the same bytes (tests compare them).
+
 Non-finite input raises ``ValueError`` naming the first bucket whose scale is not finite (a NaN
 or inf anywhere in a bucket makes its max and norm non-finite, so the check costs nothing).
 
@@ -97,7 +101,8 @@ def _scales_into(out: torch.Tensor, v: torch.Tensor, bucket: int, kind: str) -> 
     for lo, hi, block in parts:
         if kind == "max":
             low, high = torch.aminmax(block, dim=1)  # one pass, no |x| temporary
-            out[lo:hi] = torch.maximum(-low, high).to(torch.float32)
+            # abs_: maximum(-0.0, +0.0) may be -0.0, and a scale is written as +0.
+            out[lo:hi] = torch.maximum(-low, high).abs_().to(torch.float32)
         else:
             # float64 accumulation: CPU and CUDA reduce in different orders, and rounding a
             # float64 norm to float32 hides that difference in all but rare ties.
@@ -180,12 +185,53 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
     bits, bucket, scale = _check_config(bits, bucket, scale)
     key = _rng.key_from(seed, generator)
     n = v.numel()
+    if _frame.use_numpy(v):
+        scales, codes = _encode_cpu(v, bits, bucket, scale, key)
+    else:
+        scales, codes = _encode_torch(v, bits, bucket, scale, key)
+    _check_scales(scales, bucket, n, scale)  # once at the end: one device sync, not one a chunk
+    header = HEADER.pack(n, bits, SCALES.index(scale), bucket)
+    return torch.cat([_frame.host_bytes(header, v.device), _frame.float_bytes(scales), codes])
+
+
+def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    # One compiled pass (bitcomm.codecs._qsgd_cpu); it computes what _encode_torch computes.
+    import numba  # importing numba costs ~0.3 s: only on first use
+
+    from bitcomm.codecs import _qsgd_cpu
+
+    n = v.numel()
+    v32 = v.to(torch.float32).contiguous()
+    a = v32.numpy()
+    scales = torch.empty(-(-n // bucket), dtype=torch.float32)
+    fuse = scale == "max" and _qsgd_cpu.TASK % bucket == 0
+    if scale == "l2":
+        _scales_into(scales, v32, bucket, scale)
+    elif not fuse:
+        _qsgd_cpu.max_scales(a, bucket, scales.numpy())
+    codes = np.empty((n * bits + 7) // 8, dtype=np.uint8)
+    _qsgd_cpu.encode_codes(a, bucket, bits, key & 0xFFFFFFFF, scales.numpy(), fuse, codes,
+                           numba.get_num_threads())
+    return scales, torch.from_numpy(codes)
+
+
+def _factors(scales: torch.Tensor, s: int) -> torch.Tensor:
+    # s * 2**16 / scale evaluated as a reciprocal then a product (what torch does for a scalar
+    # over a tensor), written out so the compiled CPU path can match it bit for bit.
+    return torch.where(scales > 0, scales.reciprocal() * (s * 65536.0), torch.zeros_like(scales))
+
+
+def _encode_torch(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    # Torch ops only, so it runs on any device (the CUDA path); chunked to stay in cache.
+    n = v.numel()
     s = (1 << (bits - 1)) - 1
     scales = torch.empty(-(-n // bucket), dtype=torch.float32, device=v.device)
     aligned = _CHUNK % bucket == 0
     if not aligned:  # buckets straddle chunks: all scales first, then a gather per element
-        _scales_into(scales, v, bucket, scale)
-        factor_all = torch.where(scales > 0, (s * 65536.0) / scales, torch.zeros_like(scales))
+        _scales_into(scales, v.to(torch.float32), bucket, scale)
+        factor_all = _factors(scales, s)
     codes = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=v.device)
     size = min(_CHUNK, -(-n // _rng.BLOCK) * _rng.BLOCK)
     work = _Work(size, v.device)
@@ -206,7 +252,7 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
             first, nbk = start // bucket, -(-m // bucket)
             sc = scales[first : first + nbk]
             _scales_into(sc, xs, bucket, scale)
-            factor = torch.where(sc > 0, (s * 65536.0) / sc, torch.zeros_like(sc))
+            factor = _factors(sc, s)
             full = m // bucket
             f[: full * bucket].view(full, bucket).mul_(factor[:full, None])
             if full < nbk:
@@ -234,9 +280,9 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
             tail = torch.empty(nbytes, dtype=torch.uint8, device=v.device)
             _pack_chunk(t, bits, work, tail)
             dest.copy_(tail[: dest.numel()])
-    _check_scales(scales, bucket, n, scale)  # once at the end: one device sync, not one a chunk
-    header = HEADER.pack(n, bits, SCALES.index(scale), bucket)
-    return torch.cat([_frame.host_bytes(header, v.device), _frame.float_bytes(scales), codes])
+    return scales, codes
+
+
 
 
 def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
