@@ -1,0 +1,41 @@
+"""Collectives written once against :class:`bitcomm.comm.base.Comm`.
+
+* :func:`ring_majority` / :func:`alltoall_majority`: majority vote of signs
+  (004_593a15e1fafc2f55.txt), ring with ceil(log2(i+1))-bit counts, or 1-bit Adam's all-to-all.
+* :func:`onebit_allreduce`: DeepSpeed's 1-bit Adam compressed allreduce with error feedback.
+* :func:`sparse_allgather`: RedSync / SparCML quantised sparse exchange.
+* :func:`allreduce`: the dense float32 baseline.
+
+Each documents the bytes a rank sends and has a ``*_bytes`` function computing it; the
+transport's counters equal it exactly.
+"""
+
+from bitcomm.collectives.dense import allreduce, allreduce_bytes
+from bitcomm.collectives.majority import (
+    alltoall_majority,
+    alltoall_majority_bytes,
+    ring_majority,
+    ring_majority_bytes,
+)
+from bitcomm.collectives.onebit import (
+    OneBitState,
+    onebit_allreduce,
+    onebit_allreduce_bytes,
+    padded_length,
+)
+from bitcomm.collectives.sparse import sparse_allgather, sparse_allgather_bytes
+
+__all__ = [
+    "allreduce",
+    "allreduce_bytes",
+    "alltoall_majority",
+    "alltoall_majority_bytes",
+    "ring_majority",
+    "ring_majority_bytes",
+    "OneBitState",
+    "onebit_allreduce",
+    "onebit_allreduce_bytes",
+    "padded_length",
+    "sparse_allgather",
+    "sparse_allgather_bytes",
+]

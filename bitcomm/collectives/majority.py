@@ -1,0 +1,181 @@
+"""Majority vote of signs over ranks: the ring of 004_593a15e1fafc2f55.txt and its all-to-all twin.
+
+Both return, on every rank, ``+1`` where more than half of the ranks hold ``x >= 0`` (the sign
+codec's convention; ties ``2 * count == size`` give ``-1``, the paper's "else negative" rule, or
+``+1`` with ``tie="positive"``), as a tensor of ``x``'s dtype, shape and device. The vector is cut
+into ``size`` chunks ``[K*c//N, K*(c+1)//N)`` (any K, also K < N).
+
+ring_majority (004_593a15e1fafc2f55.txt, Section 3)
+    Reduce-scatter: at step ``i = 1 .. N-1`` rank ``r`` sends to ``r + 1`` the running +1 counts
+    of chunk ``(r - i + 1) mod N``, a count over ``i`` ranks, packed by
+    :mod:`bitcomm.codecs.counts` in ``ceil(log2(i + 1))`` bits (or radix), and adds its own
+    votes to the chunk ``(r - i) mod N`` it receives. Rank ``r`` ends with the full counts of
+    chunk ``(r + 1) mod N``, decides it, and an allgather of ``N - 1`` steps streams the 1-bit
+    decisions around the ring (step ``i`` sends chunk ``(r + 2 - i) mod N``).
+
+    Bytes sent by rank ``r`` (:func:`ring_majority_bytes`)::
+
+        sum_{i=1}^{N-1} packed(L[(r-i+1) mod N], m=i)  +  sum_{i=1}^{N-1} ceil(L[(r+2-i) mod N]/8)
+        + 16 * (N - 1) with check
+
+    with ``L[c]`` the chunk lengths and ``packed`` :func:`bitcomm.codecs.counts.packed_size`.
+
+alltoall_majority (1-bit Adam's pattern, the paper's baseline)
+    Rank ``r`` owns chunk ``r``: an all-to-all sends each rank the packed signs of its chunk,
+    each rank counts the votes of its chunk and decides, and an allgather returns the packed
+    decisions. Bytes sent by rank ``r`` (:func:`alltoall_majority_bytes`)::
+
+        sum_{j != r} ceil(L[j]/8)  +  (N - 1) * ceil(L[r]/8)  +  16 * (N - 1) with check
+
+Example::
+
+    from bitcomm.comm import run_local
+    x = [torch.tensor([1., -1., 2.]), torch.tensor([-1., -1., 3.]), torch.tensor([1., 1., -4.])]
+    run_local(lambda comm: ring_majority(comm, x[comm.rank]), size=3)
+    # every rank: tensor([ 1., -1.,  1.])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitcomm.codecs import bits, counts
+from bitcomm.collectives import _common
+from bitcomm.comm.base import Comm
+
+__all__ = ["ring_majority", "alltoall_majority", "ring_majority_bytes",
+           "alltoall_majority_bytes", "TIES"]
+
+TIES = ("negative", "positive")
+"""Tie rules for an even number of ranks: the paper's ``-1``, or ``+1``."""
+
+
+def _check_options(tie: object, packing: object = "fixed") -> None:
+    if tie not in TIES:
+        raise ValueError(f"expected tie in {TIES}, got {tie!r}")
+    if packing not in counts.PACKINGS:
+        raise ValueError(f"expected packing in {counts.PACKINGS}, got {packing!r}")
+
+
+def _decide(total: torch.Tensor, size: int, tie: str) -> torch.Tensor:
+    # 004_593a15e1fafc2f55.txt, Section 3: +1 when the count exceeds N/2, else -1.
+    twice = total * 2
+    return (twice > size) | (twice == size) if tie == "positive" else twice > size
+
+
+def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool) -> torch.Tensor:
+    if packed:
+        return bits.pack(decided.to(torch.uint8), 1, check=False)
+    out = decided.to(x.dtype).mul_(2).sub_(1)
+    return out.reshape(x.shape)
+
+
+def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
+                  tie: str = "negative", check: bool = True, packed: bool = False
+                  ) -> torch.Tensor:
+    """Return the elementwise majority of ``x >= 0`` over ranks, computed on a ring.
+
+    Args:
+        comm: the transport.
+        x: floating-point tensor, the same number of elements on every rank.
+        packing: ``"fixed"`` (the paper's ``ceil(log2(i+1))`` bits) or ``"radix"`` counts.
+        tie: ``"negative"`` or ``"positive"``: the result where exactly half vote +1.
+        check: agree on the input first (raises on every rank for bad input; see
+            :mod:`bitcomm.collectives._common`).
+        packed: return the decisions as packed bits (MSB-first, 1 = +1) instead of +-1.
+
+    Returns:
+        +-1 tensor like ``x`` (or ``ceil(K/8)`` packed bytes), identical on every rank.
+
+    """
+    _check_options(tie, packing)
+    v = _common.prepare(comm, x, check, "ring_majority")
+    size, rank, n = comm.size, comm.rank, v.numel()
+    votes = (v >= 0).to(torch.int32)
+    if size == 1:
+        return _finish(x, _decide(votes, 1, tie), packed)
+    chunks = _common.bounds(n, size)
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+
+    def part(t: torch.Tensor, c: int) -> torch.Tensor:
+        lo, hi = chunks[c % size]
+        return t[lo:hi]
+
+    running = part(votes, rank)  # step 1 sends this rank's own votes: counts over 1 rank
+    for i in range(1, size):
+        # 004_593a15e1fafc2f55.txt, Section 3: counts over i ranks need ceil(log2(i+1)) bits.
+        payload = counts.pack(running, i, packing, check=False)
+        length = part(votes, rank - i).numel()
+        got = comm.sendrecv(payload, nxt,
+                            torch.empty(counts.packed_size(length, i, packing),
+                                        dtype=torch.uint8, device=v.device), prv)
+        running = counts.unpack(got, length, i, packing, dtype=torch.int32) + part(votes,
+                                                                                  rank - i)
+    decided = torch.empty(n, dtype=torch.bool, device=v.device)
+    part(decided, rank + 1).copy_(_decide(running, size, tie))
+    for i in range(1, size):
+        # Ring allgather of the 1-bit decisions: the paper streams back only the majority bit.
+        send = part(decided, rank + 2 - i)
+        length = part(decided, rank + 1 - i).numel()
+        got = comm.sendrecv(bits.pack(send.to(torch.uint8), 1, check=False), nxt,
+                            torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
+                                        device=v.device), prv)
+        part(decided, rank + 1 - i).copy_(bits.unpack(got, length, 1).bool())
+    return _finish(x, decided, packed)
+
+
+def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
+                      check: bool = True, packed: bool = False) -> torch.Tensor:
+    """Return the same majority as :func:`ring_majority`, exchanged the 1-bit Adam way.
+
+    Args:
+        comm: the transport.
+        x: floating-point tensor, the same number of elements on every rank.
+        tie: ``"negative"`` or ``"positive"``.
+        check: agree on the input first.
+        packed: return packed bits instead of +-1.
+
+    Returns:
+        +-1 tensor like ``x`` (or packed bytes), identical on every rank.
+
+    """
+    _check_options(tie)
+    v = _common.prepare(comm, x, check, "alltoall_majority")
+    size, rank, n = comm.size, comm.rank, v.numel()
+    votes = (v >= 0).to(torch.uint8)
+    if size == 1:
+        return _finish(x, _decide(votes.to(torch.int32), 1, tie), packed)
+    chunks = _common.bounds(n, size)
+    lengths = [hi - lo for lo, hi in chunks]
+    sends = [bits.pack(votes[lo:hi], 1, check=False) for lo, hi in chunks]
+    mine = bits.packed_size(lengths[rank], 1)
+    got = comm.alltoallv(sends, [mine] * size)
+    total = torch.zeros(lengths[rank], dtype=torch.int32, device=v.device)
+    for payload in got:
+        total += bits.unpack(payload, lengths[rank], 1, dtype=torch.int32)
+    decision = bits.pack(_decide(total, size, tie).to(torch.uint8), 1, check=False)
+    every = comm.allgatherv(decision, [bits.packed_size(length, 1) for length in lengths])
+    decided = torch.cat([bits.unpack(p, length, 1).bool()
+                         for p, length in zip(every, lengths, strict=True)])
+    return _finish(x, decided, packed)
+
+
+def ring_majority_bytes(n: int, size: int, rank: int, *, packing: str = "fixed",
+                        check: bool = True) -> int:
+    """Return the bytes rank ``rank`` sends in :func:`ring_majority` of ``n`` elements."""
+    _check_options("negative", packing)
+    if size == 1:
+        return 0
+    lengths = [hi - lo for lo, hi in _common.bounds(n, size)]
+    total = sum(counts.packed_size(lengths[(rank - i + 1) % size], i, packing)
+                for i in range(1, size))
+    total += sum(bits.packed_size(lengths[(rank + 2 - i) % size], 1) for i in range(1, size))
+    return total + _common.control_bytes(size, check)
+
+
+def alltoall_majority_bytes(n: int, size: int, rank: int, *, check: bool = True) -> int:
+    """Return the bytes rank ``rank`` sends in :func:`alltoall_majority` of ``n`` elements."""
+    lengths = [hi - lo for lo, hi in _common.bounds(n, size)]
+    total = sum(bits.packed_size(length, 1) for j, length in enumerate(lengths) if j != rank)
+    total += (size - 1) * bits.packed_size(lengths[rank], 1)
+    return total + _common.control_bytes(size, check)

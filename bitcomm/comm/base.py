@@ -1,0 +1,198 @@
+"""The transport interface every collective is written against, and its byte accounting.
+
+A :class:`Comm` moves 1-D ``torch.uint8`` tensors between ``size`` ranks. Adapters (MPI,
+torch.distributed, in-process threads) implement a few private primitives; the public methods
+here check arguments and count bytes, so accounting lives in one place for every transport
+(the shape of mpi4py's ``pkl5``, which passes the MPI primitive into one private ``_send``).
+
+Byte accounting
+---------------
+``comm.counters`` holds, per peer, the payload bytes this rank handed to the transport for that
+peer (``sent``) and the bytes it received from it (``received``). A collective's documented
+wire-byte formula is the sum of ``sent`` over peers; tests compare them exactly. Counting is at
+the level of the exchange the collective asks for: ``alltoallv`` counts ``len(bufs[j])`` to
+``j``, ``allgatherv`` counts the buffer once per other rank (a direct exchange). Transport
+framing (MPI envelopes, TCP headers) is not payload and is not counted.
+
+Timeouts
+--------
+Blocking waits of the in-process transport give up after ``timeout`` seconds with
+``TimeoutError`` naming the peer; torch.distributed uses its process-group timeout; MPI has
+none of its own, so multi-process runs are launched with ``python -m mpi4py`` (an uncaught
+exception aborts every rank) and a wall-clock limit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Comm", "Counters"]
+
+
+class Counters:
+    """Bytes sent to and received from each peer since the last :meth:`reset`."""
+
+    __slots__ = ("sent", "received")
+
+    def __init__(self, size: int):
+        self.sent = [0] * size
+        self.received = [0] * size
+
+    def reset(self) -> None:
+        """Zero every count."""
+        for i in range(len(self.sent)):
+            self.sent[i] = 0
+            self.received[i] = 0
+
+    @property
+    def total_sent(self) -> int:
+        """Return the bytes sent to all peers."""
+        return sum(self.sent)
+
+    @property
+    def total_received(self) -> int:
+        """Return the bytes received from all peers."""
+        return sum(self.received)
+
+    def __repr__(self) -> str:
+        return f"Counters(sent={self.sent}, received={self.received})"
+
+
+def _check_bytes(buf: object, name: str) -> torch.Tensor:
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"expected {name} to be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise TypeError(f"expected {name} to be a 1-D uint8 tensor, got {buf.dtype} with shape "
+                        f"{tuple(buf.shape)}")
+    return buf if buf.is_contiguous() else buf.contiguous()
+
+
+class Comm:
+    """A group of ``size`` ranks exchanging uint8 tensors; subclasses supply the primitives.
+
+    Subclasses implement ``_sendrecv``, ``_send``, ``_recv``, ``_alltoallv``, ``_allgatherv``,
+    ``_allreduce`` and ``_barrier``. The default ``_alltoallv`` and ``_allgatherv`` are built from
+    ``_sendrecv`` in ``size - 1`` rounds (round ``r`` sends to ``rank + r`` and receives from
+    ``rank - r``), which works for uneven sizes on every transport.
+    """
+
+    def __init__(self, rank: int, size: int, device: torch.device | str = "cpu"):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"expected 0 <= rank < size, got rank={rank}, size={size}")
+        self.rank = rank
+        self.size = size
+        self.device = torch.device(device)
+        self.counters = Counters(size)
+
+    # -- public, counted ---------------------------------------------------------------------
+
+    def _check_peer(self, peer: int, name: str) -> int:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"expected {name} to be another rank in 0..{self.size - 1}, "
+                             f"got {peer} on rank {self.rank}")
+        return peer
+
+    def send(self, buf: torch.Tensor, dest: int) -> None:
+        """Send ``buf`` to ``dest`` (blocking)."""
+        buf = _check_bytes(buf, "buf")
+        self._send(buf, self._check_peer(dest, "dest"))
+        self.counters.sent[dest] += buf.numel()
+
+    def recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
+        """Receive exactly ``out.numel()`` bytes from ``source`` into ``out``; return it."""
+        out = _check_bytes(out, "out")
+        self._recv(out, self._check_peer(source, "source"))
+        self.counters.received[source] += out.numel()
+        return out
+
+    def sendrecv(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int
+                 ) -> torch.Tensor:
+        """Send ``buf`` to ``dest`` while receiving ``out.numel()`` bytes from ``source``."""
+        buf, out = _check_bytes(buf, "buf"), _check_bytes(out, "out")
+        self._sendrecv(buf, self._check_peer(dest, "dest"), out,
+                       self._check_peer(source, "source"))
+        self.counters.sent[dest] += buf.numel()
+        self.counters.received[source] += out.numel()
+        return out
+
+    def alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+        """Send ``bufs[j]`` to rank ``j``; return what each rank sent here (``sizes[j]`` bytes).
+
+        ``bufs[rank]`` is returned as is, without being counted.
+        """
+        if len(bufs) != self.size or len(sizes) != self.size:
+            raise ValueError(f"expected {self.size} buffers and sizes, got {len(bufs)} and "
+                             f"{len(sizes)}")
+        bufs = [_check_bytes(b, f"bufs[{j}]") for j, b in enumerate(bufs)]
+        out = self._alltoallv(bufs, [int(s) for s in sizes])
+        for j in range(self.size):
+            if j != self.rank:
+                self.counters.sent[j] += bufs[j].numel()
+                self.counters.received[j] += out[j].numel()
+        return out
+
+    def allgatherv(self, buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """Give ``buf`` to every rank; return every rank's buffer (``sizes[j]`` bytes each)."""
+        buf = _check_bytes(buf, "buf")
+        if len(sizes) != self.size or sizes[self.rank] != buf.numel():
+            raise ValueError(f"expected {self.size} sizes with sizes[{self.rank}] = "
+                             f"{buf.numel()}, got {list(sizes)}")
+        out = self._allgatherv(buf, [int(s) for s in sizes])
+        for j in range(self.size):
+            if j != self.rank:
+                self.counters.sent[j] += buf.numel()
+                self.counters.received[j] += out[j].numel()
+        return out
+
+    def allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the elementwise sum of ``x`` over ranks through the transport's native op.
+
+        Counted as ``x``'s bytes once to every other rank (what a direct exchange moves); the
+        native algorithm may move a different amount.
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"expected x to be a torch.Tensor, got {type(x).__name__}")
+        x = x.contiguous()
+        out = self._allreduce(x)
+        nbytes = x.numel() * x.element_size()
+        for j in range(self.size):
+            if j != self.rank:
+                self.counters.sent[j] += nbytes
+                self.counters.received[j] += nbytes
+        return out
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches the barrier."""
+        self._barrier()
+
+    # -- defaults built on _sendrecv ---------------------------------------------------------
+
+    def _alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = [torch.empty(0)] * self.size
+        out[self.rank] = bufs[self.rank]
+        for r in range(1, self.size):
+            dest, source = (self.rank + r) % self.size, (self.rank - r) % self.size
+            recv = torch.empty(sizes[source], dtype=torch.uint8, device=bufs[dest].device)
+            out[source] = self._sendrecv(bufs[dest], dest, recv, source)
+        return out
+
+    def _allgatherv(self, buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        return self._alltoallv([buf] * self.size, sizes)
+
+    # -- what adapters provide ---------------------------------------------------------------
+
+    def _send(self, buf: torch.Tensor, dest: int) -> None:
+        raise NotImplementedError
+
+    def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _sendrecv(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int
+                  ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _barrier(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,108 @@
+"""MPI transport through mpi4py (MPICH from PyPI: ``pip install "bitcomm[mpi]"``).
+
+Buffers travel as ``MPI.BYTE``. CPU tensors are handed to MPI without a copy (their numpy view);
+CUDA tensors are staged through host memory, unless ``cuda_aware=True`` says the MPI library
+reads device memory itself (it is then given the tensor through DLPack). ``alltoallv`` and
+``allgatherv`` use MPI's native ``Alltoallv``/``Allgatherv``; ``allreduce`` is ``MPI.SUM``.
+
+MPI has no timeouts: launch with ``mpiexec -n N python -m mpi4py script.py`` so that an uncaught
+exception on one rank aborts them all instead of leaving the others blocked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bitcomm.comm.base import Comm
+
+__all__ = ["MPIComm"]
+
+_TAG = 0x6263  # "bc": keeps bitcomm's point-to-point traffic apart from the application's
+
+
+class MPIComm(Comm):
+    """A :class:`~bitcomm.comm.base.Comm` over an ``mpi4py`` communicator.
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm``; ``MPI.COMM_WORLD`` by default.
+        cuda_aware: the MPI library accepts CUDA buffers, so do not stage them through the host.
+
+    """
+
+    def __init__(self, comm=None, *, cuda_aware: bool = False):  # noqa: ANN001 - mpi4py type
+        from mpi4py import MPI  # optional dependency: imported only when MPI is used
+
+        self._MPI = MPI
+        self.mpi = MPI.COMM_WORLD if comm is None else comm
+        self.cuda_aware = cuda_aware
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size())
+
+    def _out(self, buf: torch.Tensor):  # noqa: ANN202 - a buffer spec for mpi4py
+        if buf.device.type == "cpu":
+            return [buf.numpy(), self._MPI.BYTE]
+        if self.cuda_aware:
+            return [buf, self._MPI.BYTE]
+        return [buf.cpu().numpy(), self._MPI.BYTE]
+
+    def _into(self, out: torch.Tensor) -> tuple[object, torch.Tensor | None]:
+        # (buffer spec to receive into, host staging tensor to copy back from or None)
+        if out.device.type == "cpu" or self.cuda_aware:
+            return ([out.numpy() if out.device.type == "cpu" else out, self._MPI.BYTE], None)
+        host = torch.empty(out.numel(), dtype=torch.uint8)
+        return [host.numpy(), self._MPI.BYTE], host
+
+    def _send(self, buf: torch.Tensor, dest: int) -> None:
+        self.mpi.Send(self._out(buf), dest=dest, tag=_TAG)
+
+    def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
+        spec, host = self._into(out)
+        status = self._MPI.Status()
+        self.mpi.Recv(spec, source=source, tag=_TAG, status=status)
+        got = status.Get_count(self._MPI.BYTE)
+        if got != out.numel():
+            raise ValueError(f"rank {self.rank} expected {out.numel()} bytes from rank {source}, "
+                             f"got {got}")
+        return out if host is None else out.copy_(host)
+
+    def _sendrecv(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int
+                  ) -> torch.Tensor:
+        spec, host = self._into(out)
+        self.mpi.Sendrecv(self._out(buf), dest=dest, sendtag=_TAG, recvbuf=spec, source=source,
+                          recvtag=_TAG)
+        return out if host is None else out.copy_(host)
+
+    def _alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+        send = torch.cat([b.cpu() for b in bufs]) if bufs else torch.empty(0, dtype=torch.uint8)
+        scounts = [b.numel() for b in bufs]
+        recv = torch.empty(sum(sizes), dtype=torch.uint8)
+        self.mpi.Alltoallv([send.numpy(), (scounts, _displs(scounts)), self._MPI.BYTE],
+                           [recv.numpy(), (sizes, _displs(sizes)), self._MPI.BYTE])
+        device = bufs[self.rank].device
+        return [p.to(device) for p in torch.split(recv, sizes)]
+
+    def _allgatherv(self, buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        recv = torch.empty(sum(sizes), dtype=torch.uint8)
+        self.mpi.Allgatherv([buf.cpu().numpy(), self._MPI.BYTE],
+                            [recv.numpy(), (sizes, _displs(sizes)), self._MPI.BYTE])
+        return [p.to(buf.device) for p in torch.split(recv, sizes)]
+
+    def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        host = x.detach().cpu().contiguous()
+        if host.dtype in (torch.float16, torch.bfloat16):
+            raise TypeError(f"expected a float32/float64/integer tensor for MPI allreduce, got "
+                            f"{x.dtype}")
+        out = np.empty_like(host.numpy())
+        self.mpi.Allreduce(host.numpy(), out, op=self._MPI.SUM)
+        return torch.from_numpy(out).to(x.device)
+
+    def _barrier(self) -> None:
+        self.mpi.Barrier()
+
+
+def _displs(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out

@@ -1,0 +1,73 @@
+"""torch.distributed transport: gloo on CPU, NCCL on GPU (GPU tensors stay on the GPU).
+
+Point-to-point exchanges use ``batch_isend_irecv``; ``alltoallv``/``allgatherv`` use the
+pairwise rounds of :class:`~bitcomm.comm.base.Comm` (both backends take uneven sizes that way);
+``allreduce`` is ``dist.all_reduce``. With gloo, CUDA tensors are staged through the host; with
+NCCL, CPU tensors are moved to the rank's current CUDA device for the exchange. Waits are bounded
+by the process group's ``timeout`` (``init_process_group(timeout=...)``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from bitcomm.comm.base import Comm
+
+__all__ = ["TorchComm"]
+
+
+class TorchComm(Comm):
+    """A :class:`~bitcomm.comm.base.Comm` over an initialised torch.distributed process group.
+
+    Args:
+        group: the process group; the default (world) group when ``None``.
+
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("expected torch.distributed to be initialised "
+                               "(call dist.init_process_group first)")
+        self.group = group
+        backend = dist.get_backend(group)
+        self.wire = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                     else torch.device("cpu"))
+        super().__init__(dist.get_rank(group), dist.get_world_size(group))
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _ops(self, buf: torch.Tensor | None, dest: int, out: torch.Tensor | None, source: int
+             ) -> torch.Tensor | None:
+        # Empty messages are skipped on both sides (each side knows the size), since some
+        # backends reject zero-element tensors.
+        ops, staged = [], None
+        if buf is not None and buf.numel():
+            ops.append(dist.P2POp(dist.isend, buf.to(self.wire), self._global(dest), self.group))
+        if out is not None and out.numel():
+            staged = out if out.device == self.wire else torch.empty_like(out, device=self.wire)
+            ops.append(dist.P2POp(dist.irecv, staged, self._global(source), self.group))
+        for req in dist.batch_isend_irecv(ops) if ops else []:
+            req.wait()
+        if out is not None and staged is not None and staged is not out:
+            out.copy_(staged)
+        return out
+
+    def _send(self, buf: torch.Tensor, dest: int) -> None:
+        self._ops(buf, dest, None, dest)
+
+    def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
+        return self._ops(None, source, out, source)
+
+    def _sendrecv(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int
+                  ) -> torch.Tensor:
+        return self._ops(buf, dest, out, source)
+
+    def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.to(self.wire, copy=True)
+        dist.all_reduce(t, group=self.group)
+        return t.to(x.device)
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)

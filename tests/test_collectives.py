@@ -1,0 +1,298 @@
+import math
+
+import pytest
+import torch
+
+from bitcomm.codecs import counts, sparse
+from bitcomm.collectives import (
+    OneBitState,
+    allreduce,
+    allreduce_bytes,
+    alltoall_majority,
+    alltoall_majority_bytes,
+    onebit_allreduce,
+    onebit_allreduce_bytes,
+    ring_majority,
+    ring_majority_bytes,
+    sparse_allgather,
+    sparse_allgather_bytes,
+)
+from bitcomm.comm import run_local
+
+SIZES = [1, 2, 3, 4, 5, 8]
+
+
+def inputs(size, n, seed, zeros=True):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=g) for _ in range(size)]
+    if zeros and n:
+        for r, x in enumerate(xs):  # +0 and -0 vote +1
+            x[r % n] = 0.0 if r % 2 else -0.0
+    return xs
+
+
+def brute_majority(xs, tie="negative"):
+    votes = torch.stack([(x >= 0).to(torch.int64) for x in xs]).sum(0)
+    n = len(xs)
+    plus = 2 * votes > n if tie == "negative" else 2 * votes >= n
+    return plus.float() * 2 - 1
+
+
+def identical(results):
+    """Bit-identical on every rank (compares the raw bytes, so -0.0 != 0.0 and NaNs count)."""
+    first = results[0].contiguous().view(torch.uint8)
+    return all(torch.equal(first, r.contiguous().view(torch.uint8)) for r in results[1:])
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_majority_equals_brute_force(size):
+    for n in sorted({0, 1, max(size - 1, 0), size, 1000, 2**20 + 3}):
+        xs = inputs(size, n, seed=size * 7 + n)
+        for tie in ("negative", "positive"):
+            expect = brute_majority(xs, tie)
+            if size % 2 == 0 and n >= 1000:
+                # the inputs really hold ties, so the tie rule is exercised
+                votes = torch.stack([(x >= 0).long() for x in xs]).sum(0)
+                assert bool((2 * votes == size).any())
+            for fn, kw in ((ring_majority, {"packing": "fixed"}),
+                           (ring_majority, {"packing": "radix"}),
+                           (alltoall_majority, {})):
+                out = run_local(lambda c, f=fn, kw=kw, t=tie: f(c, xs[c.rank], tie=t, **kw),
+                                size, timeout=60)
+                assert identical(out)
+                assert torch.equal(out[0], expect), (fn.__name__, kw, n, tie)
+
+
+def test_majority_keeps_shape_dtype_and_packs():
+    xs = [x.reshape(3, 4).double() for x in inputs(3, 12, seed=1)]
+    out = run_local(lambda c: ring_majority(c, xs[c.rank]), 3)
+    assert out[0].shape == (3, 4) and out[0].dtype == torch.float64
+    packed = run_local(lambda c: ring_majority(c, xs[c.rank], packed=True), 3)
+    bits = torch.tensor([int(b) for byte in packed[0].tolist() for b in f"{byte:08b}"][:12],
+                        dtype=torch.float64) * 2 - 1
+    assert torch.equal(bits, out[0].reshape(-1))
+    assert packed[0].numel() == 2
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+@pytest.mark.parametrize("check", [True, False])
+def test_wire_bytes_equal_the_formulas(size, check):
+    for n in (0, 1, 7, 1000, 4099):
+        xs = inputs(size, n, seed=n)
+        for packing in counts.PACKINGS:
+            got = run_local(lambda c, p=packing: (ring_majority(c, xs[c.rank], packing=p,
+                                                                 check=check),
+                                                  c.counters)[1], size)
+            for r, cnt in enumerate(got):
+                assert cnt.total_sent == ring_majority_bytes(n, size, r, packing=packing,
+                                                             check=check)
+            assert sum(c.total_sent for c in got) == sum(c.total_received for c in got)
+        got = run_local(lambda c: (alltoall_majority(c, xs[c.rank], check=check),
+                                   c.counters)[1], size)
+        for r, cnt in enumerate(got):
+            assert cnt.total_sent == alltoall_majority_bytes(n, size, r, check=check)
+        got = run_local(lambda c: (allreduce(c, xs[c.rank], check=check), c.counters)[1], size)
+        assert all(c.total_sent == allreduce_bytes(n, size, check=check) for c in got)
+        states = [OneBitState(n, size) for _ in range(size)]
+        got = run_local(lambda c: (onebit_allreduce(c, xs[c.rank], states[c.rank], check=check),
+                                   c.counters)[1], size)
+        assert all(c.total_sent == onebit_allreduce_bytes(n, size, check=check) for c in got)
+        k = min(n, 5)
+        got = run_local(lambda c: (sparse_allgather(c, xs[c.rank], k, fmt="qsgd", seed=1,
+                                                    check=check), c.counters)[1], size)
+        frame = sparse.encoded_size(n, k, "qsgd", bits=4)
+        assert all(c.total_sent == sparse_allgather_bytes(frame, size, check=check)
+                   for c in got)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 8])
+def test_ring_bytes_match_the_paper(size):
+    # 004_593a15e1fafc2f55.txt, Section 3: K/N counts at ceil(log2(i+1)) bits at step i, then
+    # N-1 one-bit chunks; in bits, for K a multiple of 8N.
+    k = 8 * size * 25
+    paper_bits = k // size * sum(math.ceil(math.log2(i + 1)) for i in range(1, size))
+    paper_bits += (size - 1) * k // size
+    for r in range(size):
+        assert ring_majority_bytes(k, size, r, check=False) * 8 == paper_bits
+    # the radix packing of three ranks' counts: steps 1 (1 bit) and 2 (base 3, 1.6 bits)
+    if size == 3:
+        assert ring_majority_bytes(k, 3, 0, packing="radix", check=False) < k * 2 // 8 * 3 // 3
+
+
+def test_dense_allreduce_sums_in_rank_order():
+    xs = inputs(5, 333, seed=4)
+    out = run_local(lambda c: allreduce(c, xs[c.rank]), 5)
+    expect = xs[0].clone()
+    for x in xs[1:]:
+        expect += x
+    assert identical(out) and torch.equal(out[0], expect)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
+def test_sparse_allgather_sums_top_k(fmt):
+    size, n, k = 4, 1000, 37
+    xs = inputs(size, n, seed=8, zeros=False)
+    out = run_local(lambda c: sparse_allgather(c, xs[c.rank], k, fmt=fmt), size)
+    expect = torch.zeros(n)
+    for x in xs:
+        idx = torch.topk(x.abs(), k).indices  # random normals: no ties
+        vals = x[idx] if fmt == "fp32" else x[idx].half().float()
+        expect.index_add_(0, idx, vals)
+    dense = [d for d, _ in out]
+    assert identical(dense)
+    assert torch.allclose(dense[0], expect, rtol=0, atol=1e-6)
+    for (_, (idx, _vals)), x in zip(out, xs, strict=True):
+        assert sorted(idx.tolist()) == sorted(torch.topk(x.abs(), k).indices.tolist())
+
+
+@pytest.mark.parametrize("fmt", ["qsgd", "mean"])
+def test_sparse_allgather_sum_of_what_was_sent(fmt):
+    size, n, k = 3, 5000, 100
+    xs = inputs(size, n, seed=9, zeros=False)
+    for side in ("top", "bottom"):
+        out = run_local(lambda c, s=side: sparse_allgather(c, xs[c.rank], k, fmt=fmt, side=s,
+                                                           seed=3), size)
+        expect = torch.zeros(n)
+        for _, (idx, vals) in out:
+            expect.index_add_(0, idx.long(), vals)
+        assert identical([d for d, _ in out])
+        assert torch.equal(out[0][0], expect)
+        if fmt == "mean":
+            for (_, (idx, vals)), x in zip(out, xs, strict=True):
+                sel = x[idx.long()]
+                assert bool((sel > 0).all()) if side == "top" else bool((sel < 0).all())
+                assert torch.allclose(vals, sel.mean().expand_as(vals))
+
+
+def onebit_reference(xs, worker_errors, server_errors):
+    """DeepSpeed's compressed_allreduce for all ranks at once, written from its algorithm."""
+    size = len(xs)
+    length = worker_errors[0].numel()
+    chunk = length // size
+    signs, scales = [], []
+    for r, x in enumerate(xs):
+        buf = torch.zeros(length)
+        buf[: x.numel()] = x.reshape(-1)
+        buf += worker_errors[r]
+        scale = buf.norm() / math.sqrt(length)
+        pm = torch.where(buf >= 0, 1.0, -1.0)
+        worker_errors[r] = buf - scale * pm
+        signs.append(pm)
+        scales.append(scale)
+    server_signs, server_scales = [], []
+    for r in range(size):
+        comp = sum(signs[j][r * chunk:(r + 1) * chunk] * (scales[j] / size) for j in range(size))
+        comp = comp + server_errors[r]
+        scale = comp.norm() / math.sqrt(chunk)
+        pm = torch.where(comp >= 0, 1.0, -1.0)
+        server_errors[r] = comp - scale * pm
+        server_signs.append(pm)
+        server_scales.append(scale)
+    out = torch.cat([server_scales[r] * server_signs[r] for r in range(size)])
+    return out[: xs[0].numel()].reshape(xs[0].shape)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_onebit_allreduce_matches_reference_over_calls(size):
+    n = 1001
+    states = [OneBitState(n, size) for _ in range(size)]
+    werr = [torch.zeros_like(states[0].worker_error) for _ in range(size)]
+    serr = [torch.zeros_like(states[0].server_error) for _ in range(size)]
+    assert states[0].worker_error.numel() % (size * math.lcm(size, 8)) == 0
+    for step in range(4):
+        xs = [x.reshape(7, 143) for x in inputs(size, n, seed=100 + step)]
+        out = run_local(lambda c: onebit_allreduce(c, xs[c.rank], states[c.rank]), size)
+        expect = onebit_reference(xs, werr, serr)
+        assert identical(out)
+        assert out[0].shape == (7, 143)
+        torch.testing.assert_close(out[0], expect, rtol=1e-5, atol=1e-6)
+        for r in range(size):
+            torch.testing.assert_close(states[r].worker_error, werr[r], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(states[r].server_error, serr[r], rtol=1e-5, atol=1e-6)
+
+
+def test_onebit_state_round_trip_and_checks():
+    s = OneBitState(10, 3)
+    s.worker_error.normal_()
+    t = OneBitState(10, 3)
+    t.load_state_dict(s.state_dict())
+    assert torch.equal(t.worker_error, s.worker_error)
+    with pytest.raises(ValueError, match="multiple of 8 \\* size = 24"):
+        OneBitState(10, 3, length=30)
+    with pytest.raises(ValueError, match="expected a state for numel=11, size=3, got numel=10"):
+        OneBitState(11, 3).load_state_dict(s.state_dict())
+
+
+ALL = {
+    "ring": lambda c, x: ring_majority(c, x),
+    "alltoall": lambda c, x: alltoall_majority(c, x),
+    "onebit": lambda c, x: onebit_allreduce(c, x, OneBitState(8, c.size)),
+    "sparse": lambda c, x: sparse_allgather(c, x, 2),
+    "dense": lambda c, x: allreduce(c, x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_bad_input_raises_on_every_rank(name):
+    fn = ALL[name]
+
+    def with_nan(c):
+        x = torch.ones(8)
+        if c.rank == 2:
+            x[3] = float("nan")
+        return fn(c, x)
+    out = run_local(with_nan, 4, return_exceptions=True, timeout=10)
+    assert all(isinstance(e, ValueError) and "NaN or inf on rank(s) [2]" in str(e) for e in out)
+
+    def uneven(c):
+        return fn(c, torch.ones(8 + (c.rank == 1)))
+    out = run_local(uneven, 3, return_exceptions=True, timeout=10)
+    assert all(isinstance(e, ValueError) and "[8, 9, 8]" in str(e) for e in out)
+
+    def ints(c):
+        return fn(c, torch.ones(8, dtype=torch.int32) if c.rank == 0 else torch.ones(8))
+    out = run_local(ints, 3, return_exceptions=True, timeout=10)
+    assert all(isinstance(e, TypeError) and "rank(s) [0]" in str(e) for e in out)
+
+
+def test_unchecked_input_skips_the_agreement():
+    x = torch.ones(8)
+    x[0] = float("inf")
+    out = run_local(lambda c: (ring_majority(c, x, check=False), c.counters.total_sent), 3)
+    assert out[0][1] == ring_majority_bytes(8, 3, 0, check=False)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="tie in"):
+        run_local(lambda c: ring_majority(c, torch.ones(3), tie="up"), 1)
+    with pytest.raises(ValueError, match="packing in"):
+        run_local(lambda c: ring_majority(c, torch.ones(3), packing="zip"), 1)
+    with pytest.raises(ValueError, match="fmt in"):
+        run_local(lambda c: sparse_allgather(c, torch.ones(3), 1, fmt="fp8"), 1)
+    with pytest.raises(ValueError, match="k <= 3"):
+        run_local(lambda c: sparse_allgather(c, torch.ones(3), 4), 1)
+    with pytest.raises(TypeError, match="OneBitState"):
+        run_local(lambda c: onebit_allreduce(c, torch.ones(3), None), 1)
+
+
+def test_a_failing_rank_stops_the_others_quickly():
+    def fn(c):
+        if c.rank == 1:
+            raise RuntimeError("boom")
+        return ring_majority(c, torch.ones(100))
+    out = run_local(fn, 4, return_exceptions=True, timeout=30)
+    assert str(out[1]) == "boom"
+    assert all(isinstance(e, RuntimeError) and "rank 1 failed" in str(e)
+               for r, e in enumerate(out) if r != 1)
+
+
+def test_a_silent_rank_makes_the_others_time_out():
+    def fn(c):
+        if c.rank == 0:
+            return None  # never joins
+        return ring_majority(c, torch.ones(100))
+    out = run_local(fn, 3, return_exceptions=True, timeout=0.5)
+    # the first rank to give up times out; it then releases the other at its next wait
+    assert any(isinstance(e, TimeoutError) for e in out[1:])
+    assert all(isinstance(e, (TimeoutError, RuntimeError)) and "waited 0.5 s for 16 bytes from "
+               "rank 0" in str(e) for e in out[1:])
