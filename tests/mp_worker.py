@@ -1,0 +1,145 @@
+"""One rank of the multi-process collective checks (launched by test_multiprocess.py).
+
+    mpiexec -n N python -m mpi4py tests/mp_worker.py mpi [check|fault]
+    RANK=r WORLD_SIZE=N BITCOMM_STORE=path python tests/mp_worker.py torch [check|fault]
+
+Every rank builds every rank's input from one seed, so it can compute the expected result
+itself; results are also compared byte for byte across ranks. Any failure raises (under
+``python -m mpi4py`` that aborts every rank); success prints ``OK rank R``.
+"""
+
+import datetime
+import os
+import sys
+
+import torch
+
+from bitcomm.codecs import sparse
+from bitcomm.collectives import (
+    OneBitState,
+    allreduce,
+    allreduce_bytes,
+    alltoall_majority,
+    alltoall_majority_bytes,
+    onebit_allreduce,
+    onebit_allreduce_bytes,
+    ring_majority,
+    ring_majority_bytes,
+    sparse_allgather,
+    sparse_allgather_bytes,
+)
+from test_collectives import brute_majority, inputs, onebit_reference
+
+
+def make_comm(kind):
+    if kind == "mpi":
+        from bitcomm.comm.mpi import MPIComm
+        return MPIComm()
+    import torch.distributed as dist
+
+    from bitcomm.comm.torchdist import TorchComm
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['BITCOMM_STORE']}",
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=20))
+    return TorchComm()
+
+
+def same_everywhere(comm, t):
+    if t.numel() == 0:
+        return
+    raw = t.reshape(-1).clone().view(torch.uint8)
+    for other in comm.allgatherv(raw, [raw.numel()] * comm.size):
+        assert torch.equal(other, raw), f"rank {comm.rank}: results differ across ranks"
+
+
+def counted(comm, fn):
+    comm.counters.reset()
+    out = fn()
+    return out, comm.counters.total_sent
+
+
+def check(comm):
+    size, rank = comm.size, comm.rank
+    for n in sorted({0, 1, max(size - 1, 0), size, 1000, 2**16 + 3}):
+        xs = inputs(size, n, seed=n + 17 * size)
+        x = xs[rank]
+        for tie in ("negative", "positive"):
+            expect = brute_majority(xs, tie)
+            for packing in ("fixed", "radix"):
+                out, sent = counted(comm, lambda p=packing, t=tie: ring_majority(
+                    comm, x, packing=p, tie=t))
+                assert torch.equal(out, expect), (n, packing, tie)
+                assert sent == ring_majority_bytes(n, size, rank, packing=packing), (n, sent)
+            out, sent = counted(comm, lambda t=tie: alltoall_majority(comm, x, tie=t))
+            assert torch.equal(out, expect) and sent == alltoall_majority_bytes(n, size, rank)
+        out, sent = counted(comm, lambda: allreduce(comm, x))
+        same_everywhere(comm, out)
+        assert torch.allclose(out, sum(xs), atol=1e-5) and sent == allreduce_bytes(n, size)
+        k = min(n, 9)
+        for fmt in ("fp32", "qsgd", "mean"):
+            (dense, _), sent = counted(comm, lambda f=fmt: sparse_allgather(
+                comm, x, k, fmt=f, seed=5))
+            same_everywhere(comm, dense)
+            if fmt != "mean":
+                assert sent == sparse_allgather_bytes(sparse.encoded_size(n, k, fmt), size)
+    # 1-bit allreduce over consecutive calls against the single-process reference
+    n = 777
+    state = OneBitState(n, size)
+    werr = [torch.zeros_like(state.worker_error) for _ in range(size)]
+    serr = [torch.zeros_like(state.server_error) for _ in range(size)]
+    for step in range(3):
+        xs = inputs(size, n, seed=300 + step)
+        out, sent = counted(comm, lambda xs=xs: onebit_allreduce(comm, xs[rank], state))
+        expect = onebit_reference(xs, werr, serr)
+        same_everywhere(comm, out)
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state.worker_error, werr[rank], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state.server_error, serr[rank], rtol=1e-5, atol=1e-6)
+        assert sent == onebit_allreduce_bytes(n, size)
+    # bad input on one rank raises the same error on every rank, and the group stays usable
+    for fn in (ring_majority, alltoall_majority, allreduce):
+        x = torch.ones(10)
+        if rank == size - 1:
+            x[4] = float("nan")
+        try:
+            fn(comm, x)
+        except ValueError as e:
+            assert f"NaN or inf on rank(s) [{size - 1}]" in str(e), str(e)
+        else:
+            raise AssertionError(f"{fn.__name__} accepted NaN")
+        try:
+            fn(comm, torch.ones(10 + (rank == 0)))
+        except ValueError as e:
+            assert "same number of elements" in str(e), str(e)
+        else:
+            raise AssertionError(f"{fn.__name__} accepted uneven lengths")
+    assert torch.equal(ring_majority(comm, torch.ones(5)), torch.ones(5))
+
+
+def fault(comm):
+    # Rank 1 fails inside the ring, at its second step (after the agreement and one step), while
+    # the others wait for it; they must not hang.
+    if comm.rank == 1:
+        calls = []
+        plain = comm.sendrecv
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("rank 1 fails on purpose at ring step 2")
+            return plain(*args)
+        comm.sendrecv = failing
+    ring_majority(comm, torch.ones(1 << 16))
+
+
+def main():
+    kind, mode = sys.argv[1], sys.argv[2]
+    comm = make_comm(kind)
+    (check if mode == "check" else fault)(comm)
+    comm.barrier()
+    print(f"OK rank {comm.rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The collectives across real processes: MPI (mpiexec + mpi4py) and torch.distributed gloo.
+
+Each run executes tests/mp_worker.py on every rank under a wall-clock limit, so a hang fails
+the test instead of stalling the suite.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("mp_worker.py")
+MPIEXEC = Path(sys.executable).with_name("mpiexec")
+LIMIT = 150  # seconds for one launch, all ranks
+
+
+def env():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), str(WORKER.parent.parent),
+                                       e.get("PYTHONPATH", "")])
+    e["OMP_NUM_THREADS"] = "1"  # 8 ranks on 2 cores: no thread oversubscription
+    return e
+
+
+def run_mpi(size, mode):
+    if not MPIEXEC.exists():
+        pytest.skip(f"mpiexec not installed next to {sys.executable} (pip install 'bitcomm[mpi]')")
+    cmd = [str(MPIEXEC), "-n", str(size), sys.executable, "-m", "mpi4py", str(WORKER), "mpi",
+           mode]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=env())
+
+
+def run_gloo(size, mode, tmp_path):
+    e = env()
+    e.update(WORLD_SIZE=str(size), BITCOMM_STORE=str(tmp_path / "store"))
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "torch", mode],
+                              env={**e, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(size)]
+    outs, codes = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=LIMIT)
+            outs.append(out)
+            codes.append(p.returncode)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return codes, "\n".join(outs)
+
+
+@pytest.mark.timeout(LIMIT + 30)
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 8])
+def test_collectives_under_mpiexec(size):
+    r = run_mpi(size, "check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # ranks share stdout, so lines may run together: find the marks anywhere
+    assert sorted(map(int, re.findall(r"OK rank (\d+)", r.stdout))) == list(range(size))
+
+
+@pytest.mark.timeout(LIMIT + 30)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_collectives_under_gloo(size, tmp_path):
+    codes, out = run_gloo(size, "check", tmp_path)
+    assert codes == [0] * size, out
+    assert all(f"OK rank {i}" in out for i in range(size))
+
+
+@pytest.mark.timeout(LIMIT + 30)
+def test_a_failing_mpi_rank_aborts_the_job():
+    r = run_mpi(3, "fault")
+    assert r.returncode != 0
+    assert "rank 1 fails on purpose at ring step 2" in r.stdout + r.stderr
+    assert "OK rank" not in r.stdout
+
+
+@pytest.mark.timeout(LIMIT + 30)
+def test_a_failing_gloo_rank_fails_the_others(tmp_path):
+    codes, out = run_gloo(3, "fault", tmp_path)
+    assert all(c != 0 for c in codes), out
+    assert "rank 1 fails on purpose at ring step 2" in out
+    assert "OK rank" not in out
