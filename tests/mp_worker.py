@@ -13,6 +13,7 @@ import os
 import sys
 
 import torch
+from test_collectives import brute_majority, inputs, onebit_reference
 
 from bitcomm.codecs import sparse
 from bitcomm.collectives import (
@@ -28,7 +29,6 @@ from bitcomm.collectives import (
     sparse_allgather,
     sparse_allgather_bytes,
 )
-from test_collectives import brute_majority, inputs, onebit_reference
 
 
 def make_comm(kind):
