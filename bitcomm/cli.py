@@ -62,7 +62,7 @@ def main() -> None:
 
 @main.group()
 def bench() -> None:
-    """Measure codecs (and, later, collectives) and save the numbers."""
+    """Measure codecs and collectives and save the numbers."""
 
 
 @bench.command("codecs")
@@ -77,12 +77,8 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, out_dir: str) -
     """Encode/decode throughput of every codec, as ratios to numpy anchors in the same run."""
     from bitcomm.bench import codecs as bench_mod
 
-    config = {
+    config = _machine() | {
         "sizes": list(sizes), "repeat": repeat, "seed": seed,
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(), "machine": platform.machine(),
-        "python": platform.python_version(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     click.echo("# bitcomm bench codecs: " + " ".join(f"{k}={v}" for k, v in config.items()))
     click.echo("# GB/s of fp32 input (4 bytes/element, GB = 1e9); ratio = anchor time / time")
@@ -101,23 +97,124 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, out_dir: str) -
                    f"{row.anchor:<11} {target:>7}{flag}")
 
     rows = bench_mod.run(sizes, repeat=repeat, seed=seed, progress=show)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dicts = [r.as_dict() for r in rows]
-    # Strict JSON: a row without a ratio or target says null, not NaN.
-    strict = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in d.items()}
-              for d in dicts]
-    (out / "codecs.json").write_text(
-        json.dumps({"config": config, "rows": strict}, indent=1, allow_nan=False))
-    with open(out / "codecs.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(dicts[0]))
-        writer.writeheader()
-        writer.writerows(dicts)
-    click.echo(f"# wrote {out / 'codecs.json'} and {out / 'codecs.csv'}")
+    _save(Path(out_dir), "codecs", config, [r.as_dict() for r in rows])
     wrong = sum(r.wrong for r in rows)
     if wrong:
         click.echo(f"# {wrong} wrong results: a codec is broken", err=True)
         sys.exit(1)
+
+
+def _machine() -> dict:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(), "machine": platform.machine(),
+            "python": platform.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
+    """Write ``name``.json (strict: NaN becomes null) and ``name``.csv under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    strict = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in d.items()}
+              for d in dicts]
+    (out / f"{name}.json").write_text(
+        json.dumps({"config": config, "rows": strict}, indent=1, allow_nan=False))
+    with open(out / f"{name}.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(dicts[0]) if dicts else [])
+        writer.writeheader()
+        writer.writerows(dicts)
+    click.echo(f"# wrote {out / (name + '.json')} and {out / (name + '.csv')}")
+
+
+_TRANSPORTS = ("mpi", "gloo")
+
+
+@bench.command("collectives")
+@click.option("--ranks", type=click.IntRange(1), default=4, show_default=True,
+              help="Processes to launch (ignored under an existing mpiexec/torchrun job).")
+@click.option("--transport", type=click.Choice(_TRANSPORTS), default="mpi", show_default=True)
+@click.option("--sizes", type=SizeList(), default="1M,8M", show_default=True,
+              help="Comma-separated float32 element counts per rank.")
+@click.option("--repeat", type=click.IntRange(1), default=3, show_default=True,
+              help="Timed repetitions (median per rank, max over ranks) after a warm-up.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for collectives.json and collectives.csv.")
+@click.option("--worker", is_flag=True, hidden=True, help="Run as one rank of a launched job.")
+def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat: int,
+                      seed: int, out_dir: str, worker: bool) -> None:
+    """Time ring vs all-to-all majority, 1-bit allreduce, sparse and dense allreduce."""
+    args = ["--transport", transport, "--sizes", ",".join(map(str, sizes)), "--repeat",
+            str(repeat), "--seed", str(seed), "--out", out_dir]
+    if not worker and "PMI_RANK" not in os.environ and "RANK" not in os.environ:
+        sys.exit(_launch(ranks, transport, args))
+    from bitcomm.bench import collectives as bench_mod
+
+    comm = _worker_comm(transport)
+    config = _machine() | {"ranks": comm.size, "transport": transport, "sizes": list(sizes),
+                           "repeat": repeat, "seed": seed}
+    if comm.rank == 0:
+        click.echo("# bitcomm bench collectives: "
+                   + " ".join(f"{k}={v}" for k, v in config.items()))
+        click.echo("# algbw = 4n bytes / time (GB = 1e9), busbw = algbw * 2(N-1)/N; time = max "
+                   "over ranks of each rank's median")
+        click.echo(f"{'size':>6} {'count':>10} {'collective':<20} {'time(ms)':>10} "
+                   f"{'algbw':>8} {'busbw':>8} {'wire_bytes':>12} {'formula':>12} "
+                   f"{'#wrong':>6} {'vs a2a':>7}")
+
+    def show(row) -> None:
+        speed = "" if row.speedup_vs_alltoall is None else f"{row.speedup_vs_alltoall:.2f}"
+        click.echo(f"{_human(4 * row.n):>6} {row.n:>10} {row.collective:<20} "
+                   f"{row.seconds * 1e3:>10.2f} {row.algbw:>8.3f} {row.busbw:>8.3f} "
+                   f"{row.wire_bytes:>12} {row.expected_bytes:>12} {row.wrong:>6} {speed:>7}",
+                   nl=True)
+
+    rows = bench_mod.run(comm, sizes, repeat=repeat, seed=seed, progress=show)
+    comm.barrier()
+    if comm.rank == 0:
+        _save(Path(out_dir), f"collectives-{transport}-{comm.size}", config,
+              [r.as_dict() for r in rows])
+        wrong = sum(r.wrong for r in rows)
+        if wrong:
+            click.echo(f"# {wrong} wrong results or byte counts: a collective is broken",
+                       err=True)
+            sys.exit(1)
+
+
+def _worker_comm(transport: str):  # noqa: ANN202 - a Comm
+    if transport == "mpi":
+        from bitcomm.comm.mpi import MPIComm
+
+        return MPIComm()
+    import datetime
+
+    import torch.distributed as dist
+
+    from bitcomm.comm.torchdist import TorchComm
+
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['BITCOMM_STORE']}",
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=300))
+    return TorchComm()
+
+
+def _launch(ranks: int, transport: str, args: list[str]) -> int:
+    """Start ``ranks`` worker processes of this command; return the job's exit status."""
+    import subprocess
+    import tempfile
+
+    cmd = [sys.executable, "-m", "bitcomm.cli", "bench", "collectives", "--worker", *args]
+    if transport == "mpi":
+        mpiexec = Path(sys.executable).with_name("mpiexec")
+        if not mpiexec.exists():
+            raise click.ClickException(f"expected mpiexec next to {sys.executable}; install "
+                                       "the mpi extra (pip install 'bitcomm[mpi]')")
+        # python -m mpi4py: an exception on one rank aborts all instead of leaving them blocked
+        cmd = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "mpi4py", *cmd[1:]]
+        return subprocess.run(cmd).returncode
+    with tempfile.TemporaryDirectory(prefix="bitcomm-") as tmp:
+        env = dict(os.environ, WORLD_SIZE=str(ranks), BITCOMM_STORE=f"{tmp}/store")
+        procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r))) for r in range(ranks)]
+        return max(abs(p.wait()) for p in procs)
 
 
 if __name__ == "__main__":  # pragma: no cover

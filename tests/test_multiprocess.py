@@ -83,3 +83,32 @@ def test_a_failing_gloo_rank_fails_the_others(tmp_path):
     assert all(c != 0 for c in codes), out
     assert "rank 1 fails on purpose at ring step 2" in out
     assert "OK rank" not in out
+
+
+@pytest.mark.timeout(LIMIT + 30)
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_bench_collectives_cli(transport, tmp_path):
+    import json
+
+    from bitcomm.collectives import alltoall_majority_bytes, ring_majority_bytes
+
+    if transport == "mpi" and not MPIEXEC.exists():
+        pytest.skip("mpiexec not installed (pip install 'bitcomm[mpi]')")
+    cmd = [sys.executable, "-m", "bitcomm.cli", "bench", "collectives", "--ranks", "3",
+           "--transport", transport, "--sizes", "1000,4K", "--repeat", "1", "--out",
+           str(tmp_path)]
+    e = env()
+    for var in ("RANK", "PMI_RANK"):
+        e.pop(var, None)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=e)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / f"collectives-{transport}-3.json").read_text())
+    rows = {(row["collective"], row["n"]): row for row in data["rows"]}
+    assert len(rows) == 12 and all(row["wrong"] == 0 for row in rows.values())
+    for n in (1000, 4096):
+        assert rows[("ring-majority", n)]["wire_bytes"] == max(
+            ring_majority_bytes(n, 3, rank) for rank in range(3))
+        assert rows[("alltoall-majority", n)]["wire_bytes"] == max(
+            alltoall_majority_bytes(n, 3, rank) for rank in range(3))
+        assert rows[("alltoall-majority", n)]["speedup_vs_alltoall"] == 1.0
+    assert "ring-majority" in r.stdout and "#wrong" in r.stdout

@@ -1,0 +1,167 @@
+"""Collective benchmark: time, algbw, busbw, wire bytes and correctness per collective and size.
+
+Run on every rank of a launched job (``mpiexec -n N python -m mpi4py -m bitcomm.bench.collectives``
+or N torch.distributed gloo processes; ``bitcomm bench collectives`` launches either). Each rank
+holds ``x_r = randn(n)`` from a generator seeded by ``(seed, r)``; each collective is warmed up
+once, then timed ``repeat`` times, each time after a barrier; a rank's time is the median of its
+repetitions and the reported time is the maximum over ranks (the collective ends when the last
+rank has its result). Definitions as nccl-tests: ``algbw = S / t`` with S = 4n bytes (the fp32
+tensor, GB = 1e9), ``busbw = algbw * 2 (N - 1) / N`` (all of these are allreduce-shaped).
+
+``wrong`` counts, per row: elements that differ from the reference (majorities: a brute-force
+count of every rank's votes, which each rank regenerates from the seeds; other collectives: rank
+0's result, compared as bytes), plus 1 if any rank's counted bytes differ from the collective's
+wire-byte formula. ``wire_bytes`` and ``expected_bytes`` are the largest over ranks (the ring's
+uneven chunks make them differ by a few bytes). Only rank 0 returns rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import statistics
+import struct
+import time
+from collections.abc import Callable
+
+import torch
+
+from bitcomm import collectives as col
+from bitcomm.codecs import sparse
+from bitcomm.comm.base import Comm
+
+__all__ = ["Row", "run", "ALGORITHMS", "DEFAULT_SIZES"]
+
+DEFAULT_SIZES = (1 << 20, 8 << 20)
+ALGORITHMS = ("ring-majority", "ring-majority-radix", "alltoall-majority", "onebit-allreduce",
+              "sparse-fp32-1%", "allreduce-fp32")
+"""Collectives the benchmark runs, in order."""
+
+
+@dataclasses.dataclass
+class Row:
+    """One measured row: a collective at one size on ``ranks`` ranks."""
+
+    collective: str
+    ranks: int
+    n: int
+    seconds: float
+    algbw: float
+    busbw: float
+    wire_bytes: int
+    expected_bytes: int
+    wrong: int
+    speedup_vs_alltoall: float | None = None
+
+    def as_dict(self) -> dict:
+        """Return the row as a JSON-friendly dict."""
+        return dataclasses.asdict(self)
+
+
+def _input(seed: int, rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed * 1000003 + rank))
+
+
+def _gather_floats(comm: Comm, value: float) -> list[float]:
+    mine = torch.frombuffer(bytearray(struct.pack("<d", value)), dtype=torch.uint8)
+    return [struct.unpack("<d", bytes(t.tolist()))[0]
+            for t in comm.allgatherv(mine, [8] * comm.size)]
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    return hashlib.sha256(t.reshape(-1).contiguous().cpu().numpy().tobytes()).digest()
+
+
+def _mismatch(comm: Comm, out: torch.Tensor, reference: torch.Tensor | None) -> int:
+    """Elements of ``out`` that differ from ``reference`` (or, without one, from rank 0)."""
+    if reference is not None:
+        local = int((out != reference).sum().item())
+    else:
+        digest = torch.frombuffer(bytearray(_digest(out)), dtype=torch.uint8)
+        first = comm.allgatherv(digest, [32] * comm.size)[0]
+        local = 0 if torch.equal(first, digest) else out.numel()
+    return int(sum(_gather_floats(comm, float(local))))
+
+
+def _majority_reference(seed: int, size: int, n: int) -> torch.Tensor:
+    votes = torch.zeros(n, dtype=torch.int32)
+    for r in range(size):
+        votes += _input(seed, r, n) >= 0
+    return torch.where(2 * votes > size, 1.0, -1.0)
+
+
+def _cases(comm: Comm, x: torch.Tensor) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
+    n, size, rank = x.numel(), comm.size, comm.rank
+    k = max(1, n // 100)
+    state = col.OneBitState(n, size)
+    frame = sparse.encoded_size(n, k, "fp32")
+    return {
+        "ring-majority": (lambda: col.ring_majority(comm, x),
+                          col.ring_majority_bytes(n, size, rank)),
+        "ring-majority-radix": (lambda: col.ring_majority(comm, x, packing="radix"),
+                                col.ring_majority_bytes(n, size, rank, packing="radix")),
+        "alltoall-majority": (lambda: col.alltoall_majority(comm, x),
+                              col.alltoall_majority_bytes(n, size, rank)),
+        "onebit-allreduce": (lambda: col.onebit_allreduce(comm, x, state),
+                             col.onebit_allreduce_bytes(n, size)),
+        "sparse-fp32-1%": (lambda: col.sparse_allgather(comm, x, k)[0],
+                           col.sparse_allgather_bytes(frame, size)),
+        "allreduce-fp32": (lambda: col.allreduce(comm, x), col.allreduce_bytes(n, size)),
+    }
+
+
+def run(comm: Comm, sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeat: int = 3, seed: int = 0,
+        algorithms: tuple[str, ...] = ALGORITHMS,
+        progress: Callable[[Row], None] | None = None) -> list[Row] | None:
+    """Benchmark ``algorithms`` at ``sizes`` on every rank; return the rows on rank 0.
+
+    Args:
+        comm: the transport (every rank calls this with the same arguments).
+        sizes: float32 element counts.
+        repeat: timed repetitions (median per rank) after one warm-up.
+        seed: seed of the inputs.
+        algorithms: names from :data:`ALGORITHMS`.
+        progress: called on rank 0 with each row as soon as it is measured.
+
+    """
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        raise ValueError(f"expected algorithms from {ALGORITHMS}, got {unknown}")
+    rows: list[Row] = []
+    for n in sizes:
+        x = _input(seed, comm.rank, n)
+        cases = _cases(comm, x)
+        majority = (_majority_reference(seed, comm.size, n)
+                    if any("majority" in a for a in algorithms) else None)
+        measured: dict[str, Row] = {}
+        for name in algorithms:
+            fn, expected = cases[name]
+            comm.counters.reset()
+            out = fn()  # warm-up, also the checked result
+            sent = comm.counters.total_sent
+            reference = majority if "majority" in name else None
+            wrong = _mismatch(comm, out, reference)
+            wrong += int(sum(_gather_floats(comm, float(sent != expected))))
+            times = []
+            for _ in range(repeat):
+                comm.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            seconds = max(_gather_floats(comm, statistics.median(times)))
+            algbw = 4 * n / seconds / 1e9 if seconds > 0 else 0.0
+            row = Row(name, comm.size, n, seconds, algbw,
+                      algbw * 2 * (comm.size - 1) / comm.size,
+                      int(max(_gather_floats(comm, float(sent)))),
+                      int(max(_gather_floats(comm, float(expected)))), wrong)
+            measured[name] = row
+            if comm.rank == 0:
+                rows.append(row)
+        base = measured.get("alltoall-majority")
+        for row in measured.values():
+            if base is not None and row.seconds > 0:
+                row.speedup_vs_alltoall = base.seconds / row.seconds
+        if comm.rank == 0 and progress is not None:
+            for row in measured.values():
+                progress(row)
+    return rows if comm.rank == 0 else None
