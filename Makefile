@@ -6,16 +6,21 @@ VENV ?= .venv
 # range is already satisfied and pip does not fetch a multi-GB CUDA build (ENVIRONMENT.md).
 # Override with `make TORCH_SPEC= test` to let pip choose.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo torch==2.13.0)
+# DeepSpeed's own 1-bit compressed allreduce is the reference the tests compare against. Its
+# newer releases dropped it; 0.17.6 builds without ops and without fetching torch again only
+# with DS_BUILD_OPS=0 and --no-build-isolation (ENVIRONMENT.md), so it is installed here.
+DEEPSPEED_SPEC ?= deepspeed==0.17.6
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.bitcomm-installed
 
 .PHONY: run test bench lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(BIN)/python -m pip install -q "$(TORCH_SPEC)")
 	$(BIN)/python -m pip install -q -e ".[dev,mpi]"
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -33,10 +33,11 @@ def run_mpi(size, mode):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=env())
 
 
-def run_gloo(size, mode, tmp_path):
+def run_gloo(size, mode, tmp_path, script=WORKER):
     e = env()
     e.update(WORLD_SIZE=str(size), BITCOMM_STORE=str(tmp_path / "store"))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "torch", mode],
+    args = [str(script)] if script != WORKER else [str(WORKER), "torch", mode]
+    procs = [subprocess.Popen([sys.executable, *args],
                               env={**e, "RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(size)]
     outs, codes = [], []
@@ -112,3 +113,17 @@ def test_bench_collectives_cli(transport, tmp_path):
             alltoall_majority_bytes(n, 3, rank) for rank in range(3))
         assert rows[("alltoall-majority", n)]["speedup_vs_alltoall"] == 1.0
     assert "ring-majority" in r.stdout and "#wrong" in r.stdout
+
+
+@pytest.mark.timeout(LIMIT + 30)
+@pytest.mark.parametrize("size", [2, 4])
+def test_onebit_allreduce_equals_deepspeed(size, tmp_path):
+    """Outputs and both error buffers equal DeepSpeed 0.17's compressed_allreduce (4 calls)."""
+    import importlib.util
+
+    assert importlib.util.find_spec("deepspeed") is not None, (
+        "DeepSpeed 0.17.6 is the reference for onebit_allreduce; `make test` installs it "
+        "(DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.17.6)")
+    codes, out = run_gloo(size, None, tmp_path, script=WORKER.with_name("ds_worker.py"))
+    assert codes == [0] * size, out
+    assert all(f"OK rank {i}" in out for i in range(size))
