@@ -296,3 +296,25 @@ def test_a_silent_rank_makes_the_others_time_out():
     assert any(isinstance(e, TimeoutError) for e in out[1:])
     assert all(isinstance(e, (TimeoutError, RuntimeError)) and "waited 0.5 s for 16 bytes from "
                "rank 0" in str(e) for e in out[1:])
+
+
+def test_torch_only_codec_path_gives_the_same_results():
+    """The codecs' torch-only path (what CUDA tensors take) changes no collective's result."""
+    from bitcomm.codecs import _frame
+
+    size, n = 4, 10007
+    xs = inputs(size, n, seed=21)
+
+    def fn(c):
+        x = xs[c.rank]
+        return [ring_majority(c, x), ring_majority(c, x, packing="radix"),
+                alltoall_majority(c, x), sparse_allgather(c, x, 100, fmt="qsgd", seed=1)[0],
+                onebit_allreduce(c, x, OneBitState(n, size))]
+    fast = run_local(fn, size)
+    _frame.FORCE_TORCH = True
+    try:
+        slow = run_local(fn, size)
+    finally:
+        _frame.FORCE_TORCH = False
+    for a, b in zip(fast, slow, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))

@@ -50,3 +50,34 @@ def test_decoders_agree():
     frame = sparse.encode(idx, x[idx], x.numel())
     assert torch.equal(sparse.decode(frame)[0], sparse.decode(frame.cuda())[0].cpu())
     assert torch.equal(select.topk(x.abs(), 1000), select.topk(x.abs().cuda(), 1000).cpu())
+
+
+def test_collectives_on_cuda_tensors_match_cpu():
+    """Collectives over the local transport give CUDA results equal to the CPU ones."""
+    from bitcomm.collectives import (
+        OneBitState,
+        allreduce,
+        alltoall_majority,
+        onebit_allreduce,
+        ring_majority,
+        sparse_allgather,
+    )
+    from bitcomm.comm import run_local
+
+    size, n = 4, 10007
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+
+    def every(device):
+        states = [OneBitState(n, size, device) for _ in range(size)]
+
+        def fn(c):
+            x = xs[c.rank].to(device)
+            outs = [ring_majority(c, x), ring_majority(c, x, packing="radix"),
+                    alltoall_majority(c, x), onebit_allreduce(c, x, states[c.rank]),
+                    sparse_allgather(c, x, 100, fmt="qsgd", seed=1)[0], allreduce(c, x)]
+            assert all(o.device.type == torch.device(device).type for o in outs)
+            return [o.cpu() for o in outs]
+        return run_local(fn, size)[0]
+
+    for cpu, gpu in zip(every("cpu"), every("cuda"), strict=True):
+        torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-6)
