@@ -114,6 +114,12 @@ def check(comm):
             assert "same number of elements" in str(e), str(e)
         else:
             raise AssertionError(f"{fn.__name__} accepted uneven lengths")
+        try:
+            fn(comm, torch.ones(10, dtype=torch.int64) if rank == 1 else torch.ones(10))
+        except TypeError as e:
+            assert "rank(s) [1]" in str(e), str(e)
+        else:
+            raise AssertionError(f"{fn.__name__} accepted an integer tensor")
     assert torch.equal(ring_majority(comm, torch.ones(5)), torch.ones(5))
 
 
