@@ -1,0 +1,243 @@
+"""Build a :class:`~bitcomm.netem.topology.Topology` out of Linux network namespaces.
+
+One namespace per rank (``<prefix>-r<rank>``) and per switch (``<prefix>-<switch>``, holding a
+bridge ``br0``); one veth pair per link, created directly inside the two namespaces and named
+``l<index>`` at both ends; ``tc`` shapes the egress of every veth end to the link's rate (``tbf``;
+a ``netem`` parent adds the delay), so each direction of a cable is shaped on its own. Ranks get
+the addresses of :meth:`Topology.address`, forwarding on, and static host routes to every other
+rank's addresses along :meth:`Topology.path`.
+
+Every command runs as an argument list (``subprocess`` without a shell). Teardown deletes the
+namespaces (which deletes their veths and bridges); it runs on leaving the context manager, on
+SIGTERM/SIGINT, and :func:`sweep` removes leftovers of any earlier run (``bitcomm topo down``).
+
+tbf details: ``burst`` is the larger of two MTU-sized frames and 1 ms of the rate, so short
+transfers cannot run much faster than the rate; the queue holds 200 ms of the rate (at least
+64 KiB), so many concurrent flows queue instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+from bitcomm.netem.topology import Link, Topology
+
+__all__ = ["Emulator", "sweep", "requirements", "PREFIX", "EmulatorError"]
+
+PREFIX = "bitcomm-"
+"""Every namespace bitcomm creates starts with this."""
+
+
+class EmulatorError(RuntimeError):
+    """The emulator cannot run here, or a command failed; the message says which and why."""
+
+
+def requirements() -> list[str]:
+    """Return what is missing to build namespaces here (empty when all is there)."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root (network namespaces and tc need CAP_NET_ADMIN; run as root)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            missing.append(f"the {tool!r} command (Debian/Ubuntu: apt-get install iproute2)")
+    return missing
+
+
+def _run(args: list[str], *, input: str | None = None) -> str:
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, input=input, timeout=60)
+    except FileNotFoundError as e:
+        raise EmulatorError(f"cannot run {args[0]!r}: {e}") from None
+    if done.returncode:
+        raise EmulatorError(f"command failed ({done.returncode}): {' '.join(args)}\n"
+                            f"{done.stderr.strip()}")
+    return done.stdout
+
+
+def namespaces() -> list[str]:
+    """Return the names of all network namespaces."""
+    out = _run(["ip", "-j", "netns", "list"]) or "[]"
+    return sorted(entry["name"] for entry in json.loads(out))
+
+
+def sweep(prefix: str = PREFIX) -> list[str]:
+    """Delete every namespace whose name starts with ``prefix``; return the names deleted."""
+    gone = []
+    for ns in namespaces():
+        if ns.startswith(prefix):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=60)
+            gone.append(ns)
+    return gone
+
+
+class Emulator:
+    """A topology brought up in namespaces; use as a context manager.
+
+    Args:
+        topo: the topology.
+        prefix: namespace prefix; a fresh ``bitcomm-<6 hex>`` by default.
+
+    Example::
+
+        with Emulator(load("topology_configs/chain-16.yaml")) as net:
+            net.run(3, ["ping", "-c1", str(net.topo.addresses(9)[0].ip)])
+
+    """
+
+    def __init__(self, topo: Topology, prefix: str | None = None):
+        self.topo = topo
+        self.prefix = prefix or f"{PREFIX}{secrets.token_hex(3)}"
+        if not self.prefix.startswith(PREFIX):
+            raise ValueError(f"expected a prefix starting with {PREFIX!r}, got {self.prefix!r}")
+        self.created: list[str] = []
+        self._old_handlers: dict[int, object] = {}
+
+    # -- names -------------------------------------------------------------------------------
+
+    def ns(self, vertex: int | str) -> str:
+        """Return the namespace of a rank or switch."""
+        return f"{self.prefix}-r{vertex}" if isinstance(vertex, int) else f"{self.prefix}-{vertex}"
+
+    @staticmethod
+    def dev(link: Link) -> str:
+        """Return the interface name of ``link`` (the same at both ends)."""
+        return f"l{link.index}"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Emulator:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.down()
+        raise KeyboardInterrupt(f"stopped by signal {signum}; namespaces removed")
+
+    def up(self) -> None:
+        """Create namespaces, bridges, links, shaping, addresses and routes."""
+        missing = requirements()
+        if missing:
+            raise EmulatorError("the network emulator needs " + "; ".join(missing))
+        topo = self.topo
+        for v in topo.vertices():
+            name = self.ns(v)
+            _run(["ip", "netns", "add", name])
+            self.created.append(name)
+            _run(["ip", "-n", name, "link", "set", "lo", "up"])
+            if isinstance(v, int):
+                for key, value in (("net.ipv4.ip_forward", "1"),
+                                   ("net.ipv4.conf.all.rp_filter", "0"),
+                                   ("net.ipv4.conf.default.rp_filter", "0")):
+                    _run(["ip", "netns", "exec", name, "sysctl", "-qw", f"{key}={value}"])
+            else:
+                _run(["ip", "-n", name, "link", "add", "br0", "type", "bridge"])
+                _run(["ip", "-n", name, "link", "set", "br0", "up"])
+        for link in topo.links:
+            dev = self.dev(link)
+            _run(["ip", "link", "add", "name", dev, "netns", self.ns(link.a), "type", "veth",
+                  "peer", "name", dev, "netns", self.ns(link.b)])
+            for end in link.ends():
+                ns = self.ns(end)
+                if isinstance(end, int):
+                    _run(["ip", "-n", ns, "addr", "add", str(topo.address(end, link)), "dev",
+                          dev])
+                else:
+                    _run(["ip", "-n", ns, "link", "set", dev, "master", "br0"])
+                self._shape(ns, dev, link)
+                _run(["ip", "-n", ns, "link", "set", dev, "up"])
+        for rank in range(topo.nodes):
+            batch = self._routes(rank)
+            if batch:
+                _run(["ip", "-n", self.ns(rank), "-batch", "-"], input=batch)
+
+    def _shape(self, ns: str, dev: str, link: Link) -> None:
+        rate_bits = max(8, round(link.rate * 8))
+        burst = max(2 * 1514, int(link.rate / 1000))
+        limit = max(64 << 10, int(link.rate * 0.2))
+        tbf = ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(limit)]
+        if link.delay:
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                  "delay", f"{link.delay * 1e6:.0f}us"])
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                  *tbf])
+        else:
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+
+    def _routes(self, rank: int) -> str:
+        topo = self.topo
+        lines = []
+        for dst in range(topo.nodes):
+            if dst == rank:
+                continue
+            path = topo.path(rank, dst)
+            first = topo.link_between(path[0], path[1])
+            at = next(i for i, v in enumerate(path) if i and isinstance(v, int))
+            hop = path[at]  # the first rank on the path: the gateway
+            # its address on the cable or switch segment it shares with this rank
+            via = topo.address(hop, topo.link_between(path[at - 1], hop))
+            connected = {a.network for a in topo.addresses(rank)}
+            for addr in topo.addresses(dst):
+                if addr.network in connected and hop == dst:
+                    continue  # on a shared subnet: the kernel's connected route reaches it
+                lines.append(f"route replace {addr.ip}/32 via {via.ip} dev {self.dev(first)}")
+        return "\n".join(lines) + ("\n" if lines else "")
+
+    def down(self) -> None:
+        """Delete every namespace this emulator created (idempotent)."""
+        for name in reversed(self.created):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=60)
+        self.created.clear()
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def run(self, rank: int, args: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        """Run ``args`` inside rank ``rank``'s namespace (no shell) and return the result."""
+        return subprocess.run(["ip", "netns", "exec", self.ns(rank), *args], **kwargs)
+
+    def popen(self, rank: int, args: list[str], **kwargs: object) -> subprocess.Popen:
+        """Start ``args`` inside rank ``rank``'s namespace."""
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(rank), *args], **kwargs)
+
+    def tx_bytes(self) -> dict[tuple[int, bool], int]:
+        """Return bytes sent so far on every link direction: ``{(index, a_to_b): bytes}``."""
+        per_ns: dict[str, dict[str, int]] = {}
+        for v in self.topo.vertices():
+            ns = self.ns(v)
+            stats = json.loads(_run(["ip", "-j", "-s", "-n", ns, "link", "show"]))
+            per_ns[ns] = {s["ifname"]: s["stats64"]["tx"]["bytes"] for s in stats}
+        out = {}
+        for link in self.topo.links:
+            out[(link.index, True)] = per_ns[self.ns(link.a)][self.dev(link)]
+            out[(link.index, False)] = per_ns[self.ns(link.b)][self.dev(link)]
+        return out
+
+    def hostfile_addresses(self) -> list[str]:
+        """Return one address per rank (its first), e.g. for logs."""
+        return [str(self.topo.addresses(r)[0].ip) for r in range(self.topo.nodes)]
+
+
+def write_rankmap(emu: Emulator, directory: str | Path | None = None) -> Path:
+    """Write the rank -> namespace map used by :mod:`bitcomm.netem.rankexec`; return its path."""
+    d = Path(directory or tempfile.mkdtemp(prefix="bitcomm-"))
+    path = d / "namespaces.json"
+    path.write_text(json.dumps([emu.ns(r) for r in range(emu.topo.nodes)]))
+    return path
