@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -215,6 +216,172 @@ def _launch(ranks: int, transport: str, args: list[str]) -> int:
         env = dict(os.environ, WORLD_SIZE=str(ranks), BITCOMM_STORE=f"{tmp}/store")
         procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r))) for r in range(ranks)]
         return max(abs(p.wait()) for p in procs)
+
+
+@main.group()
+def topo() -> None:
+    """Build, remove or print emulated network topologies (topology_configs/NAME.yaml)."""
+
+
+def _topology(name: str, scale: float | None):  # noqa: ANN202 - a Topology
+    from bitcomm.netem.topology import TopologyError, find, load
+
+    try:
+        return find(name), load(find(name), scale=scale)
+    except TopologyError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@topo.command("show")
+@click.argument("name")
+@click.option("--scale", type=float, default=None, help="Override the file's scale.")
+@click.option("--size", type=Size(), default="1M", show_default=True,
+              help="float32 elements for the model's per-algorithm summary.")
+def topo_show(name: str, scale: float | None, size: int) -> None:
+    """Print a topology's links and the model's time and slow-link bytes per algorithm."""
+    from bitcomm.netem import model
+
+    _, t = _topology(name, scale)
+    click.echo(t.describe())
+    slow = t.slowest_link()
+    click.echo(f"model at {_human(size)} elements (slowest link {slow.a}-{slow.b}):")
+    for alg in model.ALGORITHMS:
+        p = model.predict(t, alg, size)
+        worst = max(p.link_payload(slow.index, d) for d in (True, False))
+        click.echo(f"  {alg:<20} {p.seconds:8.3f} s  {p.phases:4} phases  "
+                   f"{worst / 1e6:8.3f} MB on the slowest link")
+
+
+@topo.command("up")
+@click.argument("name")
+@click.option("--scale", type=float, default=None, help="Override the file's scale.")
+def topo_up(name: str, scale: float | None) -> None:
+    """Build a topology and leave it up (remove it with `bitcomm topo down`)."""
+    from bitcomm.netem.emulator import Emulator, EmulatorError
+
+    _, t = _topology(name, scale)
+    net = Emulator(t)
+    try:
+        net.up()
+    except EmulatorError as e:
+        net.down()
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{t.name} is up with prefix {net.prefix}:")
+    for r in range(t.nodes):
+        addrs = ", ".join(str(a) for a in t.addresses(r))
+        click.echo(f"  rank {r}: ip netns exec {net.ns(r)} ...   ({addrs})")
+
+
+@topo.command("down")
+@click.argument("prefix", default="bitcomm-")
+def topo_down(prefix: str) -> None:
+    """Remove every namespace starting with PREFIX (default: all of bitcomm's)."""
+    from bitcomm.netem.emulator import PREFIX, EmulatorError, requirements, sweep
+
+    if not prefix.startswith(PREFIX):
+        raise click.ClickException(f"expected a prefix starting with {PREFIX!r}, got {prefix!r}")
+    missing = requirements()
+    if missing:
+        raise click.ClickException("removing namespaces needs " + "; ".join(missing))
+    try:
+        gone = sweep(prefix)
+    except EmulatorError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"removed {len(gone)} namespaces" + (": " + " ".join(gone) if gone else ""))
+
+
+@main.group("run")
+def run_group() -> None:
+    """Run experiments on emulated networks."""
+
+
+def _finish_experiment(cells: list[dict], config: dict, out: Path) -> None:
+    from bitcomm.netem import report
+
+    click.echo(report.table(cells))
+    _save(out, "results", config, cells)
+    (out / "table.md").write_text(report.markdown(cells) + "\n")
+    for png in report.plots(cells, out):
+        click.echo(f"# wrote {png}")
+    wrong = sum(c["wrong"] for c in cells)
+    if wrong:
+        click.echo(f"# {wrong} wrong results: a collective is broken", err=True)
+        sys.exit(1)
+
+
+@run_group.command("experiment")
+@click.argument("name", default="default")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Results directory [default: results/NAME].")
+@click.option("--repeat", type=click.IntRange(1), default=None, help="Override the file's.")
+@click.option("--sizes", type=SizeList(), default=None, help="Override the file's sizes.")
+def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
+                       sizes: tuple[int, ...] | None) -> None:
+    """Run experiments/NAME.yaml (default: the chain-16 comparison, a few minutes)."""
+    from bitcomm.netem.emulator import EmulatorError, requirements
+    from bitcomm.netem.experiment import load_experiment, run_experiment
+    from bitcomm.netem.topology import TopologyError
+
+    path = Path(name) if name.endswith((".yaml", ".yml")) else Path("experiments") / f"{name}.yaml"
+    try:
+        exp = load_experiment(path)
+    except TopologyError as e:
+        raise click.ClickException(str(e)) from None
+    if repeat:
+        exp.repeat = repeat
+    if sizes:
+        exp.sizes = list(sizes)
+    missing = requirements()
+    if missing:
+        raise click.ClickException("the network emulator needs " + "; ".join(missing))
+    out = Path(out_dir or Path("results") / exp.name)
+    config = _machine() | {"experiment": exp.name, "topologies": exp.topologies,
+                           "sizes": exp.sizes, "algorithms": exp.algorithms,
+                           "repeat": exp.repeat, "scale": exp.scale, "alpha": exp.alpha}
+    click.echo(f"# bitcomm run experiment {exp.name}: " + exp.description.strip())
+    try:
+        cells = run_experiment(exp, progress=click.echo)
+    except (EmulatorError, TopologyError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    _finish_experiment(cells, config, out)
+
+
+@main.command("compare")
+@click.option("--topology", "topology", required=True, help="A name in topology_configs/.")
+@click.option("--size", type=Size(), default="1M", show_default=True,
+              help="float32 elements per rank.")
+@click.option("--repeat", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--scale", type=float, default=None, help="Override the topology's scale.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Results directory [default: results/compare-TOPOLOGY].")
+@click.argument("algorithms", nargs=-1, required=True)
+def compare(topology: str, size: int, repeat: int, scale: float | None, out_dir: str | None,
+            algorithms: tuple[str, ...]) -> None:
+    """Compare ALGORITHMS (e.g. ring-majority alltoall-majority) on one topology."""
+    from bitcomm.netem.emulator import EmulatorError, requirements
+    from bitcomm.netem.experiment import Experiment, run_experiment
+    from bitcomm.netem.model import ALGORITHMS
+    from bitcomm.netem.topology import TopologyError
+
+    bad = [a for a in algorithms if a not in ALGORITHMS]
+    if bad:
+        raise click.ClickException(f"unknown algorithms {bad}; expected some of "
+                                   f"{sorted(ALGORITHMS)}")
+    _topology(topology, scale)
+    algs = list(algorithms)
+    if "alltoall-majority" not in algs:
+        algs.append("alltoall-majority")  # the baseline speedups are measured against
+    missing = requirements()
+    if missing:
+        raise click.ClickException("the network emulator needs " + "; ".join(missing))
+    exp = Experiment(name=f"compare-{topology}", topologies=[topology], sizes=[size],
+                     algorithms=algs, repeat=repeat, scale=scale)
+    config = _machine() | dataclasses.asdict(exp)
+    try:
+        cells = run_experiment(exp, progress=click.echo)
+    except (EmulatorError, TopologyError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    _finish_experiment(cells, config, Path(out_dir or Path("results") / exp.name))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -55,11 +55,18 @@ class LocalGroup:
 
 
 class LocalComm(Comm):
-    """One rank of a :class:`LocalGroup`."""
+    """One rank of a :class:`LocalGroup`.
+
+    ``trace``, when set to a list, receives ``(dest, nbytes)`` for every point-to-point message
+    this rank sends, in order (all-to-all and allgather appear as their pairwise rounds, and an
+    allreduce as one message per peer): the byte schedule of a collective, for the network
+    model.
+    """
 
     def __init__(self, group: LocalGroup, rank: int):
         super().__init__(rank, group.size)
         self.group = group
+        self.trace: list[tuple[int, int]] | None = None
 
     def _get(self, source: int, what: str) -> Any:
         q = self.group.queues[(source, self.rank)]
@@ -77,6 +84,8 @@ class LocalComm(Comm):
                                        f"{what} from rank {source}") from None
 
     def _put(self, dest: int, item: Any) -> None:
+        if self.trace is not None:
+            self.trace.append((dest, item.numel() * item.element_size()))
         self.group.queues[(self.rank, dest)].put(item)
 
     def _send(self, buf: torch.Tensor, dest: int) -> None:

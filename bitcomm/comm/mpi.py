@@ -27,16 +27,25 @@ class MPIComm(Comm):
     Args:
         comm: an ``mpi4py.MPI.Comm``; ``MPI.COMM_WORLD`` by default.
         cuda_aware: the MPI library accepts CUDA buffers, so do not stage them through the host.
+        native: use MPI's own ``Alltoallv``/``Allgatherv`` (default). With ``False`` they run as
+            :class:`~bitcomm.comm.base.Comm`'s pairwise rounds of ``Sendrecv``, a documented
+            pattern (every rank sends straight to every other) that the network model of
+            :mod:`bitcomm.netem.model` predicts byte for byte; MPICH's native allgather may
+            instead forward data around a ring for large messages.
 
     """
 
-    def __init__(self, comm=None, *, cuda_aware: bool = False):  # noqa: ANN001 - mpi4py type
+    def __init__(self, comm=None, *, cuda_aware: bool = False,  # noqa: ANN001 - mpi4py type
+                 native: bool = True):
         from mpi4py import MPI  # optional dependency: imported only when MPI is used
 
         self._MPI = MPI
         self.mpi = MPI.COMM_WORLD if comm is None else comm
         self.cuda_aware = cuda_aware
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size())
+        if not native:  # fall back to the base class's pairwise rounds
+            self._alltoallv = super()._alltoallv  # type: ignore[method-assign]
+            self._allgatherv = super()._allgatherv  # type: ignore[method-assign]
 
     def _out(self, buf: torch.Tensor):  # noqa: ANN202 - a buffer spec for mpi4py
         if buf.device.type == "cpu":

@@ -141,9 +141,13 @@ class Emulator:
             self.created.append(name)
             _run(["ip", "-n", name, "link", "set", "lo", "up"])
             if isinstance(v, int):
+                # No slow start after idle: a ring step waits for its neighbour between
+                # messages, and restarting from a small window on every step would measure TCP's
+                # congestion control instead of the link (datacentre stacks turn it off too).
                 for key, value in (("net.ipv4.ip_forward", "1"),
                                    ("net.ipv4.conf.all.rp_filter", "0"),
-                                   ("net.ipv4.conf.default.rp_filter", "0")):
+                                   ("net.ipv4.conf.default.rp_filter", "0"),
+                                   ("net.ipv4.tcp_slow_start_after_idle", "0")):
                     _run(["ip", "netns", "exec", name, "sysctl", "-qw", f"{key}={value}"])
             else:
                 _run(["ip", "-n", name, "link", "add", "br0", "type", "bridge"])
@@ -217,18 +221,23 @@ class Emulator:
         """Start ``args`` inside rank ``rank``'s namespace."""
         return subprocess.Popen(["ip", "netns", "exec", self.ns(rank), *args], **kwargs)
 
-    def tx_bytes(self) -> dict[tuple[int, bool], int]:
-        """Return bytes sent so far on every link direction: ``{(index, a_to_b): bytes}``."""
-        per_ns: dict[str, dict[str, int]] = {}
+    def tx_counters(self) -> dict[tuple[int, bool], tuple[int, int]]:
+        """Return ``{(link index, a_to_b): (bytes, packets)}`` sent so far on every direction."""
+        per_ns: dict[str, dict[str, tuple[int, int]]] = {}
         for v in self.topo.vertices():
             ns = self.ns(v)
             stats = json.loads(_run(["ip", "-j", "-s", "-n", ns, "link", "show"]))
-            per_ns[ns] = {s["ifname"]: s["stats64"]["tx"]["bytes"] for s in stats}
+            per_ns[ns] = {s["ifname"]: (s["stats64"]["tx"]["bytes"],
+                                        s["stats64"]["tx"]["packets"]) for s in stats}
         out = {}
         for link in self.topo.links:
             out[(link.index, True)] = per_ns[self.ns(link.a)][self.dev(link)]
             out[(link.index, False)] = per_ns[self.ns(link.b)][self.dev(link)]
         return out
+
+    def tx_bytes(self) -> dict[tuple[int, bool], int]:
+        """Return bytes sent so far on every link direction: ``{(index, a_to_b): bytes}``."""
+        return {k: v[0] for k, v in self.tx_counters().items()}
 
     def hostfile_addresses(self) -> list[str]:
         """Return one address per rank (its first), e.g. for logs."""

@@ -1,0 +1,202 @@
+"""Experiments on emulated networks: topology x sizes x algorithms, measured against the model.
+
+Schema (``experiments/*.yaml``)::
+
+    name: table1-chain                 # required
+    description: free text             # optional
+    topologies: [chain-16, chain-32]   # required: names in topology_configs/ (or .yaml paths)
+    sizes: [1M, 4M]                    # required: float32 elements per rank (K, M suffixes)
+    algorithms: [ring-majority, alltoall-majority, onebit-alltoall]   # default: these three
+    repeat: 3                          # timed calls per cell (median reported), after a warm-up
+    scale: 125                         # optional: overrides every topology file's scale
+    seed: 0                            # optional: seed of the inputs
+    alpha: 0.0                         # optional: model's fixed cost per phase, seconds
+
+For each topology the network is built (:class:`~bitcomm.netem.emulator.Emulator`), one MPI job
+runs every size and algorithm (:mod:`bitcomm.netem.worker`, ranks in their namespaces with
+MPICH forced onto TCP), and the network is torn down. Each cell is then set beside the
+alpha-beta model (:mod:`bitcomm.netem.model`): predicted time, the payload on the slowest link
+(measured from its interface counters as ``bytes - 66 * packets``, per call, the busier
+direction), and speedups over the all-to-all majority.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from bitcomm.netem import model as model_mod
+from bitcomm.netem.emulator import Emulator, write_rankmap
+from bitcomm.netem.topology import Topology, TopologyError, find, load
+
+__all__ = ["Experiment", "load_experiment", "run_experiment", "analyse", "MPI_ENV",
+           "DEFAULT_ALGORITHMS"]
+
+MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_NOLOCAL": "1", "FI_PROVIDER": "tcp"}
+"""MPICH settings that keep traffic between namespaces on their shaped links (ENVIRONMENT.md):
+without them MPICH moves the bytes through shared memory and the links see nothing."""
+DEFAULT_ALGORITHMS = ("ring-majority", "alltoall-majority", "onebit-alltoall")
+_SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)\s*", re.IGNORECASE)
+
+
+@dataclasses.dataclass
+class Experiment:
+    """A validated experiment file."""
+
+    name: str
+    topologies: list[str]
+    sizes: list[int]
+    algorithms: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_ALGORITHMS))
+    repeat: int = 3
+    scale: float | None = None
+    seed: int = 0
+    alpha: float = 0.0
+    description: str = ""
+
+
+def _size(value: object, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = _SIZE.fullmatch(str(value))
+    if not m or int(m.group(1)) == 0:
+        raise TopologyError(f"{where}: expected a size like 65536, 256K or 1M, got {value!r}")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Load and validate ``experiments/NAME.yaml`` (or a path)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise TopologyError(f"{path}: no such experiment file")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise TopologyError(f"{path}: expected a mapping at the top level")
+    fields = {f.name for f in dataclasses.fields(Experiment)}
+    extra = sorted(set(data) - fields)
+    if extra:
+        raise TopologyError(f"{path}: unknown keys {extra}; expected some of {sorted(fields)}")
+    for key in ("name", "topologies", "sizes"):
+        if key not in data:
+            raise TopologyError(f"{path}: missing required key {key!r}")
+    if not isinstance(data["topologies"], list) or not data["topologies"]:
+        raise TopologyError(f"{path}: expected topologies to be a non-empty list")
+    if not isinstance(data["sizes"], list) or not data["sizes"]:
+        raise TopologyError(f"{path}: expected sizes to be a non-empty list")
+    exp = Experiment(name=str(data["name"]), topologies=[str(t) for t in data["topologies"]],
+                     sizes=[_size(s, f"{path}: sizes[{i}]") for i, s in
+                            enumerate(data["sizes"])])
+    algorithms = data.get("algorithms", list(DEFAULT_ALGORITHMS))
+    bad = [a for a in algorithms if a not in model_mod.ALGORITHMS]
+    if bad:
+        raise TopologyError(f"{path}: unknown algorithms {bad}; expected some of "
+                            f"{sorted(model_mod.ALGORITHMS)}")
+    exp.algorithms = list(algorithms)
+    repeat = data.get("repeat", 3)
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise TopologyError(f"{path}: expected repeat to be an int >= 1, got {repeat!r}")
+    exp.repeat = repeat
+    exp.scale = None if data.get("scale") is None else float(data["scale"])
+    exp.seed = int(data.get("seed", 0))
+    exp.alpha = float(data.get("alpha", 0.0))
+    exp.description = str(data.get("description", ""))
+    for t in exp.topologies:
+        find(t)  # fails early, naming the missing topology
+    return exp
+
+
+def _mpiexec() -> str:
+    path = Path(sys.executable).with_name("mpiexec")
+    if not path.exists():
+        raise TopologyError(f"expected mpiexec next to {sys.executable}; install the mpi extra "
+                            "(pip install 'bitcomm[mpi]')")
+    return str(path)
+
+
+def measure(topo_path: Path, topo: Topology, exp: Experiment,
+            progress: Callable[[str], None] = print, timeout: float = 3600) -> list[dict]:
+    """Build ``topo``, run every size and algorithm of ``exp`` on it, tear it down; return rows."""
+    with tempfile.TemporaryDirectory(prefix="bitcomm-exp-") as tmp, Emulator(topo) as net:
+        rankmap = write_rankmap(net, tmp)
+        out = Path(tmp) / "rows.json"
+        cmd = [_mpiexec(), "-n", str(topo.nodes), sys.executable, "-m", "bitcomm.netem.rankexec",
+               str(rankmap), sys.executable, "-m", "mpi4py", "-m", "bitcomm.netem.worker",
+               "--topology", str(topo_path), "--prefix", net.prefix,
+               "--sizes", ",".join(map(str, exp.sizes)), "--algorithms",
+               ",".join(exp.algorithms), "--repeat", str(exp.repeat), "--seed", str(exp.seed),
+               "--out", str(out)]
+        if exp.scale is not None:
+            cmd += ["--scale", str(exp.scale)]
+        env = dict(os.environ, **MPI_ENV, OMP_NUM_THREADS="1")
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) as proc:
+            lines = []
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    lines.append(line)
+                    if line.startswith("  "):
+                        progress(line.rstrip())
+                proc.wait(timeout=timeout)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        if proc.returncode:
+            raise RuntimeError(f"the MPI job on {topo.name} failed ({proc.returncode}):\n"
+                               + "".join(lines[-40:]))
+        return json.loads(out.read_text())
+
+
+def analyse(topo: Topology, rows: list[dict], alpha: float = 0.0) -> list[dict]:
+    """Set each measured row beside the model; add speedups over the all-to-all majority."""
+    slow = topo.slowest_link()
+    cells = []
+    for row in rows:
+        pred = model_mod.predict(topo, row["algorithm"], row["n"], alpha=alpha)
+        measured = {}
+        for forward, tag in ((True, "ab"), (False, "ba")):
+            nbytes, packets = row["link_bytes"][f"{slow.index}:{tag}"]
+            measured[forward] = model_mod.payload_from_counters(nbytes, packets)
+        busier = max((True, False), key=lambda d: pred.link_payload(slow.index, d))
+        modelled = pred.link_payload(slow.index, busier)
+        bound = max(pred.link_payload(slow.index, d) for d in (True, False)) / slow.rate
+        cells.append({
+            "topology": topo.name, "ranks": topo.nodes, "n": row["n"],
+            "algorithm": row["algorithm"], "seconds": row["seconds"], "times": row["times"],
+            "model_seconds": pred.seconds, "time_vs_model": row["seconds"] / pred.seconds,
+            "slow_link": f"{slow.a}-{slow.b}", "slow_link_rate": slow.rate,
+            "slow_link_payload": measured[busier], "model_slow_link_payload": modelled,
+            "payload_vs_model": measured[busier] / modelled if modelled else float("nan"),
+            "bandwidth_bound_seconds": bound,
+            "time_vs_bound": row["seconds"] / bound if bound else float("nan"),
+            "wrong": row["wrong"],
+        })
+    by = {(c["n"], c["algorithm"]): c for c in cells}
+    for c in cells:
+        base = by.get((c["n"], "alltoall-majority"))
+        if base:
+            c["speedup"] = base["seconds"] / c["seconds"]
+            c["model_speedup"] = base["model_seconds"] / c["model_seconds"]
+            c["speedup_vs_model"] = c["speedup"] / c["model_speedup"]
+    return cells
+
+
+def run_experiment(exp: Experiment, progress: Callable[[str], None] = print) -> list[dict]:
+    """Measure and analyse every topology of ``exp``; return all cells."""
+    cells = []
+    for name in exp.topologies:
+        path = find(name)
+        topo = load(path, scale=exp.scale)
+        progress(f"# {topo.name}: {topo.nodes} ranks, slowest link "
+                 f"{topo.slowest_link().rate / 1e6:.3f} MB/s (scale 1/{topo.scale:g})")
+        rows = measure(path, topo, exp, progress)
+        cells.extend(analyse(topo, rows, exp.alpha))
+    return cells

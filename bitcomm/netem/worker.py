@@ -1,0 +1,110 @@
+"""One rank of an emulated-network measurement (started by :mod:`bitcomm.netem.experiment`).
+
+Runs under ``mpiexec`` inside its namespace (:mod:`bitcomm.netem.rankexec`) with the MPI
+settings that keep traffic on the shaped links. For each size and algorithm: one warm-up call
+whose result is checked (majorities against a brute-force count of every rank's votes, which each
+rank regenerates from the seeds; the 1-bit allreduce for byte-identity across ranks), then
+``repeat`` timed calls, each started after a barrier; a call's time is the maximum over ranks.
+Rank 0 reads every link's interface counters (``ip -n``, from inside its namespace) around the
+timed calls and writes one JSON row per measurement (``link_bytes``: per link direction, bytes
+and packets per call, barriers included), and a progress line to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import struct
+import sys
+import time
+
+import torch
+
+from bitcomm.comm.mpi import MPIComm
+from bitcomm.netem.emulator import Emulator
+from bitcomm.netem.model import ALGORITHMS
+from bitcomm.netem.topology import load
+
+
+def _floats(comm: MPIComm, value: float) -> list[float]:
+    mine = torch.frombuffer(bytearray(struct.pack("<d", value)), dtype=torch.uint8)
+    return [struct.unpack("<d", bytes(t.tolist()))[0]
+            for t in comm.allgatherv(mine, [8] * comm.size)]
+
+
+def _input(seed: int, rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed * 1000003 + rank))
+
+
+def _wrong(comm: MPIComm, algorithm: str, out: torch.Tensor, seed: int, n: int) -> int:
+    if "majority" in algorithm:
+        votes = torch.zeros(n, dtype=torch.int32)
+        for r in range(comm.size):
+            votes += _input(seed, r, n) >= 0
+        local = int((out != torch.where(2 * votes > comm.size, 1.0, -1.0)).sum().item())
+    else:
+        digest = hashlib.sha256(out.numpy().tobytes()).digest()
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        first = comm.allgatherv(mine, [32] * comm.size)[0]
+        local = 0 if torch.equal(first, mine) else n
+    return int(sum(_floats(comm, float(local))))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure the requested algorithms and sizes; rank 0 writes ``--out``."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--topology", required=True)
+    ap.add_argument("--scale", type=float, default=None)
+    ap.add_argument("--prefix", required=True)
+    ap.add_argument("--sizes", required=True, help="comma-separated element counts")
+    ap.add_argument("--algorithms", required=True)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    comm = MPIComm(native=False)  # pairwise exchanges: the pattern the model predicts
+    topo = load(args.topology, scale=args.scale)
+    if comm.size != topo.nodes:
+        raise SystemExit(f"expected {topo.nodes} ranks for {topo.name}, got {comm.size}")
+    net = Emulator(topo, args.prefix)  # not brought up here: only used to read counters
+    rows = []
+    for n in (int(s) for s in args.sizes.split(",")):
+        x = _input(args.seed, comm.rank, n)
+        for algorithm in args.algorithms.split(","):
+            fn = ALGORITHMS[algorithm]
+            comm.barrier()
+            wrong = _wrong(comm, algorithm, fn(comm, x), args.seed, n)  # warm-up + check
+            comm.barrier()
+            before = net.tx_counters() if comm.rank == 0 else None
+            mine = []
+            for _ in range(args.repeat):
+                comm.barrier()
+                t0 = time.perf_counter()
+                fn(comm, x)
+                mine.append(time.perf_counter() - t0)
+            comm.barrier()
+            after = net.tx_counters() if comm.rank == 0 else None
+            # gathered after the counters are read, so the gathers are not counted
+            times = [max(_floats(comm, t)) for t in mine]
+            if comm.rank == 0:
+                per_call = {f"{k[0]}:{'ab' if k[1] else 'ba'}":
+                            [(after[k][0] - before[k][0]) / args.repeat,
+                             (after[k][1] - before[k][1]) / args.repeat] for k in after}
+                row = {"topology": topo.name, "ranks": comm.size, "n": n,
+                       "algorithm": algorithm, "times": times,
+                       "seconds": statistics.median(times), "wrong": wrong,
+                       "link_bytes": per_call}
+                rows.append(row)
+                print(f"  {topo.name} n={n} {algorithm}: {row['seconds']:.3f} s "
+                      f"(#wrong {wrong})", flush=True)
+    if comm.rank == 0:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh)
+    comm.barrier()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
