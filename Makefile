@@ -1,4 +1,5 @@
-# Two entry points for a fresh machine: `make run` (the main job) and `make test` (the suite).
+# Two entry points for a fresh machine: `make run` (the main job: the default emulated-network
+# experiment, which needs root) and `make test` (the suite).
 # Both bootstrap .venv on first use and are quick once it exists.
 PYTHON ?= python3
 VENV ?= .venv
@@ -24,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/bitcomm bench codecs
+	$(BIN)/bitcomm run experiment
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check bitcomm tests

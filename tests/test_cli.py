@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -49,3 +50,39 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
         assert row["wire_bytes"] == (n + 7) // 8
         assert by[("qsgd-4", "encode", n)]["wire_bytes"] == 14 + 4 * -(-n // 512) + n // 2
     assert "sign" in result.output and "#wrong" in result.output
+
+
+def test_topo_show_prints_links_and_the_model():
+    result = CliRunner().invoke(main, ["topo", "show", "chain-16", "--size", "64K"])
+    assert result.exit_code == 0, result.output
+    assert "topology chain-16: 16 ranks, 0 switches, 15 links, scale 1/125" in result.output
+    assert "7 <-> 8" in result.output and "0.800 MB/s" in result.output
+    for alg in ("ring-majority", "alltoall-majority", "onebit-alltoall"):
+        assert alg in result.output
+
+
+def test_unknown_topology_and_experiment_are_clear_errors():
+    result = CliRunner().invoke(main, ["topo", "show", "ring-99"])
+    assert result.exit_code == 1 and "no topology 'ring-99'" in result.output
+    assert "chain-16" in result.output  # lists what exists
+    result = CliRunner().invoke(main, ["run", "experiment", "nope"])
+    assert result.exit_code == 1 and "experiments/nope.yaml: no such experiment file" in (
+        result.output)
+    result = CliRunner().invoke(main, ["compare", "--topology", "chain-16", "warp-drive"])
+    assert result.exit_code == 1 and "unknown algorithms ['warp-drive']" in result.output
+
+
+def test_experiment_files_validate(tmp_path):
+    from bitcomm.netem.experiment import load_experiment
+    from bitcomm.netem.topology import TopologyError
+
+    for path in sorted(Path("experiments").glob("*.yaml")):
+        exp = load_experiment(path)
+        assert exp.sizes and exp.topologies
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [12Q]\n")
+    with pytest.raises(TopologyError, match=r"sizes\[0\]: expected a size like 65536"):
+        load_experiment(bad)
+    bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nalgorithms: [magic]\n")
+    with pytest.raises(TopologyError, match=r"unknown algorithms \['magic'\]"):
+        load_experiment(bad)

@@ -176,8 +176,15 @@ class Emulator:
         limit = max(64 << 10, int(link.rate * 0.2))
         tbf = ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(limit)]
         if link.delay:
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                  "delay", f"{link.delay * 1e6:.0f}us"])
+            try:
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:",
+                      "netem", "delay", f"{link.delay * 1e6:.0f}us"])
+            except EmulatorError as e:
+                if "unknown" not in str(e):
+                    raise
+                raise EmulatorError(f"link {link.index} ({link.a}-{link.b}) has a delay, which "
+                                    "needs tc's netem qdisc (kernel module sch_netem); this "
+                                    "kernel does not have it: remove the delay") from None
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                   *tbf])
         else:

@@ -1,0 +1,151 @@
+"""The namespace emulator on a 4-rank chain (needs root and iproute2, as CI has)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bitcomm.netem.emulator import Emulator, namespaces, requirements, sweep
+from bitcomm.netem.experiment import Experiment, analyse, measure
+from bitcomm.netem.model import payload_from_counters
+from bitcomm.netem.topology import load
+
+pytestmark = pytest.mark.skipif(bool(requirements()),
+                                reason="needs " + "; ".join(requirements()))
+
+CHAIN = Path(__file__).parent / "data" / "chain-4.yaml"
+MPIEXEC = Path(sys.executable).with_name("mpiexec")
+
+SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 5999)); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); n = 0
+while True:
+    d = c.recv(1 << 16)
+    if not d: break
+    n += len(d)
+print(n, flush=True)
+"""
+CLIENT = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], 5999)); t0 = time.perf_counter()
+s.sendall(b"x" * int(sys.argv[2])); s.shutdown(socket.SHUT_WR); s.recv(1)
+print(time.perf_counter() - t0, flush=True)
+"""
+
+
+def ours(prefix):
+    return [ns for ns in namespaces() if ns.startswith(prefix)]
+
+
+@pytest.mark.timeout(120)
+def test_shaping_routes_and_teardown():
+    topo = load(CHAIN)
+    with Emulator(topo) as net:
+        prefix = net.prefix
+        assert len(ours(prefix)) == 4
+        dst = str(topo.addresses(3)[0].ip)
+        server = net.popen(3, [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        before = net.tx_counters()
+        nbytes = 1_000_000
+        out = net.run(0, [sys.executable, "-c", CLIENT, dst, str(nbytes)], capture_output=True,
+                      text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert int(server.communicate(timeout=30)[0].strip()) == nbytes
+        seconds = float(out.stdout)
+        after = net.tx_counters()
+        # the slow centre link (0.5 MB/s) sets the time: at least bytes / rate
+        assert seconds >= nbytes / 0.5e6
+        assert seconds < 1.3 * nbytes / 0.5e6 + 1  # and the shaper does not starve it
+        for link in topo.links:  # every hop of the path carried it
+            sent, packets = (after[(link.index, True)][i] - before[(link.index, True)][i]
+                             for i in (0, 1))
+            payload = payload_from_counters(sent, packets)
+            # the TCP payload, plus retransmissions where the shaper's queue overflowed
+            assert nbytes <= payload < 1.15 * nbytes
+    assert ours(prefix) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed (bitcomm[mpi])")
+def test_ring_majority_over_the_chain_is_exact_and_crosses_the_links():
+    topo = load(CHAIN)
+    exp = Experiment("ci", [str(CHAIN)], [1 << 16], ["ring-majority", "alltoall-majority"],
+                     repeat=2)
+    before = set(namespaces())
+    rows = measure(CHAIN, topo, exp, progress=lambda line: None)
+    assert set(namespaces()) == before  # torn down
+    cells = analyse(topo, rows)
+    assert [c["wrong"] for c in cells] == [0, 0]  # brute-force majority on every rank
+    for c in cells:
+        # the MPI traffic really crossed the shaped centre link, as much as the model says
+        assert c["payload_vs_model"] == pytest.approx(1.0, abs=0.05)
+        assert c["seconds"] >= 0.9 * c["bandwidth_bound_seconds"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed (bitcomm[mpi])")
+@pytest.mark.parametrize("victim", ["rank", "controller"])
+def test_nothing_is_left_after_a_killed_run(tmp_path, victim):
+    before = set(namespaces())
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(f"name: kill\ntopologies: [{CHAIN}]\nsizes: [4M]\nrepeat: 50\n"
+                   "algorithms: [ring-majority]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "bitcomm.cli", "run", "experiment",
+                             str(exp), "--out", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    pids = []
+    while time.monotonic() < deadline and not pids:
+        mine = [ns for ns in set(namespaces()) - before if ns.endswith("-r1")]
+        if mine:
+            out = subprocess.run(["ip", "netns", "pids", mine[0]], capture_output=True,
+                                 text=True)
+            pids = [int(p) for p in out.stdout.split()]
+        time.sleep(0.5)
+    assert pids, "the run never started a rank"
+    time.sleep(3)  # let the job get going
+    if victim == "rank":
+        os.kill(pids[0], signal.SIGKILL)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output
+    assert set(namespaces()) == before, output
+
+
+@pytest.mark.timeout(60)
+def test_link_delay_is_applied_or_refused_clearly():
+    from bitcomm.netem.emulator import EmulatorError
+    from bitcomm.netem.topology import from_dict
+
+    topo = from_dict({"name": "d", "nodes": 2,
+                      "links": [{"a": 0, "b": 1, "rate": "1MB/s", "delay": "20ms"}]})
+    before = set(namespaces())
+    try:
+        with Emulator(topo) as net:
+            qdiscs = net.run(0, ["tc", "qdisc", "show", "dev", "l0"], capture_output=True,
+                             text=True).stdout
+            assert "netem" in qdiscs and "delay 20ms" in qdiscs and "tbf" in qdiscs
+    except EmulatorError as e:  # kernels without sch_netem (this machine's) say so
+        assert "needs tc's netem qdisc" in str(e)
+    assert set(namespaces()) == before
+
+
+@pytest.mark.timeout(60)
+def test_topo_down_sweeps_leftovers():
+    name = "bitcomm-cileft-r0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        out = subprocess.run([sys.executable, "-m", "bitcomm.cli", "topo", "down",
+                              "bitcomm-cileft"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and name in out.stdout
+        assert name not in namespaces()
+    finally:
+        sweep("bitcomm-cileft")

@@ -1,0 +1,133 @@
+"""Topology files, routes, addresses and the traced model (no root needed)."""
+
+from pathlib import Path
+
+import pytest
+
+from bitcomm.collectives import (
+    alltoall_majority_bytes,
+    onebit_allreduce_bytes,
+    ring_majority_bytes,
+)
+from bitcomm.netem import model
+from bitcomm.netem.topology import TopologyError, from_dict, load, parse_delay, parse_rate
+
+CONFIGS = Path(__file__).parent.parent / "topology_configs"
+DATA = Path(__file__).parent / "data"
+
+
+def test_rates_and_delays():
+    assert parse_rate("500MB/s") == 500e6
+    assert parse_rate("100Mbit/s") == 12.5e6
+    assert parse_rate("1GB/s") == 1e9
+    assert parse_delay("1ms") == 1e-3 and parse_delay("250us") == 250e-6
+    with pytest.raises(TopologyError, match="expected a rate like 500MB/s"):
+        parse_rate("fast")
+    with pytest.raises(TopologyError, match="positive rate"):
+        parse_rate(0)
+    with pytest.raises(TopologyError, match="expected a delay like 1ms"):
+        parse_delay("soon")
+
+
+def base(**kw):
+    doc = {"name": "t", "nodes": 3, "links": [{"a": 0, "b": 1, "rate": "1MB/s"},
+                                              {"a": 1, "b": 2, "rate": "2MB/s"}]}
+    doc.update(kw)
+    return doc
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"nodes": 0}, "nodes to be an int >= 1"),
+    ({"name": "Bad Name"}, r"name to match \[a-z0-9-\]\+"),
+    ({"links": [{"a": 0, "b": 5, "rate": "1MB/s"}]}, r"links\[0\]: expected b to be a rank in "
+                                                     r"0..2"),
+    ({"links": [{"a": 0, "b": 0, "rate": "1MB/s"}]}, "two different ends"),
+    ({"links": [{"a": 0, "b": 1, "rate": "1MB/s"}, {"a": 1, "b": 0, "rate": "1MB/s"}]},
+     "a second link between 1 and 0"),
+    ({"links": [{"a": 0, "b": 1, "rate": "1MB/s"}]}, r"not reachable from rank 0: \[2\]"),
+    ({"links": [{"a": 0, "b": 1}]}, "expected keys a, b, rate"),
+    ({"scale": -1}, "scale to be a number > 0"),
+    ({"colour": "red"}, r"unknown keys \['colour'\]"),
+    ({"switches": ["S 1"]}, "switches to be a list of names"),
+])
+def test_schema_errors_say_where(change, message):
+    with pytest.raises(TopologyError, match=message):
+        from_dict(base(**change), "t.yaml")
+
+
+def test_scale_divides_rates_and_paths_are_shortest():
+    t = from_dict(base(scale=4))
+    assert [link.rate for link in t.links] == [0.25e6, 0.5e6]
+    assert t.path(0, 2) == [0, 1, 2]
+    assert [(link.index, fwd) for link, fwd in t.route_links(2, 0)] == [(1, False), (0, False)]
+
+
+def test_every_config_loads_with_the_papers_rates():
+    names = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+    assert names == ["chain-16", "chain-32", "cluster-16", "cluster-32", "hetero-16",
+                     "hetero-32", "star-16"]
+    for name in names:
+        t = load(CONFIGS / f"{name}.yaml")
+        unscaled = sorted({round(link.rate * t.scale / 1e6) for link in t.links})
+        if name.startswith("chain"):
+            assert unscaled == [100, 500] and t.slowest_link().index == t.nodes // 2 - 1
+        elif name.startswith("cluster"):
+            assert unscaled == [100, 1000] and t.slowest_link().ends() == ("s0", "s1")
+        elif name == "hetero-16":
+            assert 100 <= unscaled[0] and unscaled[-1] <= 250
+        elif name == "hetero-32":
+            assert 20 <= unscaled[0] and unscaled[-1] <= 150
+        else:
+            assert unscaled == [500] and len(t.switches) == 1
+
+
+def test_cluster_routes_cross_the_trunk():
+    t = load(CONFIGS / "cluster-16.yaml")
+    assert t.path(3, 12) == [3, "s0", "s1", 12]
+    assert t.path(3, 5) == [3, "s0", 5]
+    assert str(t.address(3, t.links[3])) == "10.78.0.4/24"
+
+
+def test_addresses_are_unique_and_on_their_link():
+    t = load(CONFIGS / "chain-32.yaml")
+    seen = set()
+    for link in t.links:
+        a, b = t.address(link.a, link), t.address(link.b, link)
+        assert a.network == b.network and a.ip != b.ip
+        seen |= {a.ip, b.ip}
+    assert len(seen) == 2 * len(t.links)
+
+
+@pytest.mark.parametrize("algorithm, formula", [
+    ("ring-majority", lambda n, s, r: ring_majority_bytes(n, s, r)),
+    ("alltoall-majority", lambda n, s, r: alltoall_majority_bytes(n, s, r)),
+    ("onebit-alltoall", lambda n, s, r: onebit_allreduce_bytes(n, s)),
+])
+def test_traced_schedule_matches_the_byte_formulas(algorithm, formula):
+    for size, n in ((4, 1000), (5, 4099)):
+        phases = model.trace(algorithm, n, size)
+        for r in range(size):
+            assert sum(b for p in phases for s, _, b in p if s == r) == formula(n, size, r)
+
+
+def test_model_reproduces_the_papers_analysis():
+    """Chain: the all-to-all pushes ~2x (N=16) and ~3.2x (N=32) the ring's bytes over the slow
+    link (Table 1's speedups); star: no slow link, the all-to-all is faster."""
+    n = 1 << 18
+    for name, lo, hi in (("chain-16", 1.95, 2.05), ("chain-32", 3.1, 3.3)):
+        t = load(CONFIGS / f"{name}.yaml")
+        slow = t.slowest_link().index
+        ring = model.predict(t, "ring-majority", n)
+        a2a = model.predict(t, "alltoall-majority", n)
+        # all-to-all: (N/2)^2 chunks of K/(8N) bytes cross per direction, in each of two phases
+        assert a2a.link_payload(slow, True) == pytest.approx(n / 8 * t.nodes / 2, rel=0.02)
+        assert lo < a2a.link_payload(slow, True) / ring.link_payload(slow, True) < hi
+        assert a2a.seconds > ring.seconds
+    t = load(CONFIGS / "star-16.yaml")
+    assert (model.predict(t, "alltoall-majority", n).seconds
+            < model.predict(t, "ring-majority", n).seconds)
+
+
+def test_test_topology_loads():
+    t = load(DATA / "chain-4.yaml")
+    assert t.slowest_link().rate == 0.5e6 and t.links[1].index == 1
