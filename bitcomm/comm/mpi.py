@@ -27,6 +27,10 @@ class MPIComm(Comm):
     Args:
         comm: an ``mpi4py.MPI.Comm``; ``MPI.COMM_WORLD`` by default.
         cuda_aware: the MPI library accepts CUDA buffers, so do not stage them through the host.
+        poll_interval: when set (seconds), blocking waits post non-blocking operations and
+            test them, sleeping this long between tests, instead of MPI's busy polling. For
+            more ranks than cores (emulated networks on a laptop): a waiting rank then leaves
+            the CPU to the ranks that have work. ``None`` (default) keeps MPI's own waits.
         native: use MPI's own ``Alltoallv``/``Allgatherv`` (default). With ``False`` they run as
             :class:`~bitcomm.comm.base.Comm`'s pairwise rounds of ``Sendrecv``, a documented
             pattern (every rank sends straight to every other) that the network model of
@@ -36,12 +40,15 @@ class MPIComm(Comm):
     """
 
     def __init__(self, comm=None, *, cuda_aware: bool = False,  # noqa: ANN001 - mpi4py type
-                 native: bool = True):
+                 native: bool = True, poll_interval: float | None = None):
         from mpi4py import MPI  # optional dependency: imported only when MPI is used
 
+        if poll_interval is not None and not poll_interval >= 0:
+            raise ValueError(f"expected poll_interval >= 0 seconds or None, got {poll_interval}")
         self._MPI = MPI
         self.mpi = MPI.COMM_WORLD if comm is None else comm
         self.cuda_aware = cuda_aware
+        self.poll_interval = poll_interval
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size())
         if not native:  # fall back to the base class's pairwise rounds
             self._alltoallv = super()._alltoallv  # type: ignore[method-assign]
@@ -61,24 +68,53 @@ class MPIComm(Comm):
         host = torch.empty(out.numel(), dtype=torch.uint8)
         return [host.numpy(), self._MPI.BYTE], host
 
-    def _send(self, buf: torch.Tensor, dest: int) -> None:
-        self.mpi.Send(self._out(buf), dest=dest, tag=_TAG)
+    def _wait(self, requests: list) -> list:
+        """Complete ``requests`` by test-and-sleep (see ``poll_interval``); return statuses."""
+        import time
 
-    def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
-        spec, host = self._into(out)
-        status = self._MPI.Status()
-        self.mpi.Recv(spec, source=source, tag=_TAG, status=status)
+        statuses = [self._MPI.Status() for _ in requests]
+        while not self._MPI.Request.Testall(requests, statuses):
+            time.sleep(self.poll_interval)
+        return statuses
+
+    def _check_count(self, status, out: torch.Tensor, source: int) -> None:  # noqa: ANN001
         got = status.Get_count(self._MPI.BYTE)
         if got != out.numel():
             raise ValueError(f"rank {self.rank} expected {out.numel()} bytes from rank {source}, "
                              f"got {got}")
+
+    def _send(self, buf: torch.Tensor, dest: int) -> None:
+        if self.poll_interval is None:
+            self.mpi.Send(self._out(buf), dest=dest, tag=_TAG)
+        else:
+            self._wait([self.mpi.Isend(self._out(buf), dest=dest, tag=_TAG)])
+
+    def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
+        spec, host = self._into(out)
+        try:
+            if self.poll_interval is None:
+                status = self._MPI.Status()
+                self.mpi.Recv(spec, source=source, tag=_TAG, status=status)
+            else:
+                status = self._wait([self.mpi.Irecv(spec, source=source, tag=_TAG)])[0]
+        except self._MPI.Exception as e:
+            # Blocking receives report ERR_TRUNCATE; Testall reports ERR_IN_STATUS for it.
+            if e.Get_error_class() not in (self._MPI.ERR_TRUNCATE, self._MPI.ERR_IN_STATUS):
+                raise
+            raise ValueError(f"rank {self.rank} expected {out.numel()} bytes from rank "
+                             f"{source}, got more") from None
+        self._check_count(status, out, source)
         return out if host is None else out.copy_(host)
 
     def _sendrecv(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int
                   ) -> torch.Tensor:
         spec, host = self._into(out)
-        self.mpi.Sendrecv(self._out(buf), dest=dest, sendtag=_TAG, recvbuf=spec, source=source,
-                          recvtag=_TAG)
+        if self.poll_interval is None:
+            self.mpi.Sendrecv(self._out(buf), dest=dest, sendtag=_TAG, recvbuf=spec,
+                              source=source, recvtag=_TAG)
+        else:
+            self._wait([self.mpi.Irecv(spec, source=source, tag=_TAG),
+                        self.mpi.Isend(self._out(buf), dest=dest, tag=_TAG)])
         return out if host is None else out.copy_(host)
 
     def _alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
@@ -106,7 +142,10 @@ class MPIComm(Comm):
         return torch.from_numpy(out).to(x.device)
 
     def _barrier(self) -> None:
-        self.mpi.Barrier()
+        if self.poll_interval is None:
+            self.mpi.Barrier()
+        else:
+            self._wait([self.mpi.Ibarrier()])
 
 
 def _displs(counts: list[int]) -> list[int]:

@@ -83,6 +83,7 @@ class Emulator:
     Args:
         topo: the topology.
         prefix: namespace prefix; a fresh ``bitcomm-<6 hex>`` by default.
+        queue: each shaper's queue, in seconds of its rate (at least 64 KiB).
 
     Example::
 
@@ -91,7 +92,10 @@ class Emulator:
 
     """
 
-    def __init__(self, topo: Topology, prefix: str | None = None):
+    def __init__(self, topo: Topology, prefix: str | None = None, *, queue: float = 0.2):
+        if not queue > 0:
+            raise ValueError(f"expected queue > 0 seconds, got {queue}")
+        self.queue = queue
         self.topo = topo
         self.prefix = prefix or f"{PREFIX}{secrets.token_hex(3)}"
         if not self.prefix.startswith(PREFIX):
@@ -173,7 +177,7 @@ class Emulator:
     def _shape(self, ns: str, dev: str, link: Link) -> None:
         rate_bits = max(8, round(link.rate * 8))
         burst = max(2 * 1514, int(link.rate / 1000))
-        limit = max(64 << 10, int(link.rate * 0.2))
+        limit = max(64 << 10, int(link.rate * self.queue))
         tbf = ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(limit)]
         if link.delay:
             try:

@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    comm = MPIComm(native=False)  # pairwise exchanges: the pattern the model predicts
+    # Pairwise exchanges: the pattern the model predicts. Test-and-sleep waits: 16-32 ranks
+    # share 2 cores, and MPICH's busy-polling waiters (its progress throttle did not help)
+    # would take the CPU from the ranks that have packing to do.
+    comm = MPIComm(native=False, poll_interval=1e-4)
     topo = load(args.topology, scale=args.scale)
     if comm.size != topo.nodes:
         raise SystemExit(f"expected {topo.nodes} ranks for {topo.name}, got {comm.size}")
