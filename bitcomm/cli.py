@@ -272,6 +272,31 @@ def topo_up(name: str, scale: float | None) -> None:
         click.echo(f"  rank {r}: ip netns exec {net.ns(r)} ...   ({addrs})")
 
 
+@topo.command("check")
+@click.argument("name")
+@click.option("--scale", type=float, default=None, help="Override the file's scale.")
+@click.option("--seconds", type=float, default=3.0, show_default=True,
+              help="iperf3 duration per link.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for links-NAME.json/csv.")
+def topo_check(name: str, scale: float | None, seconds: float, out_dir: str) -> None:
+    """Build a topology and measure every link with iperf3 against its configured rate."""
+    from bitcomm.netem.emulator import Emulator, EmulatorError
+    from bitcomm.netem.linkcheck import check_links
+
+    _, t = _topology(name, scale)
+    try:
+        with Emulator(t) as net:
+            rows = check_links(net, seconds, progress=click.echo)
+    except EmulatorError as e:
+        raise click.ClickException(str(e)) from None
+    worst = min(r["ratio"] for r in rows)
+    click.echo(f"# lowest goodput / rate: {worst:.3f} (TCP payload is at most 0.956 of the line "
+               "rate)")
+    _save(Path(out_dir), f"links-{t.name}", _machine() | {"topology": t.name,
+                                                          "seconds": seconds}, rows)
+
+
 @topo.command("down")
 @click.argument("prefix", default="bitcomm-")
 def topo_down(prefix: str) -> None:

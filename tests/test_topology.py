@@ -131,3 +131,19 @@ def test_model_reproduces_the_papers_analysis():
 def test_test_topology_loads():
     t = load(DATA / "chain-4.yaml")
     assert t.slowest_link().rate == 0.5e6 and t.links[1].index == 1
+
+
+def test_link_check_pairs_make_each_link_the_bottleneck():
+    from bitcomm.netem.linkcheck import pair_for
+
+    chain = load(CONFIGS / "chain-16.yaml")
+    assert [pair_for(chain, link) for link in chain.links[:3]] == [(0, 1), (1, 2), (2, 3)]
+    cluster = load(CONFIGS / "cluster-16.yaml")
+    trunk = cluster.slowest_link()
+    u, v = pair_for(cluster, trunk)
+    assert u < 8 <= v  # one rank in each cluster
+    for link in cluster.links:
+        u, v = pair_for(cluster, link)
+        hops = cluster.route_links(u, v)
+        assert link.index in [h.index for h, _ in hops]
+        assert min(h.rate for h, _ in hops) == link.rate
