@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import time
 
 from bitcomm.netem.emulator import Emulator, EmulatorError
@@ -47,7 +48,8 @@ def check_links(net: Emulator, seconds: float = 3.0, progress=print) -> list[dic
     rows = []
     for link in net.topo.links:
         u, v = pair_for(net.topo, link)
-        server = net.popen(v, ["iperf3", "-s", "-1", "-p", "5201"])
+        server = net.popen(v, ["iperf3", "-s", "-1", "-p", "5201"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
         try:
             time.sleep(0.3)
             dst = str(net.topo.addresses(v)[0].ip)

@@ -117,6 +117,7 @@ class Topology:
         for v in self._adj:
             self._adj[v].sort(key=lambda e: _order(e[0]))
         self._segments = self._find_segments()
+        self._paths: dict[tuple[int, int], list[Vertex]] = {}
 
     # -- structure ---------------------------------------------------------------------------
 
@@ -139,6 +140,8 @@ class Topology:
         """Return the vertices of the route from rank ``src`` to rank ``dst`` (both included)."""
         if src == dst:
             return [src]
+        if (src, dst) in self._paths:
+            return list(self._paths[(src, dst)])
         # Dijkstra on hop counts with (hops, tie-break key) so ties go to lower neighbours.
         best: dict[Vertex, tuple] = {src: (0, ())}
         prev: dict[Vertex, Vertex] = {}
@@ -158,6 +161,7 @@ class Topology:
         out = [dst]
         while out[-1] != src:
             out.append(prev[out[-1]])
+        self._paths[(src, dst)] = out[::-1]
         return out[::-1]
 
     def route_links(self, src: int, dst: int) -> list[tuple[Link, bool]]:
