@@ -67,8 +67,11 @@ def test_shaping_routes_and_teardown():
             sent, packets = (after[(link.index, True)][i] - before[(link.index, True)][i]
                              for i in (0, 1))
             payload = payload_from_counters(sent, packets)
-            # the TCP payload, plus retransmissions where the shaper's queue overflowed
-            assert nbytes <= payload < 1.15 * nbytes
+            # Device counters count what left after the shaper: from the slow link on, the
+            # payload once (spurious retransmissions aside); the fast link before it also
+            # carries the retransmissions of what the slow link's full queue dropped.
+            upper = 1.05 if link.index >= 1 else 1.6
+            assert nbytes <= payload < upper * nbytes, (link.index, payload)
     assert ours(prefix) == []
 
 
