@@ -30,7 +30,8 @@ from bitcomm import collectives as col
 from bitcomm.codecs import sparse
 from bitcomm.comm.base import Comm
 
-__all__ = ["Row", "run", "ALGORITHMS", "DEFAULT_SIZES"]
+__all__ = ["Row", "run", "ALGORITHMS", "DEFAULT_SIZES", "bench_input", "gather_floats",
+           "mismatches", "majority_reference"]
 
 DEFAULT_SIZES = (1 << 20, 8 << 20)
 ALGORITHMS = ("ring-majority", "ring-majority-radix", "alltoall-majority", "onebit-allreduce",
@@ -58,11 +59,13 @@ class Row:
         return dataclasses.asdict(self)
 
 
-def _input(seed: int, rank: int, n: int) -> torch.Tensor:
+def bench_input(seed: int, rank: int, n: int) -> torch.Tensor:
+    """Return rank ``rank``'s benchmark input: ``randn(n)`` seeded by ``(seed, rank)``."""
     return torch.randn(n, generator=torch.Generator().manual_seed(seed * 1000003 + rank))
 
 
-def _gather_floats(comm: Comm, value: float) -> list[float]:
+def gather_floats(comm: Comm, value: float) -> list[float]:
+    """Return every rank's ``value`` (an allgather of one float64 each)."""
     mine = torch.frombuffer(bytearray(struct.pack("<d", value)), dtype=torch.uint8)
     return [struct.unpack("<d", bytes(t.tolist()))[0]
             for t in comm.allgatherv(mine, [8] * comm.size)]
@@ -72,21 +75,26 @@ def _digest(t: torch.Tensor) -> bytes:
     return hashlib.sha256(t.reshape(-1).contiguous().cpu().numpy().tobytes()).digest()
 
 
-def _mismatch(comm: Comm, out: torch.Tensor, reference: torch.Tensor | None) -> int:
-    """Elements of ``out`` that differ from ``reference`` (or, without one, from rank 0)."""
+def mismatches(comm: Comm, out: torch.Tensor, reference: torch.Tensor | None) -> int:
+    """Return, summed over ranks, the elements of ``out`` that differ from ``reference``.
+
+    Without a reference every rank compares a digest of ``out`` with rank 0's (all of ``out``
+    counts as wrong on a rank whose bytes differ).
+    """
     if reference is not None:
         local = int((out != reference).sum().item())
     else:
         digest = torch.frombuffer(bytearray(_digest(out)), dtype=torch.uint8)
         first = comm.allgatherv(digest, [32] * comm.size)[0]
         local = 0 if torch.equal(first, digest) else out.numel()
-    return int(sum(_gather_floats(comm, float(local))))
+    return int(sum(gather_floats(comm, float(local))))
 
 
-def _majority_reference(seed: int, size: int, n: int) -> torch.Tensor:
+def majority_reference(seed: int, size: int, n: int) -> torch.Tensor:
+    """Return the brute-force majority of every rank's :func:`bench_input` (ties give -1)."""
     votes = torch.zeros(n, dtype=torch.int32)
     for r in range(size):
-        votes += _input(seed, r, n) >= 0
+        votes += bench_input(seed, r, n) >= 0
     return torch.where(2 * votes > size, 1.0, -1.0)
 
 
@@ -129,9 +137,9 @@ def run(comm: Comm, sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeat: int = 3, 
         raise ValueError(f"expected algorithms from {ALGORITHMS}, got {unknown}")
     rows: list[Row] = []
     for n in sizes:
-        x = _input(seed, comm.rank, n)
+        x = bench_input(seed, comm.rank, n)
         cases = _cases(comm, x)
-        majority = (_majority_reference(seed, comm.size, n)
+        majority = (majority_reference(seed, comm.size, n)
                     if any("majority" in a for a in algorithms) else None)
         measured: dict[str, Row] = {}
         for name in algorithms:
@@ -140,20 +148,20 @@ def run(comm: Comm, sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeat: int = 3, 
             out = fn()  # warm-up, also the checked result
             sent = comm.counters.total_sent
             reference = majority if "majority" in name else None
-            wrong = _mismatch(comm, out, reference)
-            wrong += int(sum(_gather_floats(comm, float(sent != expected))))
+            wrong = mismatches(comm, out, reference)
+            wrong += int(sum(gather_floats(comm, float(sent != expected))))
             times = []
             for _ in range(repeat):
                 comm.barrier()
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-            seconds = max(_gather_floats(comm, statistics.median(times)))
+            seconds = max(gather_floats(comm, statistics.median(times)))
             algbw = 4 * n / seconds / 1e9 if seconds > 0 else 0.0
             row = Row(name, comm.size, n, seconds, algbw,
                       algbw * 2 * (comm.size - 1) / comm.size,
-                      int(max(_gather_floats(comm, float(sent)))),
-                      int(max(_gather_floats(comm, float(expected)))), wrong)
+                      int(max(gather_floats(comm, float(sent)))),
+                      int(max(gather_floats(comm, float(expected)))), wrong)
             measured[name] = row
             if comm.rank == 0:
                 rows.append(row)

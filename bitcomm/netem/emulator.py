@@ -250,10 +250,6 @@ class Emulator:
         """Return bytes sent so far on every link direction: ``{(index, a_to_b): bytes}``."""
         return {k: v[0] for k, v in self.tx_counters().items()}
 
-    def hostfile_addresses(self) -> list[str]:
-        """Return one address per rank (its first), e.g. for logs."""
-        return [str(self.topo.addresses(r)[0].ip) for r in range(self.topo.nodes)]
-
 
 def write_rankmap(emu: Emulator, directory: str | Path | None = None) -> Path:
     """Write the rank -> namespace map used by :mod:`bitcomm.netem.rankexec`; return its path."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 __all__ = ["table", "markdown", "plots"]
@@ -134,8 +133,3 @@ def _human(n: int) -> str:
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
     return str(n)
-
-
-def finite(x: float) -> bool:
-    """Say whether ``x`` is a finite float."""
-    return isinstance(x, float) and math.isfinite(x)

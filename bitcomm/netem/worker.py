@@ -13,55 +13,37 @@ and packets per call, barriers included), and a progress line to stdout.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
-import struct
 import sys
 import time
 
 import torch
 
+from bitcomm.bench.collectives import (
+    bench_input,
+    gather_floats,
+    majority_reference,
+    mismatches,
+)
 from bitcomm.comm.mpi import MPIComm
 from bitcomm.netem.emulator import Emulator
 from bitcomm.netem.model import ALGORITHMS
 from bitcomm.netem.topology import load
 
-
-def _floats(comm: MPIComm, value: float) -> list[float]:
-    mine = torch.frombuffer(bytearray(struct.pack("<d", value)), dtype=torch.uint8)
-    return [struct.unpack("<d", bytes(t.tolist()))[0]
-            for t in comm.allgatherv(mine, [8] * comm.size)]
-
-
-def _input(seed: int, rank: int, n: int) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed * 1000003 + rank))
-
-
 _REFERENCE: dict[tuple[int, int, int], torch.Tensor] = {}
 
 
-def _majority(seed: int, size: int, n: int) -> torch.Tensor:
-    # Brute force over every rank's regenerated input, once per size.
-    key = (seed, size, n)
+def _wrong(comm: MPIComm, algorithm: str, out: torch.Tensor, seed: int, n: int) -> int:
+    # Majorities against the brute-force count (computed once per size), the rest for
+    # byte-identity across ranks.
+    if "majority" not in algorithm:
+        return mismatches(comm, out, None)
+    key = (seed, comm.size, n)
     if key not in _REFERENCE:
         _REFERENCE.clear()
-        votes = torch.zeros(n, dtype=torch.int32)
-        for r in range(size):
-            votes += _input(seed, r, n) >= 0
-        _REFERENCE[key] = torch.where(2 * votes > size, 1.0, -1.0)
-    return _REFERENCE[key]
-
-
-def _wrong(comm: MPIComm, algorithm: str, out: torch.Tensor, seed: int, n: int) -> int:
-    if "majority" in algorithm:
-        local = int((out != _majority(seed, comm.size, n)).sum().item())
-    else:
-        digest = hashlib.sha256(out.numpy().tobytes()).digest()
-        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-        first = comm.allgatherv(mine, [32] * comm.size)[0]
-        local = 0 if torch.equal(first, mine) else n
-    return int(sum(_floats(comm, float(local))))
+        _REFERENCE[key] = majority_reference(seed, comm.size, n)
+    return mismatches(comm, out, _REFERENCE[key])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     net = Emulator(topo, args.prefix)  # not brought up here: only used to read counters
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        x = _input(args.seed, comm.rank, n)
+        x = bench_input(args.seed, comm.rank, n)
         for algorithm in args.algorithms.split(","):
             fn = ALGORITHMS[algorithm]
             comm.barrier()
@@ -102,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             comm.barrier()
             after = net.tx_counters() if comm.rank == 0 else None
             # gathered after the counters are read, so the gathers are not counted
-            times = [max(_floats(comm, t)) for t in mine]
+            times = [max(gather_floats(comm, t)) for t in mine]
             if comm.rank == 0:
                 per_call = {f"{k[0]}:{'ab' if k[1] else 'ba'}":
                             [(after[k][0] - before[k][0]) / args.repeat,
