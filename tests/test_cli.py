@@ -83,6 +83,9 @@ def test_experiment_files_validate(tmp_path):
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [12Q]\n")
     with pytest.raises(TopologyError, match=r"sizes\[0\]: expected a size like 65536"):
         load_experiment(bad)
+    bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nqueue: 0\n")
+    with pytest.raises(TopologyError, match="expected queue > 0 seconds, got 0"):
+        load_experiment(bad)
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nalgorithms: [magic]\n")
     with pytest.raises(TopologyError, match=r"unknown algorithms \['magic'\]"):
         load_experiment(bad)

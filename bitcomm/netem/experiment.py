@@ -11,6 +11,7 @@ Schema (``experiments/*.yaml``)::
     scale: 125                         # optional: overrides every topology file's scale
     seed: 0                            # optional: seed of the inputs
     alpha: 0.0                         # optional: model's fixed cost per phase, seconds
+    queue: 0.2                         # optional: each shaper's queue, seconds of its rate
 
 For each topology the network is built (:class:`~bitcomm.netem.emulator.Emulator`), one MPI job
 runs every size and algorithm (:mod:`bitcomm.netem.worker`, ranks in their namespaces with
@@ -58,6 +59,7 @@ class Experiment:
     scale: float | None = None
     seed: int = 0
     alpha: float = 0.0
+    queue: float = 0.2
     description: str = ""
 
 
@@ -107,6 +109,9 @@ def load_experiment(path: str | Path) -> Experiment:
     exp.scale = None if data.get("scale") is None else float(data["scale"])
     exp.seed = int(data.get("seed", 0))
     exp.alpha = float(data.get("alpha", 0.0))
+    exp.queue = float(data.get("queue", 0.2))
+    if not exp.queue > 0:
+        raise TopologyError(f"{path}: expected queue > 0 seconds, got {data.get('queue')!r}")
     exp.description = str(data.get("description", ""))
     for t in exp.topologies:
         find(t)  # fails early, naming the missing topology
@@ -124,7 +129,8 @@ def _mpiexec() -> str:
 def measure(topo_path: Path, topo: Topology, exp: Experiment,
             progress: Callable[[str], None] = print, timeout: float = 3600) -> list[dict]:
     """Build ``topo``, run every size and algorithm of ``exp`` on it, tear it down; return rows."""
-    with tempfile.TemporaryDirectory(prefix="bitcomm-exp-") as tmp, Emulator(topo) as net:
+    with tempfile.TemporaryDirectory(prefix="bitcomm-exp-") as tmp, \
+            Emulator(topo, queue=exp.queue) as net:
         rankmap = write_rankmap(net, tmp)
         out = Path(tmp) / "rows.json"
         cmd = [_mpiexec(), "-n", str(topo.nodes), sys.executable, "-m", "bitcomm.netem.rankexec",
