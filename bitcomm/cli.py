@@ -138,7 +138,8 @@ _TRANSPORTS = ("mpi", "gloo")
               help="Timed repetitions (median per rank, max over ranks) after a warm-up.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
-              show_default=True, help="Directory for collectives.json and collectives.csv.")
+              show_default=True,
+              help="Directory for collectives-TRANSPORT-RANKS.json and .csv.")
 @click.option("--worker", is_flag=True, hidden=True, help="Run as one rank of a launched job.")
 def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat: int,
                       seed: int, out_dir: str, worker: bool) -> None:

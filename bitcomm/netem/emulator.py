@@ -197,6 +197,7 @@ class Emulator:
     def _routes(self, rank: int) -> str:
         topo = self.topo
         lines = []
+        connected = {a.network for a in topo.addresses(rank)}
         for dst in range(topo.nodes):
             if dst == rank:
                 continue
@@ -206,7 +207,6 @@ class Emulator:
             hop = path[at]  # the first rank on the path: the gateway
             # its address on the cable or switch segment it shares with this rank
             via = topo.address(hop, topo.link_between(path[at - 1], hop))
-            connected = {a.network for a in topo.addresses(rank)}
             for addr in topo.addresses(dst):
                 if addr.network in connected and hop == dst:
                     continue  # on a shared subnet: the kernel's connected route reaches it

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from bitcomm import collectives as col
-from bitcomm.comm.local import LocalComm, LocalGroup
+from bitcomm.comm.local import LocalComm, run_local
 from bitcomm.netem.topology import Topology
 
 __all__ = ["ALGORITHMS", "Prediction", "trace", "predict", "payload_from_counters", "FRAME",
@@ -74,30 +74,14 @@ def trace(algorithm: str, n: int, size: int) -> list[list[tuple[int, int, int]]]
     if algorithm not in ALGORITHMS:
         raise ValueError(f"expected algorithm in {sorted(ALGORITHMS)}, got {algorithm!r}")
     fn = ALGORITHMS[algorithm]
-    group = LocalGroup(size, timeout=600)
-    traces: list[list[tuple[int, int]]] = [[] for _ in range(size)]
-    import threading
 
-    errors: list[BaseException] = []
-
-    def worker(rank: int) -> None:
-        comm = group.comm(rank)
-        comm.trace = traces[rank]
+    def traced(comm: LocalComm) -> list[tuple[int, int]]:
+        comm.trace = []
         # Message sizes of these collectives depend on n and size only, not on the values.
-        x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-        try:
-            fn(comm, x)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-            group.fail(rank, e)
+        fn(comm, torch.randn(n, generator=torch.Generator().manual_seed(comm.rank)))
+        return comm.trace
 
-    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    traces = run_local(traced, size, timeout=600)
     depth = max((len(t) for t in traces), default=0)
     return [[(r, *traces[r][k]) for r in range(size) if k < len(traces[r])]
             for k in range(depth)]

@@ -13,6 +13,7 @@ and packets per call, barriers included), and a progress line to stdout.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -31,19 +32,14 @@ from bitcomm.netem.emulator import Emulator
 from bitcomm.netem.model import ALGORITHMS
 from bitcomm.netem.topology import load
 
-_REFERENCE: dict[tuple[int, int, int], torch.Tensor] = {}
+# Brute force over every rank's regenerated input: once per size, shared by the majorities.
+_majority = functools.lru_cache(maxsize=1)(majority_reference)
 
 
 def _wrong(comm: MPIComm, algorithm: str, out: torch.Tensor, seed: int, n: int) -> int:
-    # Majorities against the brute-force count (computed once per size), the rest for
-    # byte-identity across ranks.
-    if "majority" not in algorithm:
-        return mismatches(comm, out, None)
-    key = (seed, comm.size, n)
-    if key not in _REFERENCE:
-        _REFERENCE.clear()
-        _REFERENCE[key] = majority_reference(seed, comm.size, n)
-    return mismatches(comm, out, _REFERENCE[key])
+    # Majorities against the brute-force count, the rest for byte-identity across ranks.
+    reference = _majority(seed, comm.size, n) if "majority" in algorithm else None
+    return mismatches(comm, out, reference)
 
 
 def main(argv: list[str] | None = None) -> None:
