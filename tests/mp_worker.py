@@ -128,14 +128,14 @@ def fault(comm):
     # the others wait for it; they must not hang.
     if comm.rank == 1:
         calls = []
-        plain = comm.sendrecv
+        plain = comm.recv  # each ring step sends ahead (isend), then receives
 
         def failing(*args):
             calls.append(1)
             if len(calls) == 2:
                 raise RuntimeError("rank 1 fails on purpose at ring step 2")
             return plain(*args)
-        comm.sendrecv = failing
+        comm.recv = failing
     ring_majority(comm, torch.ones(1 << 16))
 
 

@@ -41,7 +41,7 @@ import torch
 
 from bitcomm.codecs import bits, counts
 from bitcomm.collectives import _common
-from bitcomm.comm.base import Comm
+from bitcomm.comm.base import Comm, Request
 
 __all__ = ["ring_majority", "alltoall_majority", "ring_majority_bytes",
            "alltoall_majority_bytes", "TIES"]
@@ -101,14 +101,18 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
         lo, hi = chunks[c % size]
         return t[lo:hi]
 
+    # Each step waits only for what it receives: the send of step i is still in flight while
+    # step i + 1 is received and combined, so no link idles while a rank waits for the
+    # transport to confirm its send (see Comm.isend). A step's message is a fresh tensor, kept
+    # alive by its request until the end.
+    sends: list[Request] = []
     running = part(votes, rank)  # step 1 sends this rank's own votes: counts over 1 rank
     for i in range(1, size):
         # 004_593a15e1fafc2f55.txt, Section 3: counts over i ranks need ceil(log2(i+1)) bits.
-        payload = counts.pack(running, i, packing, check=False)
+        sends.append(comm.isend(counts.pack(running, i, packing, check=False), nxt))
         length = part(votes, rank - i).numel()
-        got = comm.sendrecv(payload, nxt,
-                            torch.empty(counts.packed_size(length, i, packing),
-                                        dtype=torch.uint8, device=v.device), prv)
+        got = comm.recv(torch.empty(counts.packed_size(length, i, packing), dtype=torch.uint8,
+                                    device=v.device), prv)
         running = counts.unpack(got, length, i, packing, dtype=torch.int32) + part(votes,
                                                                                   rank - i)
     decided = torch.empty(n, dtype=torch.bool, device=v.device)
@@ -116,11 +120,12 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
     for i in range(1, size):
         # Ring allgather of the 1-bit decisions: the paper streams back only the majority bit.
         send = part(decided, rank + 2 - i)
+        sends.append(comm.isend(bits.pack(send.to(torch.uint8), 1, check=False), nxt))
         length = part(decided, rank + 1 - i).numel()
-        got = comm.sendrecv(bits.pack(send.to(torch.uint8), 1, check=False), nxt,
-                            torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
-                                        device=v.device), prv)
+        got = comm.recv(torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
+                                    device=v.device), prv)
         part(decided, rank + 1 - i).copy_(bits.unpack(got, length, 1).bool())
+    Request.wait_all(sends)
     return _finish(x, decided, packed)
 
 

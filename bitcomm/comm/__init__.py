@@ -1,7 +1,7 @@
 """Transports: move uint8 tensors between ranks and count the bytes, per peer, in one place.
 
-* :class:`~bitcomm.comm.base.Comm`: the interface collectives are written against (send, recv,
-  sendrecv, alltoallv, allgatherv, allreduce, barrier, rank, size, counters).
+* :class:`~bitcomm.comm.base.Comm`: the interface collectives are written against (send,
+  isend, recv, sendrecv, alltoallv, allgatherv, allreduce, barrier, rank, size, counters).
 * :class:`~bitcomm.comm.local.LocalComm` / :func:`~bitcomm.comm.local.run_local`: ranks as
   threads in one process.
 * :class:`~bitcomm.comm.mpi.MPIComm`: mpi4py (import ``bitcomm.comm.mpi``; needs the ``mpi``
@@ -9,7 +9,7 @@
 * :class:`~bitcomm.comm.torchdist.TorchComm`: torch.distributed, gloo or NCCL.
 """
 
-from bitcomm.comm.base import Comm, Counters
+from bitcomm.comm.base import Comm, Counters, Request
 from bitcomm.comm.local import LocalComm, LocalGroup, run_local
 
-__all__ = ["Comm", "Counters", "LocalComm", "LocalGroup", "run_local"]
+__all__ = ["Comm", "Counters", "LocalComm", "LocalGroup", "Request", "run_local"]

@@ -26,7 +26,31 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Comm", "Counters"]
+__all__ = ["Comm", "Counters", "Request"]
+
+
+class Request:
+    """A send in flight (see :meth:`Comm.isend`); :meth:`wait` completes it.
+
+    Holds the buffers the transport still reads from, so they stay alive until it is done.
+    """
+
+    def __init__(self, wait: object = None, keep: object = None):
+        self._wait = wait
+        self._keep = keep
+
+    def wait(self) -> None:
+        """Block until the transport is done with the send's buffer (idempotent)."""
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            wait()
+        self._keep = None
+
+    @staticmethod
+    def wait_all(requests: list[Request]) -> None:
+        """Wait for every request in ``requests``, in order."""
+        for r in requests:
+            r.wait()
 
 
 class Counters:
@@ -97,6 +121,20 @@ class Comm:
         buf = _check_bytes(buf, "buf")
         self._send(buf, self._check_peer(dest, "dest"))
         self.counters.sent[dest] += buf.numel()
+
+    def isend(self, buf: torch.Tensor, dest: int) -> Request:
+        """Start sending ``buf`` to ``dest``; return a :class:`Request` to wait on.
+
+        ``buf`` must not change until the request completes. A collective that waits only for
+        what it receives keeps its outgoing link busy while it waits: a ring step's message
+        goes out while the rank is already receiving the next one, instead of the rank
+        stalling for the transport to confirm every send (MPI over TCP completes a large send
+        only once the receiver has taken it, which costs a round trip per ring step).
+        """
+        buf = _check_bytes(buf, "buf")
+        req = self._isend(buf, self._check_peer(dest, "dest"))
+        self.counters.sent[dest] += buf.numel()
+        return req
 
     def recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
         """Receive exactly ``out.numel()`` bytes from ``source`` into ``out``; return it."""
@@ -185,6 +223,9 @@ class Comm:
         raise NotImplementedError
 
     def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _isend(self, buf: torch.Tensor, dest: int) -> Request:
         raise NotImplementedError
 
     def _sendrecv(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int

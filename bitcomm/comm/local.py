@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bitcomm.comm.base import Comm
+from bitcomm.comm.base import Comm, Request
 
 __all__ = ["LocalComm", "LocalGroup", "run_local"]
 
@@ -90,6 +90,10 @@ class LocalComm(Comm):
 
     def _send(self, buf: torch.Tensor, dest: int) -> None:
         self._put(dest, buf.clone())
+
+    def _isend(self, buf: torch.Tensor, dest: int) -> Request:
+        self._send(buf, dest)  # queued at once: nothing left to wait for
+        return Request()
 
     def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
         msg = self._get(source, f"{out.numel()} bytes")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bitcomm.comm.base import Comm
+from bitcomm.comm.base import Comm, Request
 
 __all__ = ["MPIComm"]
 
@@ -28,9 +28,11 @@ class MPIComm(Comm):
         comm: an ``mpi4py.MPI.Comm``; ``MPI.COMM_WORLD`` by default.
         cuda_aware: the MPI library accepts CUDA buffers, so do not stage them through the host.
         poll_interval: when set (seconds), blocking waits post non-blocking operations and
-            test them, sleeping this long between tests, instead of MPI's busy polling. For
-            more ranks than cores (emulated networks on a laptop): a waiting rank then leaves
-            the CPU to the ranks that have work. ``None`` (default) keeps MPI's own waits.
+            test them, sleeping between tests instead of MPI's busy polling: the sleep starts
+            at 1/64 of ``poll_interval`` and doubles up to it, so a message that is nearly
+            there is picked up quickly while a long wait costs few wake-ups. For more ranks
+            than cores (emulated networks on a laptop): a waiting rank then leaves the CPU to
+            the ranks that have work. ``None`` (default) keeps MPI's own waits.
         native: use MPI's own ``Alltoallv``/``Allgatherv`` (default). With ``False`` they run as
             :class:`~bitcomm.comm.base.Comm`'s pairwise rounds of ``Sendrecv``, a documented
             pattern (every rank sends straight to every other) that the network model of
@@ -73,8 +75,10 @@ class MPIComm(Comm):
         import time
 
         statuses = [self._MPI.Status() for _ in requests]
+        nap = self.poll_interval / 64
         while not self._MPI.Request.Testall(requests, statuses):
-            time.sleep(self.poll_interval)
+            time.sleep(nap)
+            nap = min(2 * nap, self.poll_interval)
         return statuses
 
     def _check_count(self, status, out: torch.Tensor, source: int) -> None:  # noqa: ANN001
@@ -88,6 +92,13 @@ class MPIComm(Comm):
             self.mpi.Send(self._out(buf), dest=dest, tag=_TAG)
         else:
             self._wait([self.mpi.Isend(self._out(buf), dest=dest, tag=_TAG)])
+
+    def _isend(self, buf: torch.Tensor, dest: int) -> Request:
+        spec = self._out(buf)
+        req = self.mpi.Isend(spec, dest=dest, tag=_TAG)
+        if self.poll_interval is None:
+            return Request(req.Wait, spec)
+        return Request(lambda: self._wait([req]), spec)
 
     def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
         spec, host = self._into(out)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bitcomm.comm.base import Comm
+from bitcomm.comm.base import Comm, Request
 
 __all__ = ["TorchComm"]
 
@@ -56,6 +56,13 @@ class TorchComm(Comm):
 
     def _send(self, buf: torch.Tensor, dest: int) -> None:
         self._ops(buf, dest, None, dest)
+
+    def _isend(self, buf: torch.Tensor, dest: int) -> Request:
+        if not buf.numel():
+            return Request()  # skipped on both sides, as in _ops
+        wire = buf.to(self.wire)
+        work = dist.isend(wire, self._global(dest), self.group)
+        return Request(work.wait, wire)
 
     def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:
         return self._ops(None, source, out, source)

@@ -151,7 +151,8 @@ class Emulator:
                 for key, value in (("net.ipv4.ip_forward", "1"),
                                    ("net.ipv4.conf.all.rp_filter", "0"),
                                    ("net.ipv4.conf.default.rp_filter", "0"),
-                                   ("net.ipv4.tcp_slow_start_after_idle", "0")):
+                                   ("net.ipv4.tcp_slow_start_after_idle", "0"),
+                                   ("net.ipv4.tcp_congestion_control", "reno")):
                     _run(["ip", "netns", "exec", name, "sysctl", "-qw", f"{key}={value}"])
             else:
                 _run(["ip", "-n", name, "link", "add", "br0", "type", "bridge"])

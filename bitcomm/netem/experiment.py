@@ -40,9 +40,18 @@ from bitcomm.netem.topology import Topology, TopologyError, find, load
 __all__ = ["Experiment", "load_experiment", "run_experiment", "analyse", "MPI_ENV",
            "DEFAULT_ALGORITHMS"]
 
-MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_NOLOCAL": "1", "FI_PROVIDER": "tcp"}
+MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_NOLOCAL": "1", "FI_PROVIDER": "tcp",
+           "FI_TCP_MAX_SAVED_SIZE": str(64 << 20)}
 """MPICH settings that keep traffic between namespaces on their shaped links (ENVIRONMENT.md):
-without them MPICH moves the bytes through shared memory and the links see nothing."""
+without them MPICH moves the bytes through shared memory and the links see nothing.
+
+``FI_TCP_MAX_SAVED_SIZE``: the largest message libfabric's tcp provider saves when it arrives
+before its receive is posted; a larger one is left in the socket until the receive is posted.
+A ring rank's sends run ahead of its neighbour's receives (it does not wait for them, see
+``Comm.isend``), so with the provider's default the ring's larger messages stalled their link
+for a round trip each: measured on chain-32 at 4M elements, the wrap-around flow used about
+0.55 of the slow link's rate in the first half of the ring with the default and about 0.75 with
+64 MiB (interface counters sampled every 5 ms)."""
 DEFAULT_ALGORITHMS = ("ring-majority", "alltoall-majority", "onebit-alltoall")
 _SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)\s*", re.IGNORECASE)
 
@@ -183,7 +192,7 @@ def analyse(topo: Topology, rows: list[dict], alpha: float = 0.0) -> list[dict]:
             "payload_vs_model": measured[busier] / modelled if modelled else float("nan"),
             "bandwidth_bound_seconds": bound,
             "time_vs_bound": row["seconds"] / bound if bound else float("nan"),
-            "wrong": row["wrong"],
+            "wrong": row["wrong"], "cpu_seconds": row.get("cpu_seconds"),
         })
     by = {(c["n"], c["algorithm"]): c for c in cells}
     for c in cells:

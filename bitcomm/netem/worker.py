@@ -3,8 +3,11 @@
 Runs under ``mpiexec`` inside its namespace (:mod:`bitcomm.netem.rankexec`) with the MPI
 settings that keep traffic on the shaped links. For each size and algorithm: one warm-up call
 whose result is checked (majorities against a brute-force count of every rank's votes, which each
-rank regenerates from the seeds; the 1-bit allreduce for byte-identity across ranks), then
-``repeat`` timed calls, each started after a barrier; a call's time is the maximum over ranks.
+rank regenerates from the seeds; the 1-bit allreduce for byte-identity across ranks) and which
+runs the collectives' input agreement (``check=True``), then ``repeat`` timed calls with
+``check=False``, each started after a barrier; a call's time is the maximum over ranks, and its
+CPU time (``cpu_seconds``) the sum over ranks: 16-32 ranks share 2 cores here, and this says
+when the CPU rather than the links set the pace.
 Rank 0 reads every link's interface counters (``ip -n``, from inside its namespace) around the
 timed calls and writes one JSON row per measurement (``link_bytes``: per link direction, bytes
 and packets per call, barriers included), and a progress line to stdout.
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     # Pairwise exchanges: the pattern the model predicts. Test-and-sleep waits: 16-32 ranks
     # share 2 cores, and MPICH's busy-polling waiters (its progress throttle did not help)
     # would take the CPU from the ranks that have packing to do.
-    comm = MPIComm(native=False, poll_interval=1e-4)
+    comm = MPIComm(native=False, poll_interval=2e-3)
     topo = load(args.topology, scale=args.scale)
     if comm.size != topo.nodes:
         raise SystemExit(f"expected {topo.nodes} ranks for {topo.name}, got {comm.size}")
@@ -68,19 +71,21 @@ def main(argv: list[str] | None = None) -> None:
         for algorithm in args.algorithms.split(","):
             fn = ALGORITHMS[algorithm]
             comm.barrier()
-            wrong = _wrong(comm, algorithm, fn(comm, x), args.seed, n)  # warm-up + check
+            wrong = _wrong(comm, algorithm, fn(comm, x, check=True), args.seed, n)  # warm-up
             comm.barrier()
             before = net.tx_counters() if comm.rank == 0 else None
-            mine = []
+            mine, cpu = [], []
             for _ in range(args.repeat):
                 comm.barrier()
-                t0 = time.perf_counter()
-                fn(comm, x)
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn(comm, x, check=False)
                 mine.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
             comm.barrier()
             after = net.tx_counters() if comm.rank == 0 else None
             # gathered after the counters are read, so the gathers are not counted
             times = [max(gather_floats(comm, t)) for t in mine]
+            cpu_seconds = [sum(gather_floats(comm, c)) for c in cpu]
             if comm.rank == 0:
                 per_call = {f"{k[0]}:{'ab' if k[1] else 'ba'}":
                             [(after[k][0] - before[k][0]) / args.repeat,
@@ -88,10 +93,12 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"topology": topo.name, "ranks": comm.size, "n": n,
                        "algorithm": algorithm, "times": times,
                        "seconds": statistics.median(times), "wrong": wrong,
+                       "cpu_seconds": statistics.median(cpu_seconds),
                        "link_bytes": per_call}
                 rows.append(row)
-                print(f"  {topo.name} n={n} {algorithm}: {row['seconds']:.3f} s "
-                      f"(#wrong {wrong})", flush=True)
+                print(f"  {topo.name} n={n} {algorithm}: {row['seconds']:.3f} s, "
+                      f"cpu {row['cpu_seconds']:.2f} s over all ranks (#wrong {wrong})",
+                      flush=True)
     if comm.rank == 0:
         with open(args.out, "w") as fh:
             json.dump(rows, fh)

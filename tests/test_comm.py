@@ -1,0 +1,66 @@
+"""Transport-level behaviour of the in-process Comm: isend, requests, counting, errors."""
+
+import pytest
+import torch
+
+from bitcomm.comm import Request, run_local
+
+
+def _bytes(*values):
+    return torch.tensor(values, dtype=torch.uint8)
+
+
+def test_isend_runs_ahead_of_the_receiver_and_keeps_order():
+    # Every rank posts three sends before receiving anything: with blocking sends on a ring
+    # this would deadlock; the messages then arrive in the order they were sent.
+    def fn(c):
+        nxt, prv = (c.rank + 1) % c.size, (c.rank - 1) % c.size
+        reqs = [c.isend(_bytes(c.rank, k, k * 7), nxt) for k in range(3)]
+        got = [c.recv(torch.empty(3, dtype=torch.uint8), prv).tolist() for _ in range(3)]
+        Request.wait_all(reqs)
+        return got, c.counters.sent[nxt], c.counters.total_sent
+
+    for r, (got, to_next, total) in enumerate(run_local(fn, 4, timeout=30)):
+        prv = (r - 1) % 4
+        assert got == [[prv, 0, 0], [prv, 1, 7], [prv, 2, 14]]
+        assert to_next == total == 9
+
+
+def test_isend_copies_at_post_time_for_the_local_transport():
+    # The in-process transport takes the bytes when the send is posted, so changing the buffer
+    # afterwards (which the API forbids until wait) cannot corrupt what was sent.
+    def fn(c):
+        if c.rank == 0:
+            buf = _bytes(1, 2, 3)
+            req = c.isend(buf, 1)
+            buf.fill_(0)
+            req.wait()
+            return None
+        return c.recv(torch.empty(3, dtype=torch.uint8), 0).tolist()
+
+    assert run_local(fn, 2, timeout=30)[1] == [1, 2, 3]
+
+
+def test_request_wait_is_idempotent_and_releases_buffers():
+    calls = []
+    keep = torch.zeros(4)
+    req = Request(lambda: calls.append(1), keep)
+    req.wait()
+    req.wait()
+    assert calls == [1]
+    assert req._keep is None
+    Request.wait_all([Request(), Request(lambda: calls.append(2))])
+    assert calls == [1, 2]
+
+
+def test_isend_checks_its_arguments():
+    def fn(c):
+        with pytest.raises(ValueError, match="another rank"):
+            c.isend(_bytes(1), c.rank)
+        with pytest.raises(ValueError, match="another rank"):
+            c.isend(_bytes(1), c.size)
+        with pytest.raises(TypeError):
+            c.isend(torch.ones(3), 1 - c.rank)
+        return c.counters.total_sent
+
+    assert run_local(fn, 2, timeout=30) == [0, 0]
