@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from bitcomm.codecs import counts, sparse
+from bitcomm.codecs import counts, qsgd, sparse
 from bitcomm.collectives import (
     OneBitState,
     allreduce,
@@ -12,6 +12,8 @@ from bitcomm.collectives import (
     alltoall_majority_bytes,
     onebit_allreduce,
     onebit_allreduce_bytes,
+    qsgd_allgather,
+    qsgd_allgather_bytes,
     ring_majority,
     ring_majority_bytes,
     sparse_allgather,
@@ -318,3 +320,30 @@ def test_torch_only_codec_path_gives_the_same_results():
         _frame.FORCE_TORCH = False
     for a, b in zip(fast, slow, strict=True):
         assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("check", [True, False])
+def test_qsgd_allgather_mean_and_bytes(size, check):
+    n, bits, bucket = 1000, 4, 512
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+
+    def fn(c):
+        c.counters.reset()
+        mean, sent = qsgd_allgather(c, xs[c.rank], bits=bits, bucket=bucket, seed=9,
+                                    check=check)
+        return mean, sent, c.counters.total_sent
+
+    out = run_local(fn, size, timeout=30)
+    # each rank's frame decoded by hand, added in rank order
+    decoded = [qsgd.decode(qsgd.encode(xs[r], bits, bucket, seed=9 + r))[0] for r in range(size)]
+    total = torch.zeros(n)
+    for d in decoded:
+        total += d
+    for r, (mean, sent, nbytes) in enumerate(out):
+        assert torch.equal(mean, out[0][0])
+        torch.testing.assert_close(mean, total / size, rtol=0, atol=0)
+        assert torch.equal(sent, decoded[r])
+        assert nbytes == qsgd_allgather_bytes(n, size, bits=bits, bucket=bucket, check=check)
+    if size == 4 and check:
+        assert qsgd_allgather_bytes(n, size, bits=bits, bucket=bucket) == 3 * 522 + 48

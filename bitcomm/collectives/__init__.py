@@ -4,6 +4,7 @@
   (004_593a15e1fafc2f55.txt), ring with ceil(log2(i+1))-bit counts, or 1-bit Adam's all-to-all.
 * :func:`onebit_allreduce`: DeepSpeed's 1-bit Adam compressed allreduce with error feedback.
 * :func:`sparse_allgather`: RedSync / SparCML quantised sparse exchange.
+* :func:`qsgd_allgather`: every rank's whole tensor as one QSGD frame, averaged (SparCML).
 * :func:`allreduce`: the dense float32 baseline.
 
 Each documents the bytes a rank sends and has a ``*_bytes`` function computing it; the
@@ -23,6 +24,7 @@ from bitcomm.collectives.onebit import (
     onebit_allreduce_bytes,
     padded_length,
 )
+from bitcomm.collectives.quantized import qsgd_allgather, qsgd_allgather_bytes
 from bitcomm.collectives.sparse import sparse_allgather, sparse_allgather_bytes
 
 __all__ = [
@@ -36,6 +38,8 @@ __all__ = [
     "onebit_allreduce",
     "onebit_allreduce_bytes",
     "padded_length",
+    "qsgd_allgather",
+    "qsgd_allgather_bytes",
     "sparse_allgather",
     "sparse_allgather_bytes",
 ]

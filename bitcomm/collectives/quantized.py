@@ -1,0 +1,59 @@
+"""Dense QSGD exchange: every rank's whole tensor as one qsgd frame, averaged everywhere.
+
+The data-parallel QSGD step of SparCML (003_d4ff896956a00db6.txt, Section 6): each rank
+quantises its full gradient stochastically (:mod:`bitcomm.codecs.qsgd`, 2/4/8 bits, one fp32
+scale per bucket) and the frames, all the same length, go to every rank in one ``allgatherv``;
+each rank decodes them and adds them in rank order (bit-identical sums), then divides by ``N``.
+
+Bytes sent per rank (:func:`qsgd_allgather_bytes`)::
+
+    (N - 1) * qsgd.encoded_size(n, bits, bucket)   + 16 * (N - 1) with check
+
+Example: 1000 float32 elements, 4 bits, buckets of 512, 4 ranks: the frame is a 14-byte header,
+two fp32 scales and 500 bytes of codes (522 bytes), so each rank sends 3 * 522 + 48 = 1614
+bytes against 12000 + 48 for the fp32 allreduce's direct exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitcomm.codecs import qsgd
+from bitcomm.collectives import _common
+from bitcomm.comm.base import Comm
+
+__all__ = ["qsgd_allgather", "qsgd_allgather_bytes"]
+
+
+def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
+                   bucket: int = qsgd.DEFAULT_BUCKET, seed: int | None = None,
+                   check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(mean, sent)``: the mean over ranks of the quantised ``x``, and this rank's.
+
+    ``sent`` is this rank's quantised ``x`` as every receiver decodes it (for error feedback).
+    Both are float32 with ``x``'s shape; ``mean`` is identical on every rank.
+
+    Args:
+        comm: the transport.
+        x: float tensor, the same number of elements on every rank.
+        bits: 2, 4 or 8 bits per element.
+        bucket: elements per qsgd bucket.
+        seed: rank ``r`` quantises with ``seed + r`` (independent, reproducible streams);
+            ``None`` draws from torch's default generator.
+        check: agree on the input first (raises on every rank for bad input).
+
+    """
+    v = _common.prepare(comm, x, check, "qsgd_allgather")
+    frame = qsgd.encode(v, bits, bucket, seed=None if seed is None else seed + comm.rank)
+    frames = comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1 else [frame]
+    total = torch.zeros(v.numel(), dtype=torch.float32, device=v.device)
+    for f in frames:
+        total += qsgd.decode(f.to(v.device))[0]
+    sent = qsgd.decode(frame)[0]
+    return total.div_(comm.size).reshape(x.shape), sent.reshape(x.shape)
+
+
+def qsgd_allgather_bytes(n: int, size: int, *, bits: int = 4, bucket: int = qsgd.DEFAULT_BUCKET,
+                         check: bool = True) -> int:
+    """Return the bytes each rank sends in :func:`qsgd_allgather` of ``n`` elements."""
+    return (size - 1) * qsgd.encoded_size(n, bits, bucket) + _common.control_bytes(size, check)

@@ -1,0 +1,20 @@
+"""Training with compressed communication: optimizers over bitcomm's collectives.
+
+* :class:`~bitcomm.train.feedback.ErrorFeedback`: residuals re-added after compression.
+* :class:`~bitcomm.train.signum.MajoritySignSGD`: Signum with a majority vote (ring or
+  all-to-all).
+* :class:`~bitcomm.train.onebit_adam.OneBitAdam`: DeepSpeed's 1-bit Adam.
+* :class:`~bitcomm.train.qsgd_sgd.QSGDSGD`: SGD on QSGD-quantised gradient averages.
+
+Each is a ``torch.optim.Optimizer`` taking a :class:`~bitcomm.comm.base.Comm`; every rank builds
+it over the same parameters in the same order, calls ``backward`` on its own batch and then
+``step()``, which exchanges what the method sends and leaves the parameters identical on every
+rank. This layer imports the collectives, the transports and the codecs, never the reverse.
+"""
+
+from bitcomm.train.feedback import ErrorFeedback
+from bitcomm.train.onebit_adam import OneBitAdam
+from bitcomm.train.qsgd_sgd import QSGDSGD
+from bitcomm.train.signum import MajoritySignSGD
+
+__all__ = ["ErrorFeedback", "MajoritySignSGD", "OneBitAdam", "QSGDSGD"]

@@ -1,0 +1,82 @@
+"""Pieces the optimizers share: checked hyper-parameters and flat views of parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from bitcomm.comm.base import Comm
+
+
+def check_comm(comm: object) -> Comm:
+    if not isinstance(comm, Comm):
+        raise TypeError(f"expected comm to be a bitcomm Comm (LocalComm, MPIComm, TorchComm), "
+                        f"got {type(comm).__name__}")
+    return comm
+
+
+def check_range(name: str, value: object, lo: float, hi: float | None = None, *,
+                lo_open: bool = False) -> float:
+    """Return ``value`` as a float if it lies in [lo, hi) (or (lo, hi)); else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected {name} to be a number, got {type(value).__name__}")
+    ok = (value > lo if lo_open else value >= lo) and (hi is None or value < hi)
+    if not ok:
+        bound = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'})"
+        raise ValueError(f"expected {name} in {bound}, got {value}")
+    return float(value)
+
+
+def all_params(groups: list[dict]) -> list[torch.Tensor]:
+    """Return every parameter of ``groups``, in order, with or without a gradient.
+
+    Every rank must contribute the same flat layout to a collective, so a parameter without a
+    gradient on this rank still takes its place (as zeros, see :func:`flat_grads`).
+    """
+    return [p for g in groups for p in g["params"]]
+
+
+def flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate the gradients of ``params`` (zeros where None) into one float32 vector."""
+    parts = [p.grad.detach().reshape(-1).to(torch.float32) if p.grad is not None
+             else torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for p in params]
+    if not parts:
+        return torch.zeros(0)
+    return torch.cat(parts)
+
+
+def split_like(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Split ``flat`` into views shaped like ``params``."""
+    out, at = [], 0
+    for p in params:
+        out.append(flat[at:at + p.numel()].view_as(p))
+        at += p.numel()
+    return out
+
+
+class ExtraState:
+    """Mixin for optimizers with state beyond torch's per-parameter ``state``.
+
+    ``state_dict()`` gains a ``"bitcomm"`` entry from :meth:`_extra_state`, and
+    ``load_state_dict`` hands it to :meth:`_load_extra_state`, so one checkpoint resumes the
+    whole optimizer.
+    """
+
+    def _extra_state(self) -> dict:
+        raise NotImplementedError
+
+    def _load_extra_state(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:  # noqa: D102 - torch.optim.Optimizer's, plus "bitcomm"
+        sd = super().state_dict()  # type: ignore[misc]
+        sd["bitcomm"] = self._extra_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102 - see state_dict
+        sd = dict(state_dict)
+        if "bitcomm" not in sd:
+            raise ValueError(f"expected a state_dict from {type(self).__name__}.state_dict() "
+                             "(it has no 'bitcomm' entry)")
+        extra = sd.pop("bitcomm")
+        super().load_state_dict(sd)  # type: ignore[misc]
+        self._load_extra_state(extra)

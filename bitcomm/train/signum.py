@@ -1,0 +1,92 @@
+"""MajoritySignSGD: signSGD with momentum (Signum) and a majority vote over workers.
+
+Each worker keeps a momentum ``m = beta * m + (1 - beta) * g`` (plain signSGD for ``beta = 0``)
+and votes with the sign of ``m`` (``m >= 0`` votes +1); every parameter then moves by
+``-lr * majority``. The vote runs on all parameters at once, flattened into one vector, through
+:func:`~bitcomm.collectives.ring_majority` (004_593a15e1fafc2f55.txt, Section 3: counts in
+``ceil(log2(i+1))`` bits around a ring) or 1-bit Adam's all-to-all
+(:func:`~bitcomm.collectives.alltoall_majority`). Both give the same majority, so the choice
+changes only the bytes and who talks to whom. Weight decay is added to the gradient
+(``g + weight_decay * p``) before the momentum, as in ``torch.optim.SGD``.
+
+Example: two workers, one parameter ``[1.0, 1.0]``, lr 0.1, momentum 0: worker gradients
+``[0.5, -2.0]`` and ``[0.3, 1.0]`` vote ``[+1, -1]`` and ``[+1, +1]``; the tie in the second
+element goes to -1 (``tie="negative"``), so both workers step to ``[0.9, 1.1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from bitcomm.collectives import alltoall_majority, ring_majority
+from bitcomm.comm.base import Comm
+from bitcomm.train._common import all_params, check_comm, check_range, flat_grads, split_like
+
+__all__ = ["MajoritySignSGD"]
+
+COLLECTIVES = ("ring", "alltoall")
+
+
+class MajoritySignSGD(torch.optim.Optimizer):
+    """Signum with a majority vote of the workers' momentum signs.
+
+    Args:
+        params: parameters or parameter groups (``lr``, ``momentum``, ``weight_decay`` per group).
+        comm: the transport; every rank builds the optimizer over the same parameter layout.
+        lr: step size (each element moves by exactly ``lr`` per step).
+        momentum: Signum's ``beta`` in [0, 1); 0 is signSGD.
+        weight_decay: added to the gradient as ``weight_decay * p``.
+        collective: ``"ring"`` (ring_majority) or ``"alltoall"`` (alltoall_majority).
+        tie: ``"negative"`` or ``"positive"``: the vote where exactly half the workers say +1.
+        check: run the collectives' input agreement (every rank raises on a NaN gradient).
+
+    """
+
+    def __init__(self, params: Iterable, comm: Comm, lr: float = 1e-3, momentum: float = 0.9,
+                 weight_decay: float = 0.0, *, collective: str = "ring", tie: str = "negative",
+                 check: bool = True):
+        self.comm = check_comm(comm)
+        if collective not in COLLECTIVES:
+            raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
+        if tie not in ("negative", "positive"):
+            raise ValueError(f"expected tie 'negative' or 'positive', got {tie!r}")
+        defaults = {"lr": check_range("lr", lr, 0.0, lo_open=True),
+                    "momentum": check_range("momentum", momentum, 0.0, 1.0),
+                    "weight_decay": check_range("weight_decay", weight_decay, 0.0)}
+        super().__init__(params, defaults)
+        self.collective, self.tie, self.check = collective, tie, check
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Vote on the momentum signs and move every parameter by ``-lr`` times the majority."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = all_params(self.param_groups)
+        grads = split_like(flat_grads(params), params)
+        moms = []
+        for group in self.param_groups:
+            beta, wd = group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                g = grads[len(moms)]
+                if wd:
+                    g = g + wd * p.to(torch.float32)
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g)
+                m = state["momentum_buffer"]
+                m.mul_(beta).add_(g, alpha=1 - beta)
+                moms.append(m)
+        flat = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
+        vote = ring_majority if self.collective == "ring" else alltoall_majority
+        majority = vote(self.comm, flat, tie=self.tie, check=self.check)
+        votes = split_like(majority, params)
+        at = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(votes[at].to(p.dtype), alpha=-group["lr"])
+                at += 1
+        return loss

@@ -1,0 +1,273 @@
+"""Optimizers of bitcomm.train against hand-computed steps, resumption, and checks."""
+
+import io
+import math
+
+import pytest
+import torch
+from test_collectives import onebit_reference
+
+from bitcomm.codecs import qsgd
+from bitcomm.comm import run_local
+from bitcomm.train import QSGDSGD, ErrorFeedback, MajoritySignSGD, OneBitAdam
+
+
+def _param(*values):
+    return torch.nn.Parameter(torch.tensor(values, dtype=torch.float32))
+
+
+def _grad(p, *values):
+    p.grad = torch.tensor(values, dtype=torch.float32)
+
+
+# -- error feedback -------------------------------------------------------------------------------
+
+def test_error_feedback_keeps_what_was_dropped():
+    fb = ErrorFeedback()
+    c = fb.compensate("w", torch.tensor([0.3, -1.2]))
+    assert c.tolist() == pytest.approx([0.3, -1.2])
+    fb.update("w", c, torch.tensor([0.0, -1.0]))
+    assert fb.residuals["w"].tolist() == pytest.approx([0.3, -0.2])
+    assert fb.compensate("w", torch.tensor([0.1, 0.1])).tolist() == pytest.approx([0.4, -0.1])
+    saved = fb.state_dict()
+    other = ErrorFeedback()
+    other.load_state_dict(saved)
+    fb.residuals["w"].zero_()  # the saved copy does not alias the live residual
+    assert other.residuals["w"].tolist() == pytest.approx([0.3, -0.2])
+    with pytest.raises(ValueError, match="shape"):
+        other.compensate("w", torch.zeros(3))
+    with pytest.raises(TypeError):
+        other.load_state_dict({"w": [1.0]})
+
+
+# -- MajoritySignSGD ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("collective", ["ring", "alltoall"])
+def test_majority_sign_sgd_two_workers_tie_goes_negative(collective):
+    grads = [(0.5, -2.0), (0.3, 1.0)]
+
+    def fn(c):
+        p = _param(1.0, 1.0)
+        opt = MajoritySignSGD([p], c, lr=0.1, momentum=0.0, collective=collective)
+        _grad(p, *grads[c.rank])
+        opt.step()
+        return p.detach().tolist()
+
+    for out in run_local(fn, 2, timeout=30):
+        assert out == pytest.approx([0.9, 1.1])
+
+
+@pytest.mark.parametrize("collective", ["ring", "alltoall"])
+def test_signum_momentum_by_hand(collective):
+    # one worker, beta 0.5: m1 = [0.5, -0.5] -> votes [+1, -1]; m2 = 0.5 m1 + 0.5 [-2, 0.2]
+    # = [-0.75, -0.15] -> votes [-1, -1]; lr 0.1 from [0, 0]: [-0.1, 0.1] then [0.0, 0.2]
+    def fn(c):
+        p = _param(0.0, 0.0)
+        opt = MajoritySignSGD([p], c, lr=0.1, momentum=0.5, collective=collective)
+        _grad(p, 1.0, -1.0)
+        opt.step()
+        first = p.detach().tolist()
+        _grad(p, -2.0, 0.2)
+        opt.step()
+        return first, p.detach().tolist(), opt.state[p]["momentum_buffer"].tolist()
+
+    first, second, m = run_local(fn, 1, timeout=30)[0]
+    assert first == pytest.approx([-0.1, 0.1])
+    assert second == pytest.approx([0.0, 0.2])
+    assert m == pytest.approx([-0.75, -0.15])
+
+
+def test_majority_of_three_workers_over_two_tensors_and_groups():
+    # element-wise majorities of three workers' signs; the second group has its own lr
+    g = [((1.0, -1.0), (2.0,)), ((1.0, 1.0), (-2.0,)), ((-1.0, 1.0), (-3.0,))]
+
+    def fn(c):
+        a, b = _param(0.0, 0.0), _param(0.0)
+        opt = MajoritySignSGD([{"params": [a]}, {"params": [b], "lr": 1.0}], c, lr=0.1,
+                              momentum=0.0)
+        _grad(a, *g[c.rank][0])
+        _grad(b, *g[c.rank][1])
+        opt.step()
+        return a.detach().tolist() + b.detach().tolist()
+
+    for out in run_local(fn, 3, timeout=30):
+        assert out == pytest.approx([-0.1, -0.1, 1.0])
+
+
+# -- OneBitAdam -----------------------------------------------------------------------------------
+
+def test_onebit_adam_one_worker_by_hand():
+    # warm-up: m = 0.05, v = 0.00025, p = 1 - 0.1 * 0.05 / sqrt(0.00025)
+    # then compression with one worker: P = 8 elements, the 1-bit average of [m, 0 x 7] (all
+    # signs +1) is rms = |m| / sqrt(8); v stays frozen.
+    def fn(c):
+        p = _param(1.0)
+        opt = OneBitAdam([p], c, lr=0.1, eps=0.0, freeze_step=1)
+        _grad(p, 0.5)
+        opt.step()
+        warm = p.item()
+        assert opt.compressing
+        _grad(p, 0.5)
+        opt.step()
+        return warm, p.item(), opt.state[p]["exp_avg_sq"].item(), opt.onebit.worker_error
+
+    warm, after, v, werr = run_local(fn, 1, timeout=30)[0]
+    assert warm == pytest.approx(1 - 0.1 * 0.05 / math.sqrt(0.00025), rel=1e-6)
+    m2 = 0.9 * 0.05 + 0.1 * 0.5
+    m_avg = m2 / math.sqrt(8)
+    assert v == pytest.approx(0.00025, rel=1e-6)
+    assert after == pytest.approx(warm - 0.1 * m_avg / math.sqrt(0.00025), rel=1e-5)
+    assert werr.tolist() == pytest.approx([m2 - m_avg] + [-m_avg] * 7, rel=1e-5)
+
+
+def test_onebit_adam_two_workers_against_the_reference():
+    gs = [torch.tensor([[0.5, -1.0, 2.0], [0.1, 0.0, -0.3]]),
+          torch.tensor([[1.5, 1.0, -2.0], [0.3, 0.2, -0.1]])]
+    steps, lr, b1, b2, eps = 4, 0.01, 0.9, 0.999, 1e-8
+
+    def fn(c):
+        p = torch.nn.Parameter(torch.ones(2, 3))
+        opt = OneBitAdam([p], c, lr=lr, eps=eps, freeze_step=2)
+        for t in range(steps):
+            p.grad = gs[c.rank] * (t + 1)
+            opt.step()
+        return p.detach()
+
+    out = run_local(fn, 2, timeout=30)
+    assert torch.equal(out[0], out[1])
+    # reference: dense Adam on the mean for 2 steps, then local momentum + 1-bit average
+    p = torch.ones(6)
+    m, v = torch.zeros(6), torch.zeros(6)
+    werr = [torch.zeros(16), torch.zeros(16)]  # P = 2 * lcm(2, 8) = 16
+    serr = [torch.zeros(8), torch.zeros(8)]
+    for t in range(steps):
+        g = [x.reshape(-1) * (t + 1) for x in gs]
+        if t < 2:
+            mean = (g[0] + g[1]) / 2
+            m = b1 * m + (1 - b1) * mean
+            v = b2 * v + (1 - b2) * mean * mean
+        else:
+            m = onebit_reference([b1 * m + (1 - b1) * g[r] for r in range(2)], werr, serr)
+        p = p - lr * (m / (v.sqrt() + eps))
+    torch.testing.assert_close(out[0].reshape(-1), p, rtol=1e-5, atol=1e-6)
+
+
+# -- QSGDSGD --------------------------------------------------------------------------------------
+
+def test_qsgd_sgd_two_workers_against_the_codec():
+    gs = [torch.linspace(-1, 1, 20), torch.linspace(2, -0.5, 20)]
+    lr, mom, bits, bucket, seed = 0.1, 0.5, 2, 8, 11
+
+    def fn(c):
+        p = torch.nn.Parameter(torch.zeros(20))
+        opt = QSGDSGD([p], c, lr=lr, momentum=mom, bits=bits, bucket=bucket,
+                      error_feedback=True, seed=seed)
+        for t in range(3):
+            p.grad = gs[c.rank] * (t + 1)
+            opt.step()
+        return p.detach(), opt.feedback.residuals["flat"]
+
+    out = run_local(fn, 2, timeout=30)
+    assert torch.equal(out[0][0], out[1][0])
+    p, buf = torch.zeros(20), torch.zeros(20)
+    err = [torch.zeros(20), torch.zeros(20)]
+    for t in range(3):
+        sent = []
+        for r in range(2):
+            comp = gs[r] * (t + 1) + err[r]
+            q = qsgd.decode(qsgd.encode(comp, bits, bucket, seed=seed + t * 2 + r))[0]
+            err[r] = comp - q
+            sent.append(q)
+        buf = mom * buf + (sent[0] + sent[1]) / 2
+        p = p - lr * buf
+    torch.testing.assert_close(out[0][0], p, rtol=1e-6, atol=1e-6)
+    for r in range(2):
+        torch.testing.assert_close(out[r][1], err[r], rtol=1e-6, atol=1e-6)
+
+
+# -- resumption and configuration -----------------------------------------------------------------
+
+def _make(kind, params, comm):
+    if kind == "signum":
+        return MajoritySignSGD(params, comm, lr=0.01, momentum=0.9)
+    if kind == "onebit":
+        return OneBitAdam(params, comm, lr=0.01, freeze_step=2)
+    return QSGDSGD(params, comm, lr=0.05, momentum=0.9, bits=4, error_feedback=True, seed=3)
+
+
+@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd"])
+def test_state_dict_round_trip_resumes_bit_identically(kind):
+    def batches(rank, t):
+        g = torch.Generator().manual_seed(100 * t + rank)
+        return torch.randn(16, 5, generator=g), torch.randn(16, 1, generator=g)
+
+    def train(model, opt, steps):
+        for t in steps:
+            x, y = batches(opt.comm.rank, t)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    def fn(c):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 1)
+        opt = _make(kind, model.parameters(), c)
+        train(model, opt, range(3))
+        # through bytes, like a checkpoint file (state_dict() shares the live tensors)
+        buf = io.BytesIO()
+        torch.save((model.state_dict(), opt.state_dict()), buf)
+        buf.seek(0)
+        saved = torch.load(buf)
+        train(model, opt, range(3, 6))
+        straight = [t.clone() for t in model.parameters()]
+        torch.manual_seed(1)  # different init: everything must come from the checkpoint
+        again = torch.nn.Linear(5, 1)
+        again.load_state_dict(saved[0])
+        opt2 = _make(kind, again.parameters(), c)
+        opt2.load_state_dict(saved[1])
+        train(again, opt2, range(3, 6))
+        return straight, list(again.parameters())
+
+    for straight, resumed in run_local(fn, 2, timeout=60):
+        for a, b in zip(straight, resumed, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_configuration_is_checked_up_front():
+    def fn(c):
+        p = [_param(1.0)]
+        with pytest.raises(TypeError, match="Comm"):
+            MajoritySignSGD(p, object())
+        with pytest.raises(ValueError, match="collective"):
+            MajoritySignSGD(p, c, collective="tree")
+        with pytest.raises(ValueError, match="momentum"):
+            MajoritySignSGD(p, c, momentum=1.0)
+        with pytest.raises(ValueError, match="lr"):
+            OneBitAdam(p, c, lr=0.0)
+        with pytest.raises(ValueError, match="freeze_step"):
+            OneBitAdam(p, c, freeze_step=0)
+        with pytest.raises(ValueError, match="betas"):
+            OneBitAdam(p, c, betas=(0.9,))
+        with pytest.raises(ValueError, match="bits"):
+            QSGDSGD(p, c, bits=3)
+        with pytest.raises(ValueError, match="bucket"):
+            QSGDSGD(p, c, bucket=0)
+        opt = QSGDSGD(p, c)
+        with pytest.raises(ValueError, match="bitcomm"):
+            opt.load_state_dict(torch.optim.SGD(p, lr=0.1).state_dict())
+        with pytest.raises(ValueError, match="error_feedback"):
+            opt.load_state_dict(QSGDSGD(p, c, error_feedback=True).state_dict())
+        return True
+
+    assert run_local(fn, 1, timeout=30) == [True]
+
+
+def test_a_nan_gradient_raises_on_every_worker():
+    def fn(c):
+        p = _param(1.0, 2.0)
+        opt = MajoritySignSGD([p], c, lr=0.1)
+        _grad(p, float("nan") if c.rank == 1 else 1.0, 1.0)
+        opt.step()
+
+    out = run_local(fn, 2, timeout=30, return_exceptions=True)
+    assert all(isinstance(e, ValueError) and "NaN" in str(e) for e in out)
