@@ -9,7 +9,7 @@ from test_collectives import onebit_reference
 
 from bitcomm.codecs import qsgd
 from bitcomm.comm import run_local
-from bitcomm.train import QSGDSGD, ErrorFeedback, MajoritySignSGD, OneBitAdam
+from bitcomm.train import QSGDSGD, RGC, ErrorFeedback, MajoritySignSGD, OneBitAdam
 
 
 def _param(*values):
@@ -192,10 +192,12 @@ def _make(kind, params, comm):
         return MajoritySignSGD(params, comm, lr=0.01, momentum=0.9)
     if kind == "onebit":
         return OneBitAdam(params, comm, lr=0.01, freeze_step=2)
+    if kind == "rgc":
+        return RGC(params, comm, lr=0.05, density=0.4, compress_threshold=2, quantize=True)
     return QSGDSGD(params, comm, lr=0.05, momentum=0.9, bits=4, error_feedback=True, seed=3)
 
 
-@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd"])
+@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc"])
 def test_state_dict_round_trip_resumes_bit_identically(kind):
     def batches(rank, t):
         g = torch.Generator().manual_seed(100 * t + rank)
@@ -271,3 +273,112 @@ def test_a_nan_gradient_raises_on_every_worker():
 
     out = run_local(fn, 2, timeout=30, return_exceptions=True)
     assert all(isinstance(e, ValueError) and "NaN" in str(e) for e in out)
+
+
+# -- RGC ------------------------------------------------------------------------------------------
+
+def test_rgc_one_worker_top_k_with_residual_by_hand():
+    # density 0.5 of 4 elements: k = 2. Step 1: V = g = [0.1, -3, 2, 0.5] -> sends -3 and 2,
+    # keeps V = [0.1, 0, 0, 0.5]. Step 2: V += [1, 0, 0, 0.2] = [1.1, 0, 0, 0.7] -> sends both.
+    def fn(c):
+        p = _param(0.0, 0.0, 0.0, 0.0)
+        opt = RGC([p], c, lr=0.1, momentum=0.0, density=0.5, compress_threshold=0)
+        _grad(p, 0.1, -3.0, 2.0, 0.5)
+        opt.step()
+        first, res1 = p.detach().tolist(), opt.state[p]["residual"].tolist()
+        _grad(p, 1.0, 0.0, 0.0, 0.2)
+        opt.step()
+        return first, res1, p.detach().tolist(), opt.state[p]["residual"].tolist()
+
+    first, res1, second, res2 = run_local(fn, 1, timeout=30)[0]
+    assert first == pytest.approx([0.0, 0.3, -0.2, 0.0])
+    assert res1 == pytest.approx([0.1, 0.0, 0.0, 0.5])
+    assert second == pytest.approx([-0.11, 0.3, -0.2, -0.07])
+    assert res2 == pytest.approx([0.0, 0.0, 0.0, 0.0])
+
+
+def test_rgc_momentum_correction_and_masking_by_hand():
+    # momentum 0.5, k = 1 of 2. Step 1: U = [1, 0.2], V = [1, 0.2] -> sends element 0,
+    # masks U and V there: U = [0, 0.2], V = [0, 0.2]. Step 2 with g = [0.1, 0.1]:
+    # U = [0.1, 0.2], V = [0.1, 0.4] -> sends element 1 (0.4).
+    def fn(c):
+        p = _param(0.0, 0.0)
+        opt = RGC([p], c, lr=1.0, momentum=0.5, density=0.5, compress_threshold=0)
+        _grad(p, 1.0, 0.2)
+        opt.step()
+        _grad(p, 0.1, 0.1)
+        opt.step()
+        s = opt.state[p]
+        return p.detach().tolist(), s["momentum"].tolist(), s["residual"].tolist()
+
+    w, u, v = run_local(fn, 1, timeout=30)[0]
+    assert w == pytest.approx([-1.0, -0.4])
+    assert u == pytest.approx([0.1, 0.0])
+    assert v == pytest.approx([0.1, 0.0])
+
+
+def test_rgc_mean_quantization_alternates_sides():
+    # k = 2 of 4; step 1 sends the two largest positives (3, 2) as their mean 2.5, step 2 the
+    # two most negative of V = [0, -1, 0, -4] + 0 as their mean -2.5.
+    def fn(c):
+        p = _param(0.0, 0.0, 0.0, 0.0)
+        opt = RGC([p], c, lr=1.0, momentum=0.0, density=0.5, compress_threshold=0,
+                  quantize=True)
+        _grad(p, 3.0, -1.0, 2.0, -4.0)
+        opt.step()
+        first = p.detach().tolist()
+        _grad(p, 0.0, 0.0, 0.0, 0.0)
+        opt.step()
+        return first, p.detach().tolist(), opt.state[p]["residual"].tolist()
+
+    first, second, res = run_local(fn, 1, timeout=30)[0]
+    assert first == pytest.approx([-2.5, 0.0, -2.5, 0.0])
+    assert second == pytest.approx([-2.5, 2.5, -2.5, 2.5])
+    assert res == pytest.approx([0.0, 0.0, 0.0, 0.0])
+
+
+def test_rgc_two_workers_sparse_and_dense_layers_against_a_reference():
+    torch.manual_seed(0)
+    big = [torch.randn(40) for _ in range(2)]
+    small = [torch.randn(3) for _ in range(2)]
+    lr, mom, k = 0.1, 0.9, 4  # density 0.1 of 40
+
+    def fn(c):
+        w, b = torch.nn.Parameter(torch.zeros(40)), torch.nn.Parameter(torch.zeros(3))
+        opt = RGC([w, b], c, lr=lr, momentum=mom, density=0.1, compress_threshold=10)
+        for t in range(3):
+            w.grad, b.grad = big[c.rank] * (t + 1), small[c.rank] * (t + 1)
+            opt.step()
+        return w.detach(), b.detach()
+
+    out = run_local(fn, 2, timeout=30)
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    w, b, buf = torch.zeros(40), torch.zeros(3), torch.zeros(3)
+    u, v = [torch.zeros(40), torch.zeros(40)], [torch.zeros(40), torch.zeros(40)]
+    for t in range(3):
+        total = torch.zeros(40)
+        for r in range(2):
+            u[r] = mom * u[r] + big[r] * (t + 1)
+            v[r] = v[r] + u[r]
+            idx = torch.topk(v[r].abs(), k).indices
+            total[idx] += v[r][idx]
+            v[r][idx] = 0
+            u[r][idx] = 0
+        w = w - lr * total / 2
+        buf = mom * buf + (small[0] + small[1]) * (t + 1) / 2
+        b = b - lr * buf
+    torch.testing.assert_close(out[0][0], w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[0][1], b, rtol=1e-6, atol=1e-6)
+
+
+def test_rgc_selection_follows_the_layer_size():
+    def fn(c):
+        opt = RGC([_param(1.0)], c, thresholds=(100, 1000), compress_threshold=10)
+        with pytest.raises(ValueError, match="density"):
+            RGC([_param(1.0)], c, density=0.0)
+        with pytest.raises(ValueError, match="thresholds"):
+            RGC([_param(1.0)], c, thresholds=(10, 5))
+        return [opt.method(n) for n in (50, 100, 999, 1000)], opt.compressed(torch.zeros(11))
+
+    methods, big = run_local(fn, 1, timeout=30)[0]
+    assert methods == ["topk", "trimmed", "trimmed", "threshold"] and big

@@ -5,6 +5,7 @@
   all-to-all).
 * :class:`~bitcomm.train.onebit_adam.OneBitAdam`: DeepSpeed's 1-bit Adam.
 * :class:`~bitcomm.train.qsgd_sgd.QSGDSGD`: SGD on QSGD-quantised gradient averages.
+* :class:`~bitcomm.train.rgc.RGC`: RedSync's residual gradient compression (top-k SGD).
 
 Each is a ``torch.optim.Optimizer`` taking a :class:`~bitcomm.comm.base.Comm`; every rank builds
 it over the same parameters in the same order, calls ``backward`` on its own batch and then
@@ -15,6 +16,7 @@ rank. This layer imports the collectives, the transports and the codecs, never t
 from bitcomm.train.feedback import ErrorFeedback
 from bitcomm.train.onebit_adam import OneBitAdam
 from bitcomm.train.qsgd_sgd import QSGDSGD
+from bitcomm.train.rgc import RGC
 from bitcomm.train.signum import MajoritySignSGD
 
-__all__ = ["ErrorFeedback", "MajoritySignSGD", "OneBitAdam", "QSGDSGD"]
+__all__ = ["ErrorFeedback", "MajoritySignSGD", "OneBitAdam", "QSGDSGD", "RGC"]
