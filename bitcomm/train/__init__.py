@@ -6,6 +6,7 @@
 * :class:`~bitcomm.train.onebit_adam.OneBitAdam`: DeepSpeed's 1-bit Adam.
 * :class:`~bitcomm.train.qsgd_sgd.QSGDSGD`: SGD on QSGD-quantised gradient averages.
 * :class:`~bitcomm.train.rgc.RGC`: RedSync's residual gradient compression (top-k SGD).
+* :mod:`~bitcomm.train.hooks`: DDP communication hooks (sign majority, 1-bit, qsgd, top-k).
 
 Each is a ``torch.optim.Optimizer`` taking a :class:`~bitcomm.comm.base.Comm`; every rank builds
 it over the same parameters in the same order, calls ``backward`` on its own batch and then
