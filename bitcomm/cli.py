@@ -335,6 +335,46 @@ def _finish_experiment(cells: list[dict], config: dict, out: Path) -> None:
         sys.exit(1)
 
 
+def _is_training(path: Path) -> bool:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # load_experiment reports it
+    return isinstance(data, dict) and data.get("kind") == "train"
+
+
+def _run_training(path: Path, out_dir: str | None) -> None:
+    """Run a ``kind: train`` experiment (bitcomm.train.digits) over each of its transports."""
+    from bitcomm.train import digits
+
+    try:
+        cfg = digits.load_config(path)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    out = Path(out_dir or Path("results") / cfg.name)
+    click.echo(f"# bitcomm run experiment {cfg.name}: " + cfg.description.strip())
+    rows = []
+    for transport in cfg.transports:
+        click.echo(f"# {transport}: {cfg.workers} workers, {cfg.steps} steps, "
+                   f"{len(cfg.methods)} methods")
+        try:
+            rows += digits.launch(cfg, transport, progress=click.echo)
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+    rows = digits.summarise(rows)
+    config = _machine() | dataclasses.asdict(cfg)
+    paths = digits.write_report(rows, config, out)
+    click.echo((out / "table.md").read_text(), nl=False)
+    for p in paths:
+        click.echo(f"# wrote {p}")
+    broken = [r["method"] for r in rows if not r["identical_on_ranks"]]
+    if broken:
+        click.echo(f"# parameters differ across ranks for {broken}", err=True)
+        sys.exit(1)
+
+
 @run_group.command("experiment")
 @click.argument("name", default="default")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
@@ -349,6 +389,9 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
     from bitcomm.netem.topology import TopologyError
 
     path = Path(name) if name.endswith((".yaml", ".yml")) else Path("experiments") / f"{name}.yaml"
+    if _is_training(path):
+        _run_training(path, out_dir)
+        return
     try:
         exp = load_experiment(path)
     except TopologyError as e:

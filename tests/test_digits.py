@@ -1,0 +1,57 @@
+"""The train-digits experiment: configuration checks and a short real run over gloo."""
+
+import pytest
+import torch
+
+from bitcomm.comm import run_local
+from bitcomm.train import digits
+
+
+def test_split_is_fixed_by_seed_and_standardised():
+    a, b = digits.load_digits_split(0), digits.load_digits_split(0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    xtr, ytr, xte, yte = a
+    assert xtr.shape[1] == 64 and xtr.shape[0] + xte.shape[0] == 1797
+    assert set(ytr.tolist()) == set(range(10)) == set(yte.tolist())
+    assert abs(float(xtr.mean())) < 1e-4
+    c = digits.load_digits_split(1)
+    assert not torch.equal(a[1], c[1])
+
+
+def test_config_is_checked(tmp_path):
+    good = tmp_path / "t.yaml"
+    good.write_text("kind: train\nname: t\nmethods: [dense-sgd]\nsteps: 5\n")
+    assert digits.load_config(good).steps == 5
+    for text, match in [("kind: train\nmethods: [sgd2]\n", "unknown methods"),
+                        ("kind: train\nsteps: 0\n", "steps"),
+                        ("kind: train\nworkers: 2\ncolour: red\n", "unknown keys"),
+                        ("kind: train\ntransports: [nccl]\n", "transports"),
+                        ("name: x\n", "kind: train")]:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            digits.load_config(bad)
+
+
+def test_bytes_per_step_match_the_collectives():
+    # dense-sgd sends the fp32 allreduce's 4 * params * (N - 1) bytes per step: ratio 1
+    cfg = digits.TrainConfig(methods=["dense-sgd"], steps=3, eval_every=3)
+    data = digits.load_digits_split(0)
+    rows = run_local(lambda c: digits.train(c, "dense-sgd", cfg, data), 2, timeout=60)
+    assert rows[0]["bytes_per_step"] == 4 * rows[0]["params"] * 1
+    assert rows[0]["compression"] == 1.0
+    assert rows[0]["digest"] == rows[1]["digest"]
+
+
+@pytest.mark.timeout(300)
+def test_short_digits_run_over_gloo_meets_the_accuracy_target():
+    cfg = digits.TrainConfig(methods=["dense-sgd", "qsgd-4bit", "signum-ring"], steps=150,
+                             eval_every=50, workers=4, transports=["gloo"])
+    rows = digits.summarise(digits.launch(cfg, "gloo", progress=lambda line: None,
+                                          timeout=240))
+    by = {r["method"]: r for r in rows}
+    assert all(r["identical_on_ranks"] for r in rows)
+    assert by["dense-sgd"]["accuracy"] > 0.9
+    for m in ("qsgd-4bit", "signum-ring"):
+        assert by[m]["gap_points"] <= 3.0, by[m]
+        assert by[m]["compression"] > 5, by[m]
