@@ -99,15 +99,18 @@ def test_addresses_are_unique_and_on_their_link():
 
 
 @pytest.mark.parametrize("algorithm, formula", [
-    ("ring-majority", lambda n, s, r: ring_majority_bytes(n, s, r)),
-    ("alltoall-majority", lambda n, s, r: alltoall_majority_bytes(n, s, r)),
-    ("onebit-alltoall", lambda n, s, r: onebit_allreduce_bytes(n, s)),
+    ("ring-majority", lambda n, s, r: ring_majority_bytes(n, s, r, check=False)),
+    ("alltoall-majority", lambda n, s, r: alltoall_majority_bytes(n, s, r, check=False)),
+    ("onebit-alltoall", lambda n, s, r: onebit_allreduce_bytes(n, s, check=False)),
 ])
 def test_traced_schedule_matches_the_byte_formulas(algorithm, formula):
     for size, n in ((4, 1000), (5, 4099)):
         phases = model.trace(algorithm, n, size)
         for r in range(size):
-            assert sum(b for p in phases for s, _, b in p if s == r) == formula(n, size, r)
+            # traced without the input agreement (check=False), as the experiments time them
+            assert sum(b for p in phases for s, _, b, _ in p if s == r) == formula(n, size, r)
+        # the ring sends ahead (isend); the all-to-all rounds wait for their sends
+        assert all(m[3] == (algorithm != "ring-majority") for p in phases for m in p)
 
 
 def test_model_reproduces_the_papers_analysis():

@@ -57,16 +57,16 @@ class LocalGroup:
 class LocalComm(Comm):
     """One rank of a :class:`LocalGroup`.
 
-    ``trace``, when set to a list, receives ``(dest, nbytes)`` for every point-to-point message
-    this rank sends, in order (all-to-all and allgather appear as their pairwise rounds, and an
-    allreduce as one message per peer): the byte schedule of a collective, for the network
-    model.
+    ``trace``, when set to a list, receives ``(dest, nbytes, blocking)`` for every point-to-point
+    message this rank sends, in order (all-to-all and allgather appear as their pairwise rounds,
+    an allreduce as one message per peer; ``blocking`` is False for :meth:`isend`, whose sender
+    goes on without waiting): the byte schedule of a collective, for the network model.
     """
 
     def __init__(self, group: LocalGroup, rank: int):
         super().__init__(rank, group.size)
         self.group = group
-        self.trace: list[tuple[int, int]] | None = None
+        self.trace: list[tuple[int, int, bool]] | None = None
 
     def _get(self, source: int, what: str) -> Any:
         q = self.group.queues[(source, self.rank)]
@@ -83,16 +83,16 @@ class LocalComm(Comm):
                     raise TimeoutError(f"rank {self.rank} waited {self.group.timeout:g} s for "
                                        f"{what} from rank {source}") from None
 
-    def _put(self, dest: int, item: Any) -> None:
+    def _put(self, dest: int, item: Any, blocking: bool = True) -> None:
         if self.trace is not None:
-            self.trace.append((dest, item.numel() * item.element_size()))
+            self.trace.append((dest, item.numel() * item.element_size(), blocking))
         self.group.queues[(self.rank, dest)].put(item)
 
     def _send(self, buf: torch.Tensor, dest: int) -> None:
         self._put(dest, buf.clone())
 
     def _isend(self, buf: torch.Tensor, dest: int) -> Request:
-        self._send(buf, dest)  # queued at once: nothing left to wait for
+        self._put(dest, buf.clone(), blocking=False)  # queued at once: nothing to wait for
         return Request()
 
     def _recv(self, out: torch.Tensor, source: int) -> torch.Tensor:

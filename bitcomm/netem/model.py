@@ -2,18 +2,31 @@
 
 A collective's byte schedule is *traced*, not re-derived: the collective runs once on the
 in-process transport with ``LocalComm.trace`` on, which records every message each rank sends in
-order. The k-th message of every rank forms phase k: the collectives are lock-step (ring steps,
-pairwise all-to-all rounds), so phase k's messages travel at the same time and phase k + 1 starts
-when the slowest of them has arrived. This is exactly the pattern ``MPIComm(native=False)`` puts
-on the wire, so the model and the emulated run cannot drift apart.
+order, and whether the sender then waits for it (a blocking send or sendrecv) or goes on (an
+``isend``, as the ring's steps do). The k-th message of every rank forms phase k: in these
+collectives each rank sends one message and receives one message per phase (ring steps,
+pairwise all-to-all rounds), the pattern ``MPIComm(native=False)`` puts on the wire, so the
+model and the emulated run cannot drift apart.
 
-For phase k the model routes every message along :meth:`Topology.route_links` and adds up the
-bytes per link direction; the phase takes ``alpha + max over link directions of bytes / rate``
-(concurrent flows share a link's rate), and the collective the sum over phases (RedSync,
-000_10f5b8196955b2ac.txt, Appendix B, with per-link rather than per-node bandwidth).
+Bytes: every message is routed along :meth:`Topology.route_links` and its bytes added to each
+link direction it crosses.
 
-Latency: each phase also pays the path latency of its longest message (link delays plus one
-1514-byte frame serialised per hop, store and forward) plus a fixed ``alpha`` per phase.
+Time, as a dataflow over the phases (RedSync 000_10f5b8196955b2ac.txt, Appendix B's alpha-beta
+costs, with per-link rather than per-node bandwidth and with the ranks not in lock-step):
+
+* rank r's phase-k message is *ready* when r has received its phase k - 1 message, and, for a
+  blocking send, when its own phase k - 1 send has completed;
+* a link direction carries one message at a time at its rate (concurrent messages queue, so
+  they share its bandwidth); a message starts when it is ready and every link direction on its
+  path is free, holds each of them for ``bytes / rate``, and arrives ``max over its path of
+  bytes / rate + latency + alpha`` after it started, where latency is the path's link delays
+  plus one 1514-byte frame serialised per hop (store and forward);
+* a receive completes when its message has arrived and the receiver is ready for that phase;
+  the collective ends when its last message has arrived.
+
+A lock-step collective (every phase waits for the slowest message) gets the sum over phases of
+the busiest link's time; a ring that sends ahead (``isend``) overlaps the latency of one step
+with the transfer of the next, as the emulated runs do.
 
 Bytes on a link: interface counters see TCP payload plus 66 bytes of Ethernet/IPv4/TCP headers
 (with timestamps) per frame, data or ACK. :func:`payload_from_counters` recovers the payload as
@@ -72,7 +85,7 @@ Each is ``fn(comm, x, check=True)``; experiments time them with ``check=False`` 
 def trace(algorithm: str, n: int, size: int) -> list[list[tuple[int, int, int]]]:
     """Return the phases of ``algorithm`` on ``n`` float32 elements and ``size`` ranks.
 
-    Each phase is a list of ``(src, dst, nbytes)`` messages.
+    Each phase is a list of ``(src, dst, nbytes, blocking)`` messages.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"expected algorithm in {sorted(ALGORITHMS)}, got {algorithm!r}")
@@ -123,30 +136,50 @@ def predict(topo: Topology, algorithm: str, n: int, *, alpha: float = 0.0,
         topo: the topology (rates already scaled).
         algorithm: a name from :data:`ALGORITHMS`.
         n: float32 elements per rank.
-        alpha: fixed cost per phase in seconds (software and latency), added to each phase.
+        alpha: fixed cost per message in seconds (software), added to each message's arrival.
         phases: a schedule from :func:`trace` to reuse (traced when omitted).
 
     """
     phases = trace(algorithm, n, topo.nodes) if phases is None else phases
     routes: dict[tuple[int, int], list] = {}
     total: dict[tuple[int, bool], int] = {}
-    seconds = 0.0
     votes: dict[tuple[int, bool], int] = {}
+    free: dict[tuple[int, bool], float] = {}  # link direction -> when it is next free
+    received: dict[int, float] = {}  # rank -> when it finished receiving (previous phase)
+    sent: dict[int, float] = {}  # rank -> when its previous send arrived
+    seconds = 0.0
     for msgs in phases:
         load: dict[tuple[int, bool], int] = {}
-        for src, dst, nbytes in msgs:
+        timed = []
+        for src, dst, nbytes, blocking in msgs:
             if (src, dst) not in routes:
                 routes[(src, dst)] = topo.route_links(src, dst)
             for link, forward in routes[(src, dst)]:
                 key = (link.index, forward)
                 load[key] = load.get(key, 0) + nbytes
+            ready = received.get(src, 0.0)
+            if blocking:
+                ready = max(ready, sent.get(src, 0.0))
+            timed.append((ready, src, dst, nbytes))
+        arrived: dict[int, float] = {}
+        for ready, src, dst, nbytes in sorted(timed):
+            path = routes[(src, dst)]
+            start = max([ready] + [free.get((link.index, fwd), 0.0) for link, fwd in path])
+            hold = [nbytes / link.rate for link, _ in path]
+            for (link, fwd), h in zip(path, hold, strict=True):
+                free[(link.index, fwd)] = start + h
+            latency = sum(link.delay + FRAME / link.rate for link, _ in path)
+            done = start + max(hold, default=0.0) + latency + alpha
+            sent[src] = done
+            arrived[dst] = max(arrived.get(dst, 0.0), done)
+            seconds = max(seconds, done)
+        for dst, t in arrived.items():
+            # the receiver takes the message once it is ready for this phase itself
+            received[dst] = max(t, received.get(dst, 0.0))
         for key, nbytes in load.items():
             total[key] = total.get(key, 0) + nbytes
         if load:
             worst = max(load, key=lambda k: load[k] / topo.links[k[0]].rate)
-            latency = max(sum(link.delay + FRAME / link.rate for link, _ in routes[(s, d)])
-                          for s, d, _ in msgs)
-            seconds += alpha + latency + load[worst] / topo.links[worst[0]].rate
             votes[worst] = votes.get(worst, 0) + 1
     bottleneck = max(votes, key=votes.get) if votes else (0, True)
     return Prediction(algorithm, n, seconds, len(phases), total, bottleneck)
