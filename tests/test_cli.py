@@ -75,8 +75,12 @@ def test_unknown_topology_and_experiment_are_clear_errors():
 def test_experiment_files_validate(tmp_path):
     from bitcomm.netem.experiment import load_experiment
     from bitcomm.netem.topology import TopologyError
+    from bitcomm.train import digits
 
     for path in sorted(Path("experiments").glob("*.yaml")):
+        if "kind: train" in path.read_text():
+            assert digits.load_config(path).methods  # a training experiment
+            continue
         exp = load_experiment(path)
         assert exp.sizes and exp.topologies
     bad = tmp_path / "bad.yaml"
@@ -89,3 +93,22 @@ def test_experiment_files_validate(tmp_path):
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nalgorithms: [magic]\n")
     with pytest.raises(TopologyError, match=r"unknown algorithms \['magic'\]"):
         load_experiment(bad)
+
+
+@pytest.mark.timeout(300)
+def test_run_experiment_dispatches_training_files(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("kind: train\nname: tiny\nworkers: 2\nsteps: 4\neval_every: 2\n"
+                   "transports: [gloo]\nmethods: [dense-sgd, signum-ring]\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["run", "experiment", str(cfg), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "| gloo | signum-ring |" in result.output
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["dense-sgd", "signum-ring"]
+    assert all(r["identical_on_ranks"] for r in rows)
+    assert (out / "accuracy.png").stat().st_size > 0 and (out / "results.csv").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: train\nmethods: [nope]\n")
+    result = CliRunner().invoke(main, ["run", "experiment", str(bad)])
+    assert result.exit_code != 0 and "unknown methods" in result.output
