@@ -10,7 +10,7 @@ Schema (``experiments/*.yaml``)::
     repeat: 3                          # timed calls per cell (median reported), after a warm-up
     scale: 125                         # optional: overrides every topology file's scale
     seed: 0                            # optional: seed of the inputs
-    alpha: 0.0                         # optional: model's fixed cost per phase, seconds
+    alpha: 0.0                         # optional: model's fixed cost per message, s
     queue: 0.2                         # optional: each shaper's queue, seconds of its rate
 
 For each topology the network is built (:class:`~bitcomm.netem.emulator.Emulator`), one MPI job
