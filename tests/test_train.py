@@ -382,3 +382,23 @@ def test_rgc_selection_follows_the_layer_size():
 
     methods, big = run_local(fn, 1, timeout=30)[0]
     assert methods == ["topk", "trimmed", "trimmed", "threshold"] and big
+
+
+def test_step_with_a_closure_returns_its_loss():
+    def fn(c):
+        p = _param(1.0, -1.0)
+        opt = QSGDSGD([p], c, lr=0.1, bits=8)
+
+        def closure():
+            opt.zero_grad()
+            loss = (p * p).sum()
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure)
+        return float(loss), p.detach().tolist()
+
+    loss, p = run_local(fn, 1, timeout=30)[0]
+    assert loss == pytest.approx(2.0)
+    # the gradient 2p = [2, -2] is exact in 8-bit qsgd (each value is its bucket's max)
+    assert p == pytest.approx([0.8, -0.8])

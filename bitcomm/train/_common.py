@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from bitcomm.comm.base import Comm
@@ -24,6 +26,14 @@ def check_range(name: str, value: object, lo: float, hi: float | None = None, *,
         bound = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'})"
         raise ValueError(f"expected {name} in {bound}, got {value}")
     return float(value)
+
+
+def evaluate(closure: Callable[[], float] | None) -> float | None:
+    """Run a ``step(closure)`` closure with gradients enabled; return its loss (or None)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def all_params(groups: list[dict]) -> list[torch.Tensor]:

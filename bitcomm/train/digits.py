@@ -27,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from bitcomm.bench.collectives import gather_floats
 from bitcomm.collectives import allreduce
 from bitcomm.comm.base import Comm
 from bitcomm.train.onebit_adam import OneBitAdam
@@ -323,9 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     for method in cfg.methods:
         row = train(comm, method, cfg, data)
         # the parameters must be identical on every rank: compare a digest
-        mine = torch.tensor([row["digest"]], dtype=torch.float64).view(torch.uint8)
-        every = comm.allgatherv(mine, [8] * comm.size)
-        row["identical_on_ranks"] = all(torch.equal(e, every[0]) for e in every)
+        every = gather_floats(comm, row["digest"])
+        row["identical_on_ranks"] = all(d == every[0] for d in every)
         row["transport"] = args.transport
         rows.append(row)
         if comm.rank == 0:

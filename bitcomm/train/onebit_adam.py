@@ -32,6 +32,7 @@ from bitcomm.train._common import (
     all_params,
     check_comm,
     check_range,
+    evaluate,
     flat_grads,
     split_like,
 )
@@ -84,10 +85,7 @@ class OneBitAdam(ExtraState, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One 1-bit Adam step (dense Adam during the warm-up)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         params = all_params(self.param_groups)
         compressing = self.compressing
         flat = flat_grads(params)

@@ -28,6 +28,7 @@ from bitcomm.train._common import (
     all_params,
     check_comm,
     check_range,
+    evaluate,
     flat_grads,
     split_like,
 )
@@ -74,10 +75,7 @@ class QSGDSGD(ExtraState, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Average the quantised gradients over workers and take one SGD step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         params = all_params(self.param_groups)
         flat = flat_grads(params)
         pieces, at = split_like(flat, params), 0

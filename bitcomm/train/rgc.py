@@ -35,7 +35,7 @@ import torch
 
 from bitcomm.collectives import allreduce, sparse_allgather
 from bitcomm.comm.base import Comm
-from bitcomm.train._common import check_comm, check_range
+from bitcomm.train._common import check_comm, check_range, evaluate
 
 __all__ = ["RGC"]
 
@@ -93,10 +93,7 @@ class RGC(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One RGC step: sparse exchange of the large parameters, dense of the small ones."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         size = self.comm.size
         dense: list[tuple[torch.Tensor, dict, torch.Tensor]] = []
         for group in self.param_groups:

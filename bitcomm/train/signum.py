@@ -22,7 +22,14 @@ import torch
 
 from bitcomm.collectives import alltoall_majority, ring_majority
 from bitcomm.comm.base import Comm
-from bitcomm.train._common import all_params, check_comm, check_range, flat_grads, split_like
+from bitcomm.train._common import (
+    all_params,
+    check_comm,
+    check_range,
+    evaluate,
+    flat_grads,
+    split_like,
+)
 
 __all__ = ["MajoritySignSGD"]
 
@@ -61,10 +68,7 @@ class MajoritySignSGD(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Vote on the momentum signs and move every parameter by ``-lr`` times the majority."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         params = all_params(self.param_groups)
         grads = split_like(flat_grads(params), params)
         moms = []
