@@ -396,7 +396,7 @@ def test_step_with_a_closure_returns_its_loss():
             return loss
 
         loss = opt.step(closure)
-        return float(loss), p.detach().tolist()
+        return loss.item(), p.detach().tolist()
 
     loss, p = run_local(fn, 1, timeout=30)[0]
     assert loss == pytest.approx(2.0)
