@@ -125,13 +125,10 @@ def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
     click.echo(f"# wrote {out / (name + '.json')} and {out / (name + '.csv')}")
 
 
-_TRANSPORTS = ("mpi", "gloo")
-
-
 @bench.command("collectives")
 @click.option("--ranks", type=click.IntRange(1), default=4, show_default=True,
               help="Processes to launch (ignored under an existing mpiexec/torchrun job).")
-@click.option("--transport", type=click.Choice(_TRANSPORTS), default="mpi", show_default=True)
+@click.option("--transport", type=click.Choice(["mpi", "gloo"]), default="mpi", show_default=True)
 @click.option("--sizes", type=SizeList(), default="1M,8M", show_default=True,
               help="Comma-separated float32 element counts per rank.")
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True,
@@ -149,8 +146,9 @@ def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat
     if not worker and "PMI_RANK" not in os.environ and "RANK" not in os.environ:
         sys.exit(_launch(ranks, transport, args))
     from bitcomm.bench import collectives as bench_mod
+    from bitcomm.comm.launch import world
 
-    comm = _worker_comm(transport)
+    comm = world(transport)
     config = _machine() | {"ranks": comm.size, "transport": transport, "sizes": list(sizes),
                            "repeat": repeat, "seed": seed}
     if comm.rank == 0:
@@ -181,41 +179,20 @@ def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat
             sys.exit(1)
 
 
-def _worker_comm(transport: str):  # noqa: ANN202 - a Comm
-    if transport == "mpi":
-        from bitcomm.comm.mpi import MPIComm
-
-        return MPIComm()
-    import datetime
-
-    import torch.distributed as dist
-
-    from bitcomm.comm.torchdist import TorchComm
-
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['BITCOMM_STORE']}",
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=datetime.timedelta(seconds=300))
-    return TorchComm()
-
-
 def _launch(ranks: int, transport: str, args: list[str]) -> int:
     """Start ``ranks`` worker processes of this command; return the job's exit status."""
     import subprocess
     import tempfile
 
-    cmd = [sys.executable, "-m", "bitcomm.cli", "bench", "collectives", "--worker", *args]
-    if transport == "mpi":
-        mpiexec = Path(sys.executable).with_name("mpiexec")
-        if not mpiexec.exists():
-            raise click.ClickException(f"expected mpiexec next to {sys.executable}; install "
-                                       "the mpi extra (pip install 'bitcomm[mpi]')")
-        # python -m mpi4py: an exception on one rank aborts all instead of leaving them blocked
-        cmd = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "mpi4py", *cmd[1:]]
-        return subprocess.run(cmd).returncode
+    from bitcomm.comm.launch import commands
+
+    argv = [sys.executable, "-m", "bitcomm.cli", "bench", "collectives", "--worker", *args]
     with tempfile.TemporaryDirectory(prefix="bitcomm-") as tmp:
-        env = dict(os.environ, WORLD_SIZE=str(ranks), BITCOMM_STORE=f"{tmp}/store")
-        procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r))) for r in range(ranks)]
+        try:
+            jobs = commands(ranks, transport, argv, tmp)
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+        procs = [subprocess.Popen(cmd, env=env) for cmd, env in jobs]
         return max(abs(p.wait()) for p in procs)
 
 

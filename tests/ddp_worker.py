@@ -5,15 +5,13 @@ own fp32 allreduce and once with the hook, from the same initial weights on the 
 and prints one JSON line per hook: losses of both runs and the largest parameter difference.
 """
 
-import datetime
 import json
-import os
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bitcomm.comm.torchdist import TorchComm
+from bitcomm.comm.launch import world
 from bitcomm.train.hooks import HookState, onebit_hook, qsgd_hook, sign_majority_hook, topk_hook
 
 STEPS = 30
@@ -49,11 +47,8 @@ def train(hook, state, opt_kind, rank):
 
 
 def main():
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['BITCOMM_STORE']}",
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=datetime.timedelta(seconds=30))
-    comm, rank = TorchComm(), dist.get_rank()
+    comm = world("gloo", timeout=30)
+    rank = dist.get_rank()
     base_losses, base_params = train(None, None, "sgd", rank)
     cases = {
         "qsgd8": (qsgd_hook, HookState(comm, bits=8, bucket_size=64, error_feedback=True), "sgd"),

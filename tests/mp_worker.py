@@ -8,8 +8,6 @@ itself; results are also compared byte for byte across ranks. Any failure raises
 ``python -m mpi4py`` that aborts every rank); success prints ``OK rank R``.
 """
 
-import datetime
-import os
 import sys
 
 import torch
@@ -29,20 +27,11 @@ from bitcomm.collectives import (
     sparse_allgather,
     sparse_allgather_bytes,
 )
+from bitcomm.comm.launch import world
 
 
 def make_comm(kind):
-    if kind == "mpi":
-        from bitcomm.comm.mpi import MPIComm
-        return MPIComm()
-    import torch.distributed as dist
-
-    from bitcomm.comm.torchdist import TorchComm
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['BITCOMM_STORE']}",
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=datetime.timedelta(seconds=20))
-    return TorchComm()
+    return world("mpi" if kind == "mpi" else "gloo", timeout=20)
 
 
 def same_everywhere(comm, t):

@@ -64,3 +64,25 @@ def test_isend_checks_its_arguments():
         return c.counters.total_sent
 
     assert run_local(fn, 2, timeout=30) == [0, 0]
+
+
+def test_launch_commands_for_each_transport(tmp_path):
+    import sys
+
+    from bitcomm.comm.launch import commands, world
+
+    argv = [sys.executable, "-m", "some.worker", "--flag"]
+    jobs = commands(3, "gloo", argv, tmp_path)
+    assert [cmd for cmd, _ in jobs] == [argv] * 3
+    assert [e["RANK"] for _, e in jobs] == ["0", "1", "2"]
+    assert {e["WORLD_SIZE"] for _, e in jobs} == {"3"}
+    assert {e["BITCOMM_STORE"] for _, e in jobs} == {str(tmp_path / "store")}
+    [(cmd, _)] = commands(2, "mpi", argv, tmp_path)
+    assert cmd[1:] == ["-n", "2", sys.executable, "-m", "mpi4py", "-m", "some.worker", "--flag"]
+    assert cmd[0].endswith("mpiexec")
+    with pytest.raises(ValueError, match="transport"):
+        commands(2, "nccl", argv, tmp_path)
+    with pytest.raises(ValueError, match="ranks"):
+        commands(0, "gloo", argv, tmp_path)
+    with pytest.raises(ValueError, match="transport"):
+        world("tcp")

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from bitcomm.comm.launch import commands
+
 WORKER = Path(__file__).with_name("mp_worker.py")
 MPIEXEC = Path(sys.executable).with_name("mpiexec")
 LIMIT = 150  # seconds for one launch, all ranks
 
 
-def env():
-    e = dict(os.environ)
+def env(base=None):
+    e = dict(os.environ if base is None else base)
     e["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), str(WORKER.parent.parent),
                                        e.get("PYTHONPATH", "")])
     e["OMP_NUM_THREADS"] = "1"  # 8 ranks on 2 cores: no thread oversubscription
@@ -29,19 +31,16 @@ def env():
 def run_mpi(size, mode):
     if not MPIEXEC.exists():
         pytest.skip(f"mpiexec not installed next to {sys.executable} (pip install 'bitcomm[mpi]')")
-    cmd = [str(MPIEXEC), "-n", str(size), sys.executable, "-m", "mpi4py", str(WORKER), "mpi",
-           mode]
+    [(cmd, _)] = commands(size, "mpi", [sys.executable, str(WORKER), "mpi", mode], ".")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=env())
 
 
 def run_gloo(size, mode, tmp_path, script=WORKER):
     """Start ``size`` gloo ranks of ``script`` (mp_worker.py in ``mode``); return codes, output."""
-    e = env()
-    e.update(WORLD_SIZE=str(size), BITCOMM_STORE=str(tmp_path / "store"))
     args = [str(script)] if script != WORKER else [str(WORKER), "torch", mode]
-    procs = [subprocess.Popen([sys.executable, *args],
-                              env={**e, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(size)]
+    procs = [subprocess.Popen(cmd, env=env(job_env), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for cmd, job_env in commands(size, "gloo", [sys.executable, *args], tmp_path)]
     outs, codes = [], []
     try:
         for p in procs:

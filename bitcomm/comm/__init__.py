@@ -7,6 +7,8 @@
 * :class:`~bitcomm.comm.mpi.MPIComm`: mpi4py (import ``bitcomm.comm.mpi``; needs the ``mpi``
   extra).
 * :class:`~bitcomm.comm.torchdist.TorchComm`: torch.distributed, gloo or NCCL.
+* :mod:`~bitcomm.comm.launch`: start an N-rank job (mpiexec or gloo processes) and build each
+  rank's Comm in it.
 """
 
 from bitcomm.comm.base import Comm, Counters, Request

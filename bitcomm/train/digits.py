@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import time
@@ -30,6 +29,7 @@ import torch
 from bitcomm.bench.collectives import gather_floats
 from bitcomm.collectives import allreduce
 from bitcomm.comm.base import Comm
+from bitcomm.comm.launch import world
 from bitcomm.train.onebit_adam import OneBitAdam
 from bitcomm.train.qsgd_sgd import QSGDSGD
 from bitcomm.train.rgc import RGC
@@ -195,27 +195,17 @@ def launch(cfg: TrainConfig, transport: str, progress: Callable[[str], None] = p
     import tempfile
     from pathlib import Path
 
+    from bitcomm.comm.launch import commands
+
     with tempfile.TemporaryDirectory(prefix="bitcomm-digits-") as tmp:
         out = Path(tmp) / "rows.json"
         args = [sys.executable, "-m", "bitcomm.train.digits", "--transport", transport,
                 "--methods", ",".join(cfg.methods), "--steps", str(cfg.steps), "--batch",
                 str(cfg.batch), "--eval-every", str(cfg.eval_every), "--seed", str(cfg.seed),
                 "--out", str(out)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if transport == "mpi":
-            mpiexec = Path(sys.executable).with_name("mpiexec")
-            if not mpiexec.exists():
-                raise RuntimeError(f"mpiexec not found next to {sys.executable} "
-                                   "(pip install 'bitcomm[mpi]')")
-            cmds = [[str(mpiexec), "-n", str(cfg.workers), sys.executable, "-m", "mpi4py",
-                     *args[1:]]]
-            envs = [env]
-        else:
-            env.update(WORLD_SIZE=str(cfg.workers), BITCOMM_STORE=str(Path(tmp) / "store"))
-            cmds = [args] * cfg.workers
-            envs = [dict(env, RANK=str(r)) for r in range(cfg.workers)]
-        procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for c, e in zip(cmds, envs, strict=True)]
+        jobs = commands(cfg.workers, transport, args, tmp)
+        procs = [subprocess.Popen(c, env=dict(e, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for c, e in jobs]
         lines: list[str] = []
         try:
             for i, proc in enumerate(procs):
@@ -289,22 +279,6 @@ def write_report(rows: list[dict], config: dict, out: os.PathLike) -> list[str]:
     return [str(out / n) for n in ("results.json", "results.csv", "table.md", "accuracy.png")]
 
 
-def _comm(transport: str) -> Comm:
-    if transport == "mpi":
-        from bitcomm.comm.mpi import MPIComm
-
-        return MPIComm()
-    import torch.distributed as dist
-
-    from bitcomm.comm.torchdist import TorchComm
-
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['BITCOMM_STORE']}",
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=datetime.timedelta(seconds=120))
-    return TorchComm()
-
-
 def main(argv: list[str] | None = None) -> None:
     """Rank program: train every method and have rank 0 write one JSON row per method."""
     ap = argparse.ArgumentParser(description=__doc__)
@@ -318,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = TrainConfig(args.methods.split(","), args.steps, args.batch, args.eval_every, args.seed)
-    comm = _comm(args.transport)
+    comm = world(args.transport, timeout=120)
     data = load_digits_split(cfg.seed)
     rows = []
     for method in cfg.methods:
