@@ -1,11 +1,12 @@
 """Two bulk TCP flows in opposite directions over one tbf-shaped link (needs root).
 
-    .venv/bin/python experiments/bidirectional.py
+    .venv/bin/python experiments/bidirectional.py [CONGESTION_CONTROL]
 
 Prints each flow's goodput as a fraction of the link's 0.8 MB/s, first for one flow alone, then
 for one flow each way. Every link of a ring carries traffic both ways (neighbour steps one way,
 the wrap-around flow the other), and in a FIFO queue each flow's ACKs wait behind the other
-flow's data; this measures what that costs on this kernel.
+flow's data; this measures what that costs on this kernel. The namespaces use the emulator's
+congestion control (reno) unless one is named, e.g. ``bbr``.
 """
 
 import subprocess
@@ -49,6 +50,10 @@ def main():
     topo = from_dict({"name": "bidir", "nodes": 2,
                       "links": [{"a": 0, "b": 1, "rate": f"{RATE}B/s"}]})
     with Emulator(topo) as net:
+        if len(sys.argv) > 1:
+            for rank in (0, 1):
+                subprocess.run(["ip", "netns", "exec", net.ns(rank), "sysctl", "-qw",
+                                f"net.ipv4.tcp_congestion_control={sys.argv[1]}"], check=True)
         for label, pairs in (("one flow", [(0, 1)]), ("one flow each way", [(0, 1), (1, 0)])):
             flows = [flow(net, s, d, 6001 + i) for i, (s, d) in enumerate(pairs)]
             for _, client in flows:
