@@ -384,7 +384,7 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
     config = _machine() | {"experiment": exp.name, "topologies": exp.topologies,
                            "sizes": exp.sizes, "algorithms": exp.algorithms,
                            "repeat": exp.repeat, "scale": exp.scale, "alpha": exp.alpha,
-                           "queue": exp.queue}
+                           "queue": exp.queue, "window": exp.window}
     click.echo(f"# bitcomm run experiment {exp.name}: " + exp.description.strip())
     try:
         cells = run_experiment(exp, progress=click.echo)

@@ -88,8 +88,14 @@ def test_experiment_files_validate(tmp_path):
     with pytest.raises(TopologyError, match=r"sizes\[0\]: expected a size like 65536"):
         load_experiment(bad)
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nqueue: 0\n")
-    with pytest.raises(TopologyError, match="expected queue > 0 seconds, got 0"):
+    with pytest.raises(TopologyError, match="queue: expected a number of seconds > 0, got 0"):
         load_experiment(bad)
+    bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nwindow: fast\n")
+    with pytest.raises(TopologyError, match="window: expected a number of seconds > 0, got 'fast'"):
+        load_experiment(bad)
+    bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nwindow: null\nqueue: 0.3\n")
+    exp = load_experiment(bad)
+    assert (exp.window, exp.queue) == (None, 0.3)
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nalgorithms: [magic]\n")
     with pytest.raises(TopologyError, match=r"unknown algorithms \['magic'\]"):
         load_experiment(bad)

@@ -49,6 +49,11 @@ def test_shaping_routes_and_teardown():
     with Emulator(topo) as net:
         prefix = net.prefix
         assert len(ours(prefix)) == 4
+        # every rank's TCP receive buffer is capped at 0.32 s of the slow link (0.5 MB/s)
+        for rank in range(4):
+            rmem = net.run(rank, ["sysctl", "-n", "net.ipv4.tcp_rmem"], capture_output=True,
+                           text=True, check=True).stdout.split()
+            assert rmem == ["4096", "131072", "160000"], rmem
         dst = str(topo.addresses(3)[0].ip)
         server = net.popen(3, [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
         assert server.stdout.readline().strip() == "ready"

@@ -150,3 +150,16 @@ def test_link_check_pairs_make_each_link_the_bottleneck():
         hops = cluster.route_links(u, v)
         assert link.index in [h.index for h, _ in hops]
         assert min(h.rate for h, _ in hops) == link.rate
+
+
+def test_emulator_tcp_settings_follow_the_slowest_link():
+    from bitcomm.netem.emulator import Emulator
+
+    chain = load(CONFIGS / "chain-32.yaml")  # slowest 100 MB/s / 125
+    assert Emulator(chain, window=0.32).receive_buffer() == int(0.8e6 * 0.32)
+    assert Emulator(chain, window=0.01).receive_buffer() == 64 << 10  # the floor
+    assert Emulator(chain, window=None).receive_buffer() is None
+    with pytest.raises(ValueError, match="expected window > 0 seconds or None, got 0"):
+        Emulator(chain, window=0)
+    with pytest.raises(ValueError, match="expected queue > 0 seconds, got -1"):
+        Emulator(chain, queue=-1)

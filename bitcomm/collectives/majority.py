@@ -91,9 +91,8 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
     _check_options(tie, packing)
     v = _common.prepare(comm, x, check, "ring_majority")
     size, rank, n = comm.size, comm.rank, v.numel()
-    votes = (v >= 0).to(torch.int32)
     if size == 1:
-        return _finish(x, _decide(votes, 1, tie), packed)
+        return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
     chunks = _common.bounds(n, size)
     nxt, prv = (rank + 1) % size, (rank - 1) % size
 
@@ -101,32 +100,51 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
         lo, hi = chunks[c % size]
         return t[lo:hi]
 
+    def votes(c: int) -> torch.Tensor:
+        # One chunk at a time, when its step comes: the first message leaves after 1/N of the
+        # vote work, and the rest overlaps with waiting for the ring.
+        return (part(v, c) >= 0).to(torch.int32)
+
     # Each step waits only for what it receives: the send of step i is still in flight while
     # step i + 1 is received and combined, so no link idles while a rank waits for the
     # transport to confirm its send (see Comm.isend). A step's message is a fresh tensor, kept
     # alive by its request until the end.
     sends: list[Request] = []
-    running = part(votes, rank)  # step 1 sends this rank's own votes: counts over 1 rank
+    running = votes(rank)  # step 1 sends this rank's own votes: counts over 1 rank
     for i in range(1, size):
         # 004_593a15e1fafc2f55.txt, Section 3: counts over i ranks need ceil(log2(i+1)) bits.
         sends.append(comm.isend(counts.pack(running, i, packing, check=False), nxt))
-        length = part(votes, rank - i).numel()
+        c = rank - i
+        length = part(v, c).numel()
         got = comm.recv(torch.empty(counts.packed_size(length, i, packing), dtype=torch.uint8,
                                     device=v.device), prv)
-        running = counts.unpack(got, length, i, packing, dtype=torch.int32) + part(votes,
-                                                                                  rank - i)
-    decided = torch.empty(n, dtype=torch.bool, device=v.device)
-    part(decided, rank + 1).copy_(_decide(running, size, tie))
+        running = counts.unpack(got, length, i, packing, dtype=torch.int32) + votes(c)
+    # Ring allgather of the 1-bit decisions: the paper streams back only the majority bit.
+    # Step i forwards, unchanged, the packed chunk received at step i - 1 (chunk rank + 2 - i),
+    # and each chunk is written into the result as it arrives.
+    decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
+    out = None if packed else torch.empty(n, dtype=x.dtype, device=v.device)
+
+    def keep(c: int, chunk: torch.Tensor) -> None:
+        if decided is not None:
+            part(decided, c).copy_(chunk)
+        else:
+            part(out, c).copy_(chunk).mul_(2).sub_(1)
+
+    mine = _decide(running, size, tie)
+    keep(rank + 1, mine)
+    forward = bits.pack(mine.to(torch.uint8), 1, check=False)
     for i in range(1, size):
-        # Ring allgather of the 1-bit decisions: the paper streams back only the majority bit.
-        send = part(decided, rank + 2 - i)
-        sends.append(comm.isend(bits.pack(send.to(torch.uint8), 1, check=False), nxt))
-        length = part(decided, rank + 1 - i).numel()
-        got = comm.recv(torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
-                                    device=v.device), prv)
-        part(decided, rank + 1 - i).copy_(bits.unpack(got, length, 1).bool())
+        sends.append(comm.isend(forward, nxt))
+        c = rank + 1 - i
+        length = part(v, c).numel()
+        forward = comm.recv(torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
+                                        device=v.device), prv)
+        keep(c, bits.unpack(forward, length, 1).bool())
     Request.wait_all(sends)
-    return _finish(x, decided, packed)
+    if decided is not None:
+        return bits.pack(decided.to(torch.uint8), 1, check=False)
+    return out.reshape(x.shape)
 
 
 def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative",

@@ -12,8 +12,20 @@ namespaces (which deletes their veths and bridges); it runs on leaving the conte
 SIGTERM/SIGINT, and :func:`sweep` removes leftovers of any earlier run (``bitcomm topo down``).
 
 tbf details: ``burst`` is the larger of two MTU-sized frames and 1 ms of the rate, so short
-transfers cannot run much faster than the rate; the queue holds 200 ms of the rate (at least
+transfers cannot run much faster than the rate; the queue holds 500 ms of the rate (at least
 64 KiB), so many concurrent flows queue instead of being dropped.
+
+TCP inside the ranks: reno, no slow start after idle, and a receive buffer limit
+(``net.ipv4.tcp_rmem`` maximum) of ``window`` seconds of the slowest link's rate (at least
+64 KiB). Why the limit: a ring sends one bulk flow each way over the slow link, and each flow's
+ACKs queue behind the other flow's data. Unlimited, a flow grows its window until the shaper's
+queue overflows; the drop halves reno's window, which then grows back by one segment per round
+trip, and round trips are hundreds of milliseconds behind a full queue, so one direction ran at
+0.5-0.75 of its rate for whole calls (``ss -ti`` on the wrap flow of chain-32: cwnd 120 -> 60
+segments after one drop, then +1 per 220 ms RTT). Linux advertises about 0.63 of the buffer on
+these veths, so with the defaults (``window`` 0.32 s, ``queue`` 0.5 s) one connection keeps at
+most ~0.2 s of the slowest link in flight: under its queue, so a single flow cannot overflow it,
+and still above the ~0.1-0.2 s of ACK queueing a two-way link adds, so the flow is not starved.
 """
 
 from __future__ import annotations
@@ -29,10 +41,16 @@ from pathlib import Path
 
 from bitcomm.netem.topology import Link, Topology
 
-__all__ = ["Emulator", "sweep", "requirements", "PREFIX", "EmulatorError"]
+__all__ = ["Emulator", "sweep", "requirements", "PREFIX", "QUEUE", "WINDOW", "EmulatorError"]
 
 PREFIX = "bitcomm-"
 """Every namespace bitcomm creates starts with this."""
+
+QUEUE = 0.5
+"""Default shaper queue, seconds of the link's rate."""
+
+WINDOW = 0.32
+"""Default TCP receive buffer limit, seconds of the slowest link's rate (module docstring)."""
 
 
 class EmulatorError(RuntimeError):
@@ -84,6 +102,8 @@ class Emulator:
         topo: the topology.
         prefix: namespace prefix; a fresh ``bitcomm-<6 hex>`` by default.
         queue: each shaper's queue, in seconds of its rate (at least 64 KiB).
+        window: each rank's TCP receive buffer limit, in seconds of the slowest link's rate (at
+            least 64 KiB); ``None`` keeps the kernel's default. See the module docstring.
 
     Example::
 
@@ -92,10 +112,14 @@ class Emulator:
 
     """
 
-    def __init__(self, topo: Topology, prefix: str | None = None, *, queue: float = 0.2):
+    def __init__(self, topo: Topology, prefix: str | None = None, *, queue: float = QUEUE,
+                 window: float | None = WINDOW):
         if not queue > 0:
             raise ValueError(f"expected queue > 0 seconds, got {queue}")
+        if window is not None and not window > 0:
+            raise ValueError(f"expected window > 0 seconds or None, got {window}")
         self.queue = queue
+        self.window = window
         self.topo = topo
         self.prefix = prefix or f"{PREFIX}{secrets.token_hex(3)}"
         if not self.prefix.startswith(PREFIX):
@@ -156,7 +180,8 @@ class Emulator:
                                    ("net.ipv4.conf.all.rp_filter", "0"),
                                    ("net.ipv4.conf.default.rp_filter", "0"),
                                    ("net.ipv4.tcp_slow_start_after_idle", "0"),
-                                   ("net.ipv4.tcp_congestion_control", "reno")):
+                                   ("net.ipv4.tcp_congestion_control", "reno"),
+                                   *self._rmem()):
                     _run(["ip", "netns", "exec", name, "sysctl", "-qw", f"{key}={value}"])
             else:
                 _run(["ip", "-n", name, "link", "add", "br0", "type", "bridge"])
@@ -178,6 +203,18 @@ class Emulator:
             batch = self._routes(rank)
             if batch:
                 _run(["ip", "-n", self.ns(rank), "-batch", "-"], input=batch)
+
+    def receive_buffer(self) -> int | None:
+        """Return the ``tcp_rmem`` maximum in bytes set in every rank (``None``: kernel default)."""
+        if self.window is None:
+            return None
+        return max(64 << 10, int(self.topo.slowest_link().rate * self.window))
+
+    def _rmem(self) -> tuple[tuple[str, str], ...]:
+        limit = self.receive_buffer()
+        if limit is None:
+            return ()
+        return (("net.ipv4.tcp_rmem", f"4096 {min(131072, limit)} {limit}"),)
 
     def _shape(self, ns: str, dev: str, link: Link) -> None:
         rate_bits = max(8, round(link.rate * 8))

@@ -11,7 +11,10 @@ Schema (``experiments/*.yaml``)::
     scale: 125                         # optional: overrides every topology file's scale
     seed: 0                            # optional: seed of the inputs
     alpha: 0.0                         # optional: model's fixed cost per message, s
-    queue: 0.2                         # optional: each shaper's queue, seconds of its rate
+    queue: 0.5                         # optional: each shaper's queue, seconds of its rate
+    window: 0.32                       # optional: TCP receive buffer limit, seconds of the
+                                       #   slowest link's rate (null: kernel default); see
+                                       #   bitcomm.netem.emulator
 
 For each topology the network is built (:class:`~bitcomm.netem.emulator.Emulator`), one MPI job
 runs every size and algorithm (:mod:`bitcomm.netem.worker`, ranks in their namespaces with
@@ -34,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bitcomm.netem import model as model_mod
-from bitcomm.netem.emulator import Emulator, write_rankmap
+from bitcomm.netem.emulator import QUEUE, WINDOW, Emulator, write_rankmap
 from bitcomm.netem.topology import Topology, TopologyError, find, load
 
 __all__ = ["Experiment", "load_experiment", "run_experiment", "analyse", "MPI_ENV",
@@ -68,7 +71,8 @@ class Experiment:
     scale: float | None = None
     seed: int = 0
     alpha: float = 0.0
-    queue: float = 0.2
+    queue: float = QUEUE
+    window: float | None = WINDOW
     description: str = ""
 
 
@@ -79,6 +83,12 @@ def _size(value: object, where: str) -> int:
     if not m or int(m.group(1)) == 0:
         raise TopologyError(f"{where}: expected a size like 65536, 256K or 1M, got {value!r}")
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def _seconds(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise TopologyError(f"{where}: expected a number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 def load_experiment(path: str | Path) -> Experiment:
@@ -118,9 +128,9 @@ def load_experiment(path: str | Path) -> Experiment:
     exp.scale = None if data.get("scale") is None else float(data["scale"])
     exp.seed = int(data.get("seed", 0))
     exp.alpha = float(data.get("alpha", 0.0))
-    exp.queue = float(data.get("queue", 0.2))
-    if not exp.queue > 0:
-        raise TopologyError(f"{path}: expected queue > 0 seconds, got {data.get('queue')!r}")
+    exp.queue = _seconds(data.get("queue", QUEUE), f"{path}: queue")
+    window = data.get("window", WINDOW)
+    exp.window = None if window is None else _seconds(window, f"{path}: window")
     exp.description = str(data.get("description", ""))
     for t in exp.topologies:
         find(t)  # fails early, naming the missing topology
@@ -139,7 +149,7 @@ def measure(topo_path: Path, topo: Topology, exp: Experiment,
             progress: Callable[[str], None] = print, timeout: float = 3600) -> list[dict]:
     """Build ``topo``, run every size and algorithm of ``exp`` on it, tear it down; return rows."""
     with tempfile.TemporaryDirectory(prefix="bitcomm-exp-") as tmp, \
-            Emulator(topo, queue=exp.queue) as net:
+            Emulator(topo, queue=exp.queue, window=exp.window) as net:
         rankmap = write_rankmap(net, tmp)
         out = Path(tmp) / "rows.json"
         cmd = [_mpiexec(), "-n", str(topo.nodes), sys.executable, "-m", "bitcomm.netem.rankexec",
