@@ -399,13 +399,18 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
               help="float32 elements per rank.")
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--scale", type=float, default=None, help="Override the topology's scale.")
+@click.option("--queue", type=click.FloatRange(0, min_open=True), default=None,
+              help="Shaper queue, seconds of each link's rate [default: the emulator's, 0.5].")
+@click.option("--window", type=click.FloatRange(0, min_open=True), default=None,
+              help="TCP receive buffer limit, seconds of the slowest link's rate [default: "
+                   "none, the kernel's].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Results directory [default: results/compare-TOPOLOGY].")
 @click.argument("algorithms", nargs=-1, required=True)
-def compare(topology: str, size: int, repeat: int, scale: float | None, out_dir: str | None,
-            algorithms: tuple[str, ...]) -> None:
+def compare(topology: str, size: int, repeat: int, scale: float | None, queue: float | None,
+            window: float | None, out_dir: str | None, algorithms: tuple[str, ...]) -> None:
     """Compare ALGORITHMS (e.g. ring-majority alltoall-majority) on one topology."""
-    from bitcomm.netem.emulator import EmulatorError, requirements
+    from bitcomm.netem.emulator import QUEUE, WINDOW, EmulatorError, requirements
     from bitcomm.netem.experiment import Experiment, run_experiment
     from bitcomm.netem.model import ALGORITHMS
     from bitcomm.netem.topology import TopologyError
@@ -422,7 +427,9 @@ def compare(topology: str, size: int, repeat: int, scale: float | None, out_dir:
     if missing:
         raise click.ClickException("the network emulator needs " + "; ".join(missing))
     exp = Experiment(name=f"compare-{topology}", topologies=[topology], sizes=[size],
-                     algorithms=algs, repeat=repeat, scale=scale)
+                     algorithms=algs, repeat=repeat, scale=scale,
+                     queue=QUEUE if queue is None else queue,
+                     window=WINDOW if not window else window)
     config = _machine() | dataclasses.asdict(exp)
     try:
         cells = run_experiment(exp, progress=click.echo)

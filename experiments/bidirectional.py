@@ -1,18 +1,19 @@
 """Two bulk TCP flows in opposite directions over one tbf-shaped link (needs root).
 
-    .venv/bin/python experiments/bidirectional.py [CONGESTION_CONTROL]
+    .venv/bin/python experiments/bidirectional.py [CONGESTION_CONTROL] [--no-window]
 
 Prints each flow's goodput as a fraction of the link's 0.8 MB/s, first for one flow alone, then
 for one flow each way. Every link of a ring carries traffic both ways (neighbour steps one way,
 the wrap-around flow the other), and in a FIFO queue each flow's ACKs wait behind the other
 flow's data; this measures what that costs on this kernel. The namespaces use the emulator's
-congestion control (reno) unless one is named, e.g. ``bbr``.
+congestion control (reno) unless one is named, e.g. ``bbr``, and its TCP receive buffer limit
+(``window``, see bitcomm.netem.emulator) unless ``--no-window`` is given.
 """
 
 import subprocess
 import sys
 
-from bitcomm.netem.emulator import Emulator
+from bitcomm.netem.emulator import WINDOW, Emulator
 from bitcomm.netem.topology import from_dict
 
 SERVER = """
@@ -47,13 +48,17 @@ def flow(net, src, dst, port):
 
 
 def main():
+    """Measure one flow, then one flow each way, and print their shares of the rate."""
     topo = from_dict({"name": "bidir", "nodes": 2,
                       "links": [{"a": 0, "b": 1, "rate": f"{RATE}B/s"}]})
-    with Emulator(topo) as net:
-        if len(sys.argv) > 1:
+    args = sys.argv[1:]
+    window = None if "--no-window" in args else WINDOW
+    congestion = [a for a in args if a != "--no-window"]
+    with Emulator(topo, window=window) as net:
+        if congestion:
             for rank in (0, 1):
                 subprocess.run(["ip", "netns", "exec", net.ns(rank), "sysctl", "-qw",
-                                f"net.ipv4.tcp_congestion_control={sys.argv[1]}"], check=True)
+                                f"net.ipv4.tcp_congestion_control={congestion[0]}"], check=True)
         for label, pairs in (("one flow", [(0, 1)]), ("one flow each way", [(0, 1), (1, 0)])):
             flows = [flow(net, s, d, 6001 + i) for i, (s, d) in enumerate(pairs)]
             for _, client in flows:

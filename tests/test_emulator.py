@@ -46,7 +46,7 @@ def ours(prefix):
 @pytest.mark.timeout(120)
 def test_shaping_routes_and_teardown():
     topo = load(CHAIN)
-    with Emulator(topo) as net:
+    with Emulator(topo, window=0.32) as net:
         prefix = net.prefix
         assert len(ours(prefix)) == 4
         # every rank's TCP receive buffer is capped at 0.32 s of the slow link (0.5 MB/s)

@@ -78,7 +78,7 @@ def test_every_config_loads_with_the_papers_rates():
         elif name == "hetero-32":
             assert 20 <= unscaled[0] and unscaled[-1] <= 150
         else:
-            assert unscaled == [500] and len(t.switches) == 1
+            assert unscaled == [100] and len(t.switches) == 1
 
 
 def test_cluster_routes_cross_the_trunk():

@@ -15,17 +15,20 @@ tbf details: ``burst`` is the larger of two MTU-sized frames and 1 ms of the rat
 transfers cannot run much faster than the rate; the queue holds 500 ms of the rate (at least
 64 KiB), so many concurrent flows queue instead of being dropped.
 
-TCP inside the ranks: reno, no slow start after idle, and a receive buffer limit
-(``net.ipv4.tcp_rmem`` maximum) of ``window`` seconds of the slowest link's rate (at least
-64 KiB). Why the limit: a ring sends one bulk flow each way over the slow link, and each flow's
-ACKs queue behind the other flow's data. Unlimited, a flow grows its window until the shaper's
-queue overflows; the drop halves reno's window, which then grows back by one segment per round
-trip, and round trips are hundreds of milliseconds behind a full queue, so one direction ran at
-0.5-0.75 of its rate for whole calls (``ss -ti`` on the wrap flow of chain-32: cwnd 120 -> 60
-segments after one drop, then +1 per 220 ms RTT). Linux advertises about 0.63 of the buffer on
-these veths, so with the defaults (``window`` 0.32 s, ``queue`` 0.5 s) one connection keeps at
-most ~0.2 s of the slowest link in flight: under its queue, so a single flow cannot overflow it,
-and still above the ~0.1-0.2 s of ACK queueing a two-way link adds, so the flow is not starved.
+Why 500 ms: a ring sends one bulk flow each way over every link it uses, and each flow's ACKs
+queue behind the other flow's data. With 200 ms the flows overflowed the slow link's queue; a
+drop halves reno's window, which grows back by one segment per round trip, and round trips are
+hundreds of milliseconds behind a full queue, so a direction could run at 0.5-0.75 of its rate
+for whole calls (``ss -ti`` on chain-32's wrap-around flow: cwnd 120 -> 60 segments after one
+drop, then +1 per 220 ms). With 500 ms, ``bitcomm compare --topology chain-32 --size 4M
+ring-majority`` took 1.08x the ring's bandwidth bound and hetero-32 1.08x; with the receive
+buffer limit below set to 0.32 s as well, 1.17x and 1.46x.
+
+TCP inside the ranks: reno, no slow start after idle, and optionally (``window``) a receive
+buffer limit (``net.ipv4.tcp_rmem`` maximum) in seconds of the slowest link's rate, which caps
+what one connection keeps in flight (Linux advertises about 0.63 of the buffer on these veths).
+Off by default: it keeps one flow from overflowing a queue, but on chains of uneven links it
+starves the wrap-around flow, whose ACKs wait in many queues.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ PREFIX = "bitcomm-"
 QUEUE = 0.5
 """Default shaper queue, seconds of the link's rate."""
 
-WINDOW = 0.32
-"""Default TCP receive buffer limit, seconds of the slowest link's rate (module docstring)."""
+WINDOW: float | None = None
+"""Default TCP receive buffer limit, seconds of the slowest link's rate; None: the kernel's."""
 
 
 class EmulatorError(RuntimeError):

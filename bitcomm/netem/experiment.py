@@ -12,8 +12,8 @@ Schema (``experiments/*.yaml``)::
     seed: 0                            # optional: seed of the inputs
     alpha: 0.0                         # optional: model's fixed cost per message, s
     queue: 0.5                         # optional: each shaper's queue, seconds of its rate
-    window: 0.32                       # optional: TCP receive buffer limit, seconds of the
-                                       #   slowest link's rate (null: kernel default); see
+    window: null                       # optional: TCP receive buffer limit, seconds of the
+                                       #   slowest link's rate (null: the kernel's); see
                                        #   bitcomm.netem.emulator
 
 For each topology the network is built (:class:`~bitcomm.netem.emulator.Emulator`), one MPI job
