@@ -1,13 +1,14 @@
 """Two bulk TCP flows in opposite directions over one tbf-shaped link (needs root).
 
-    .venv/bin/python experiments/bidirectional.py [CONGESTION_CONTROL] [--no-window]
+    .venv/bin/python experiments/bidirectional.py [CONGESTION_CONTROL] [--window=SECONDS]
 
 Prints each flow's goodput as a fraction of the link's 0.8 MB/s, first for one flow alone, then
 for one flow each way. Every link of a ring carries traffic both ways (neighbour steps one way,
 the wrap-around flow the other), and in a FIFO queue each flow's ACKs wait behind the other
 flow's data; this measures what that costs on this kernel. The namespaces use the emulator's
-congestion control (reno) unless one is named, e.g. ``bbr``, and its TCP receive buffer limit
-(``window``, see bitcomm.netem.emulator) unless ``--no-window`` is given.
+congestion control (reno) unless one is named, e.g. ``bbr``, and its queues; ``--window=S`` caps
+the TCP receive buffer at S seconds of the link's rate (the emulator's ``window``, off by
+default; see bitcomm.netem.emulator).
 """
 
 import subprocess
@@ -52,8 +53,9 @@ def main():
     topo = from_dict({"name": "bidir", "nodes": 2,
                       "links": [{"a": 0, "b": 1, "rate": f"{RATE}B/s"}]})
     args = sys.argv[1:]
-    window = None if "--no-window" in args else WINDOW
-    congestion = [a for a in args if a != "--no-window"]
+    windows = [float(a.split("=", 1)[1]) for a in args if a.startswith("--window=")]
+    window = windows[-1] if windows else WINDOW
+    congestion = [a for a in args if not a.startswith("--window=")]
     with Emulator(topo, window=window) as net:
         if congestion:
             for rank in (0, 1):
