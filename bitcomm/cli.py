@@ -429,7 +429,7 @@ def compare(topology: str, size: int, repeat: int, scale: float | None, queue: f
     exp = Experiment(name=f"compare-{topology}", topologies=[topology], sizes=[size],
                      algorithms=algs, repeat=repeat, scale=scale,
                      queue=QUEUE if queue is None else queue,
-                     window=WINDOW if not window else window)
+                     window=WINDOW if window is None else window)
     config = _machine() | dataclasses.asdict(exp)
     try:
         cells = run_experiment(exp, progress=click.echo)
