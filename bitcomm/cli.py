@@ -300,8 +300,15 @@ def run_group() -> None:
 
 def _finish_experiment(cells: list[dict], config: dict, out: Path) -> None:
     from bitcomm.netem import report
+    from bitcomm.netem.experiment import CPU_BOUND
 
     click.echo(report.table(cells))
+    busy = [c for c in cells if c["cpu_share"] > CPU_BOUND]
+    if busy:
+        click.echo(f"# {len(busy)} cells kept the CPU over {CPU_BOUND:.0%} busy "
+                   f"({', '.join(sorted({c['topology'] for c in busy}))}): they measured this "
+                   "machine's cores as much as the network; a larger --scale (slower links) "
+                   "makes them network-bound", err=True)
     _save(out, "results", config, cells)
     (out / "table.md").write_text(report.markdown(cells) + "\n")
     for png in report.plots(cells, out):
@@ -358,8 +365,10 @@ def _run_training(path: Path, out_dir: str | None) -> None:
               help="Results directory [default: results/NAME].")
 @click.option("--repeat", type=click.IntRange(1), default=None, help="Override the file's.")
 @click.option("--sizes", type=SizeList(), default=None, help="Override the file's sizes.")
+@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Override every topology's scale (rates are divided by it).")
 def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
-                       sizes: tuple[int, ...] | None) -> None:
+                       sizes: tuple[int, ...] | None, scale: float | None) -> None:
     """Run experiments/NAME.yaml (default: the chain-16 comparison, a few minutes)."""
     from bitcomm.netem.emulator import EmulatorError, requirements
     from bitcomm.netem.experiment import load_experiment, run_experiment
@@ -377,6 +386,8 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
         exp.repeat = repeat
     if sizes:
         exp.sizes = list(sizes)
+    if scale is not None:
+        exp.scale = scale
     missing = requirements()
     if missing:
         raise click.ClickException("the network emulator needs " + "; ".join(missing))

@@ -155,11 +155,56 @@ def test_link_check_pairs_make_each_link_the_bottleneck():
 def test_emulator_tcp_settings_follow_the_slowest_link():
     from bitcomm.netem.emulator import Emulator
 
-    chain = load(CONFIGS / "chain-32.yaml")  # slowest 100 MB/s / 125
-    assert Emulator(chain, window=0.32).receive_buffer() == int(0.8e6 * 0.32)
+    chain = load(CONFIGS / "chain-32.yaml")  # slowest 100 MB/s / 250
+    assert Emulator(chain, window=0.32).receive_buffer() == int(0.4e6 * 0.32)
     assert Emulator(chain, window=0.01).receive_buffer() == 64 << 10  # the floor
     assert Emulator(chain, window=None).receive_buffer() is None
     with pytest.raises(ValueError, match="expected window > 0 seconds or None, got 0"):
         Emulator(chain, window=0)
     with pytest.raises(ValueError, match="expected queue > 0 seconds, got -1"):
         Emulator(chain, queue=-1)
+
+
+def _row(algorithm, seconds, cpu_seconds, n=1 << 12):
+    # a measured row as bitcomm.netem.worker writes it, for a 3-node chain (links 0 and 1)
+    return {"algorithm": algorithm, "n": n, "seconds": seconds, "times": [seconds],
+            "wrong": 0, "cpu_seconds": cpu_seconds,
+            "link_bytes": {"0:ab": [2000, 10], "0:ba": [1000, 5],
+                           "1:ab": [2000, 10], "1:ba": [1000, 5]}}
+
+
+def test_analyse_reports_how_busy_the_cores_were_and_the_table_shows_it():
+    from bitcomm.netem import report
+    from bitcomm.netem.experiment import CPU_BOUND, analyse
+
+    topo = from_dict(base())
+    cells = analyse(topo, [_row("ring-majority", 2.0, 3.2), _row("alltoall-majority", 4.0, 1.0)],
+                    ncores=2)
+    ring, a2a = cells
+    assert ring["cpu_share"] == pytest.approx(3.2 / (2 * 2.0)) and ring["cpu_share"] > CPU_BOUND
+    assert a2a["cpu_share"] == pytest.approx(1.0 / (2 * 4.0)) and a2a["cpu_share"] < CPU_BOUND
+    assert ring["speedup"] == pytest.approx(2.0) and a2a["speedup"] == pytest.approx(1.0)
+    # payload from the counters: bytes - 66 per frame, on the slowest link (0, 1 MB/s)
+    assert ring["slow_link"] == "0-1"
+    assert ring["slow_link_payload"] in (2000 - 66 * 10, 1000 - 66 * 5)
+    text = report.table(cells)
+    assert "cpu%" in text.splitlines()[0]
+    assert [line.split()[-2] for line in text.splitlines()[1:]] == ["80", "12"]
+    assert report.markdown(cells).splitlines()[-1].endswith("| 80% |")  # the busier of the two
+
+
+def test_finished_experiment_warns_about_cpu_bound_cells(tmp_path, capsys):
+    from bitcomm.cli import _finish_experiment
+    from bitcomm.netem.experiment import analyse
+
+    topo = from_dict(base())
+
+    def finish(ring_cpu):
+        cells = analyse(topo, [_row("ring-majority", 2.0, ring_cpu),
+                               _row("alltoall-majority", 4.0, 1.0)], ncores=2)
+        _finish_experiment(cells, {}, tmp_path)
+        return capsys.readouterr().err
+
+    assert "1 cells kept the CPU over 75% busy (t)" in finish(3.2)
+    assert "busy" not in finish(1.0)
+    assert (tmp_path / "results.json").exists() and (tmp_path / "table.md").exists()

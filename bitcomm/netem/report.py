@@ -12,10 +12,13 @@ def _mb(x: float) -> str:
 
 
 def table(cells: list[dict]) -> str:
-    """Return a text table: per topology and size, time and model per algorithm, slow-link MB."""
+    """Return a text table: per topology and size, time and model per algorithm, slow-link MB.
+
+    ``cpu%`` is the cell's ``cpu_share``: how busy the ranks kept this machine's cores.
+    """
     head = (f"{'topology':<11} {'size':>6} {'algorithm':<20} {'time(s)':>8} {'model(s)':>8} "
             f"{'speedup':>7} {'model':>6} {'slowMB':>8} {'modelMB':>8} {'vs bound':>8} "
-            f"{'#wrong':>6}")
+            f"{'cpu%':>5} {'#wrong':>6}")
     lines = [head]
     for c in cells:
         speed = f"{c['speedup']:.2f}" if "speedup" in c else ""
@@ -23,7 +26,8 @@ def table(cells: list[dict]) -> str:
         lines.append(f"{c['topology']:<11} {_human(c['n']):>6} {c['algorithm']:<20} "
                      f"{c['seconds']:>8.3f} {c['model_seconds']:>8.3f} {speed:>7} {mspeed:>6} "
                      f"{_mb(c['slow_link_payload']):>8} {_mb(c['model_slow_link_payload']):>8} "
-                     f"{c['time_vs_bound']:>8.2f} {c['wrong']:>6}")
+                     f"{c['time_vs_bound']:>8.2f} {100 * c['cpu_share']:>5.0f} "
+                     f"{c['wrong']:>6}")
     return "\n".join(lines)
 
 
@@ -33,7 +37,7 @@ def markdown(cells: list[dict]) -> str:
     keys = list(dict.fromkeys((c["topology"], c["n"]) for c in cells))
     by = {(c["topology"], c["n"], c["algorithm"]): c for c in cells}
     head = ["topology", "size"] + [f"{a} s (model)" for a in algs]
-    head += ["ring speedup (model)", "slow-link MB ring / a2a (model)"]
+    head += ["ring speedup (model)", "slow-link MB ring / a2a (model)", "CPU busy (max)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for topo, n in keys:
         row = [topo, _human(n)]
@@ -46,6 +50,7 @@ def markdown(cells: list[dict]) -> str:
         row.append(f"{_mb(ring['slow_link_payload'])} / {_mb(a2a['slow_link_payload'])} "
                    f"({_mb(ring['model_slow_link_payload'])} / "
                    f"{_mb(a2a['model_slow_link_payload'])})" if ring and a2a else "")
+        row.append(f"{max(by[(topo, n, a)]['cpu_share'] for a in algs if (topo, n, a) in by):.0%}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
