@@ -395,7 +395,8 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
     config = _machine() | {"experiment": exp.name, "topologies": exp.topologies,
                            "sizes": exp.sizes, "algorithms": exp.algorithms,
                            "repeat": exp.repeat, "scale": exp.scale, "alpha": exp.alpha,
-                           "queue": exp.queue, "window": exp.window}
+                           "queue": exp.queue, "window": exp.window,
+                           "congestion": exp.congestion}
     click.echo(f"# bitcomm run experiment {exp.name}: " + exp.description.strip())
     try:
         cells = run_experiment(exp, progress=click.echo)
@@ -415,13 +416,16 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
 @click.option("--window", type=click.FloatRange(0, min_open=True), default=None,
               help="TCP receive buffer limit, seconds of the slowest link's rate [default: "
                    "none, the kernel's].")
+@click.option("--congestion", default=None,
+              help="The ranks' TCP congestion control [default: the emulator's, reno].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Results directory [default: results/compare-TOPOLOGY].")
 @click.argument("algorithms", nargs=-1, required=True)
 def compare(topology: str, size: int, repeat: int, scale: float | None, queue: float | None,
-            window: float | None, out_dir: str | None, algorithms: tuple[str, ...]) -> None:
+            window: float | None, congestion: str | None, out_dir: str | None,
+            algorithms: tuple[str, ...]) -> None:
     """Compare ALGORITHMS (e.g. ring-majority alltoall-majority) on one topology."""
-    from bitcomm.netem.emulator import QUEUE, WINDOW, EmulatorError, requirements
+    from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, EmulatorError, requirements
     from bitcomm.netem.experiment import Experiment, run_experiment
     from bitcomm.netem.model import ALGORITHMS
     from bitcomm.netem.topology import TopologyError
@@ -440,7 +444,8 @@ def compare(topology: str, size: int, repeat: int, scale: float | None, queue: f
     exp = Experiment(name=f"compare-{topology}", topologies=[topology], sizes=[size],
                      algorithms=algs, repeat=repeat, scale=scale,
                      queue=QUEUE if queue is None else queue,
-                     window=WINDOW if window is None else window)
+                     window=WINDOW if window is None else window,
+                     congestion=CONGESTION if congestion is None else congestion)
     config = _machine() | dataclasses.asdict(exp)
     try:
         cells = run_experiment(exp, progress=click.echo)

@@ -55,8 +55,8 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
 def test_topo_show_prints_links_and_the_model():
     result = CliRunner().invoke(main, ["topo", "show", "chain-16", "--size", "64K"])
     assert result.exit_code == 0, result.output
-    assert "topology chain-16: 16 ranks, 0 switches, 15 links, scale 1/250" in result.output
-    assert "7 <-> 8" in result.output and "0.400 MB/s" in result.output
+    assert "topology chain-16: 16 ranks, 0 switches, 15 links, scale 1/125" in result.output
+    assert "7 <-> 8" in result.output and "0.800 MB/s" in result.output
     for alg in ("ring-majority", "alltoall-majority", "onebit-alltoall"):
         assert alg in result.output
 
@@ -95,7 +95,12 @@ def test_experiment_files_validate(tmp_path):
         load_experiment(bad)
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nwindow: null\nqueue: 0.3\n")
     exp = load_experiment(bad)
-    assert (exp.window, exp.queue) == (None, 0.3)
+    assert (exp.window, exp.queue, exp.congestion) == (None, 0.3, "reno")
+    bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\ncongestion: cubic\n")
+    assert load_experiment(bad).congestion == "cubic"
+    bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\ncongestion: [bbr]\n")
+    with pytest.raises(TopologyError, match="expected congestion to be a name like reno"):
+        load_experiment(bad)
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nalgorithms: [magic]\n")
     with pytest.raises(TopologyError, match=r"unknown algorithms \['magic'\]"):
         load_experiment(bad)

@@ -80,6 +80,44 @@ def test_shaping_routes_and_teardown():
     assert ours(prefix) == []
 
 
+BLAST = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(600):
+    s.sendto(b"u" * 1400, (sys.argv[1], 6000))
+"""
+TCP_COUNTERS = "from bitcomm.netem.worker import tcp_counters; print(*tcp_counters())"
+
+
+@pytest.mark.timeout(120)
+def test_shaper_drops_and_tcp_resends_are_counted_where_they_happen():
+    topo = load(CHAIN)  # 2 MB/s, 0.5 MB/s, 2 MB/s; queues of 0.5 s: 1 MB, 250 KB, 1 MB
+
+    def resent(rank):
+        out = net.run(rank, [sys.executable, "-c", TCP_COUNTERS], capture_output=True,
+                      text=True, check=True, timeout=60)
+        return tuple(int(v) for v in out.stdout.split())
+
+    with Emulator(topo) as net:
+        assert net.drops() == {(i, d): 0 for i in range(3) for d in (True, False)}
+        assert resent(0) == resent(3) == (0, 0)  # a fresh namespace's own TCP counters
+        dst = str(topo.addresses(3)[0].ip)
+        server = net.popen(3, [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        client = net.popen(0, [sys.executable, "-c", CLIENT, dst, str(1_000_000)],
+                           stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # the TCP flow is under way; 840 KB of UDP at 2 MB/s now overflows
+        net.run(0, [sys.executable, "-c", BLAST, dst], check=True, timeout=60)  # the slow queue
+        client.communicate(timeout=60)
+        assert int(server.communicate(timeout=30)[0].strip()) == 1_000_000
+        drops = net.drops()
+        # only the slow link's forward queue overflowed: 2 MB/s in, 0.5 MB/s out
+        assert drops[(1, True)] > 50, drops
+        assert all(v == 0 for k, v in drops.items() if k != (1, True)), drops
+        # and the sender, not the receiver, resent what was dropped of its flow
+        assert resent(0)[0] > 0 and resent(3)[0] == 0
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed (bitcomm[mpi])")
 def test_ring_majority_over_the_chain_is_exact_and_crosses_the_links():
@@ -95,6 +133,8 @@ def test_ring_majority_over_the_chain_is_exact_and_crosses_the_links():
         # the MPI traffic really crossed the shaped centre link, as much as the model says
         assert c["payload_vs_model"] == pytest.approx(1.0, abs=0.05)
         assert c["seconds"] >= 0.9 * c["bandwidth_bound_seconds"]
+        # losses were measured (per call, from the shapers and every rank's TCP counters)
+        assert c["drops"] >= c["slow_link_drops"] >= 0 and c["tcp_retrans"] >= 0
 
 
 @pytest.mark.timeout(300)
@@ -157,3 +197,27 @@ def test_topo_down_sweeps_leftovers():
         assert name not in namespaces()
     finally:
         sweep("bitcomm-cileft")
+
+
+@pytest.mark.timeout(60)
+def test_congestion_control_is_set_in_every_rank_or_refused_clearly():
+    from bitcomm.netem.emulator import EmulatorError
+
+    topo = load(CHAIN)
+    before = set(namespaces())
+    proc = Path("/proc/sys/net/ipv4")
+    # namespaces may use what the host allows; pick one that is not what they would inherit
+    allowed = (proc / "tcp_allowed_congestion_control").read_text().split()
+    host = (proc / "tcp_congestion_control").read_text().strip()
+    wanted = next((cc for cc in allowed if cc != host), allowed[0])
+    with Emulator(topo, congestion=wanted) as net:
+        for rank in range(4):
+            cc = net.run(rank, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+            assert cc == wanted
+    with pytest.raises(EmulatorError, match="TCP congestion control 'warp' is not available"):
+        with Emulator(topo, congestion="warp"):
+            pass
+    with pytest.raises(ValueError, match="expected a congestion control name"):
+        Emulator(topo, congestion="re no")
+    assert set(namespaces()) == before

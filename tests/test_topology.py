@@ -170,7 +170,9 @@ def _row(algorithm, seconds, cpu_seconds, n=1 << 12):
     return {"algorithm": algorithm, "n": n, "seconds": seconds, "times": [seconds],
             "wrong": 0, "cpu_seconds": cpu_seconds,
             "link_bytes": {"0:ab": [2000, 10], "0:ba": [1000, 5],
-                           "1:ab": [2000, 10], "1:ba": [1000, 5]}}
+                           "1:ab": [2000, 10], "1:ba": [1000, 5]},
+            "drops": {"0:ab": 3, "0:ba": 1, "1:ab": 0, "1:ba": 2},
+            "tcp_retrans": 7.5, "tcp_timeouts": 1}
 
 
 def test_analyse_reports_how_busy_the_cores_were_and_the_table_shows_it():
@@ -189,7 +191,9 @@ def test_analyse_reports_how_busy_the_cores_were_and_the_table_shows_it():
     assert ring["slow_link_payload"] in (2000 - 66 * 10, 1000 - 66 * 5)
     text = report.table(cells)
     assert "cpu%" in text.splitlines()[0]
-    assert [line.split()[-2] for line in text.splitlines()[1:]] == ["80", "12"]
+    assert [line.split()[-3:-1] for line in text.splitlines()[1:]] == [["80", "8"], ["12", "8"]]
+    # losses: all links' drops, the slowest link's both directions, TCP's resends as measured
+    assert (ring["drops"], ring["slow_link_drops"], ring["tcp_retrans"]) == (6, 4, 7.5)
     assert report.markdown(cells).splitlines()[-1].endswith("| 80% |")  # the busier of the two
 
 

@@ -44,7 +44,8 @@ from pathlib import Path
 
 from bitcomm.netem.topology import Link, Topology
 
-__all__ = ["Emulator", "sweep", "requirements", "PREFIX", "QUEUE", "WINDOW", "EmulatorError"]
+__all__ = ["Emulator", "sweep", "requirements", "PREFIX", "QUEUE", "WINDOW", "CONGESTION",
+           "EmulatorError"]
 
 PREFIX = "bitcomm-"
 """Every namespace bitcomm creates starts with this."""
@@ -54,6 +55,8 @@ QUEUE = 0.5
 
 WINDOW: float | None = None
 """Default TCP receive buffer limit, seconds of the slowest link's rate; None: the kernel's."""
+CONGESTION = "reno"
+"""Default TCP congestion control inside the ranks (see :meth:`Emulator.up`)."""
 
 
 class EmulatorError(RuntimeError):
@@ -107,6 +110,8 @@ class Emulator:
         queue: each shaper's queue, in seconds of its rate (at least 64 KiB).
         window: each rank's TCP receive buffer limit, in seconds of the slowest link's rate (at
             least 64 KiB); ``None`` keeps the kernel's default. See the module docstring.
+        congestion: the ranks' TCP congestion control (``net.ipv4.tcp_congestion_control``),
+            one of the kernel's ``tcp_available_congestion_control``.
 
     Example::
 
@@ -116,13 +121,16 @@ class Emulator:
     """
 
     def __init__(self, topo: Topology, prefix: str | None = None, *, queue: float = QUEUE,
-                 window: float | None = WINDOW):
+                 window: float | None = WINDOW, congestion: str = CONGESTION):
         if not queue > 0:
             raise ValueError(f"expected queue > 0 seconds, got {queue}")
         if window is not None and not window > 0:
             raise ValueError(f"expected window > 0 seconds or None, got {window}")
+        if not isinstance(congestion, str) or not congestion.isidentifier():
+            raise ValueError(f"expected a congestion control name like 'reno', got {congestion!r}")
         self.queue = queue
         self.window = window
+        self.congestion = congestion
         self.topo = topo
         self.prefix = prefix or f"{PREFIX}{secrets.token_hex(3)}"
         if not self.prefix.startswith(PREFIX):
@@ -183,9 +191,21 @@ class Emulator:
                                    ("net.ipv4.conf.all.rp_filter", "0"),
                                    ("net.ipv4.conf.default.rp_filter", "0"),
                                    ("net.ipv4.tcp_slow_start_after_idle", "0"),
-                                   ("net.ipv4.tcp_congestion_control", "reno"),
+                                   ("net.ipv4.tcp_congestion_control", self.congestion),
                                    *self._rmem()):
-                    _run(["ip", "netns", "exec", name, "sysctl", "-qw", f"{key}={value}"])
+                    try:
+                        _run(["ip", "netns", "exec", name, "sysctl", "-qw", f"{key}={value}"])
+                    except EmulatorError as e:
+                        if key != "net.ipv4.tcp_congestion_control":
+                            raise
+                        # a namespace may only pick what the host allows
+                        # (tcp_allowed_congestion_control), not all the kernel has
+                        allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+                        raise EmulatorError(
+                            f"TCP congestion control {value!r} is not available to namespaces "
+                            f"here; the host allows: {allowed.read_text().strip()} (the host's "
+                            "sysctl net.ipv4.tcp_allowed_congestion_control can add one of "
+                            "net.ipv4.tcp_available_congestion_control)") from e
             else:
                 _run(["ip", "-n", name, "link", "add", "br0", "type", "bridge"])
                 _run(["ip", "-n", name, "link", "set", "br0", "up"])
@@ -289,6 +309,25 @@ class Emulator:
         for link in self.topo.links:
             out[(link.index, True)] = per_ns[self.ns(link.a)][self.dev(link)]
             out[(link.index, False)] = per_ns[self.ns(link.b)][self.dev(link)]
+        return out
+
+    def drops(self) -> dict[tuple[int, bool], int]:
+        """Return ``{(link index, a_to_b): packets}`` the shapers dropped so far (queue full).
+
+        A link direction's drops are those of every qdisc on the sending veth end (tbf, and
+        netem when the link has a delay).
+        """
+        per_ns: dict[str, dict[str, int]] = {}
+        for v in self.topo.vertices():
+            ns = self.ns(v)
+            per_dev: dict[str, int] = {}
+            for q in json.loads(_run(["tc", "-j", "-s", "-n", ns, "qdisc", "show"])):
+                per_dev[q["dev"]] = per_dev.get(q["dev"], 0) + q.get("drops", 0)
+            per_ns[ns] = per_dev
+        out = {}
+        for link in self.topo.links:
+            out[(link.index, True)] = per_ns[self.ns(link.a)].get(self.dev(link), 0)
+            out[(link.index, False)] = per_ns[self.ns(link.b)].get(self.dev(link), 0)
         return out
 
     def tx_bytes(self) -> dict[tuple[int, bool], int]:

@@ -8,13 +8,14 @@ Schema (``experiments/*.yaml``)::
     sizes: [1M, 4M]                    # required: float32 elements per rank (K, M suffixes)
     algorithms: [ring-majority, alltoall-majority, onebit-alltoall]   # default: these three
     repeat: 3                          # timed calls per cell (median reported), after a warm-up
-    scale: 125                         # optional: overrides every topology file's scale
+    scale: 250                         # optional: overrides every topology file's scale
     seed: 0                            # optional: seed of the inputs
     alpha: 0.0                         # optional: model's fixed cost per message, s
     queue: 0.5                         # optional: each shaper's queue, seconds of its rate
     window: null                       # optional: TCP receive buffer limit, seconds of the
                                        #   slowest link's rate (null: the kernel's); see
                                        #   bitcomm.netem.emulator
+    congestion: reno                   # optional: the ranks' TCP congestion control
 
 For each topology the network is built (:class:`~bitcomm.netem.emulator.Emulator`), one MPI job
 runs every size and algorithm (:mod:`bitcomm.netem.worker`, ranks in their namespaces with
@@ -37,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bitcomm.netem import model as model_mod
-from bitcomm.netem.emulator import QUEUE, WINDOW, Emulator, write_rankmap
+from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator, write_rankmap
 from bitcomm.netem.topology import Topology, TopologyError, find, load
 
 __all__ = ["Experiment", "load_experiment", "run_experiment", "analyse", "cores", "MPI_ENV",
@@ -63,8 +64,8 @@ All ranks of an emulated network share this machine's cores, while the model (li
 testbed, one worker per machine) assumes the network alone sets the pace. Measured with the
 slow links at 0.8 MB/s (2 cores): the 32-rank rings at 1M elements kept the cores 87-94% busy
 and ran 1.12-1.24x their model, the same rings at 4M 70-72% busy and 1.07-1.08x. Halving the
-rates (hetero-32 1M ring: 0.94 -> 0.68 busy, 1.24x -> 1.11x its model) is what the topology
-files' scales now do; a larger ``scale`` is the remedy on a machine with fewer cores per rank."""
+rates (hetero-32 1M ring: 0.94 -> 0.68 busy, 1.24x -> 1.11x its model) is what the 32-rank
+topology files do; a larger ``scale`` is the remedy on a machine with fewer cores per rank."""
 _SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)\s*", re.IGNORECASE)
 
 
@@ -82,6 +83,7 @@ class Experiment:
     alpha: float = 0.0
     queue: float = QUEUE
     window: float | None = WINDOW
+    congestion: str = CONGESTION
     description: str = ""
 
 
@@ -140,6 +142,11 @@ def load_experiment(path: str | Path) -> Experiment:
     exp.queue = _seconds(data.get("queue", QUEUE), f"{path}: queue")
     window = data.get("window", WINDOW)
     exp.window = None if window is None else _seconds(window, f"{path}: window")
+    congestion = data.get("congestion", CONGESTION)
+    if not isinstance(congestion, str) or not congestion.isidentifier():
+        raise TopologyError(f"{path}: expected congestion to be a name like reno, bbr or cubic, "
+                            f"got {congestion!r}")
+    exp.congestion = congestion
     exp.description = str(data.get("description", ""))
     for t in exp.topologies:
         find(t)  # fails early, naming the missing topology
@@ -158,7 +165,7 @@ def measure(topo_path: Path, topo: Topology, exp: Experiment,
             progress: Callable[[str], None] = print, timeout: float = 3600) -> list[dict]:
     """Build ``topo``, run every size and algorithm of ``exp`` on it, tear it down; return rows."""
     with tempfile.TemporaryDirectory(prefix="bitcomm-exp-") as tmp, \
-            Emulator(topo, queue=exp.queue, window=exp.window) as net:
+            Emulator(topo, queue=exp.queue, window=exp.window, congestion=exp.congestion) as net:
         rankmap = write_rankmap(net, tmp)
         out = Path(tmp) / "rows.json"
         cmd = [_mpiexec(), "-n", str(topo.nodes), sys.executable, "-m", "bitcomm.netem.rankexec",
@@ -226,6 +233,12 @@ def analyse(topo: Topology, rows: list[dict], alpha: float = 0.0,
             "wrong": row["wrong"], "cpu_seconds": row.get("cpu_seconds"),
             "cpu_share": (row["cpu_seconds"] / (ncores * row["seconds"])
                           if row.get("cpu_seconds") is not None else float("nan")),
+            # losses, per call: what the shapers dropped (all links / the slowest link's two
+            # directions) and what TCP resent and timed out on, over all ranks
+            "drops": sum(row.get("drops", {}).values()),
+            "slow_link_drops": sum(row.get("drops", {}).get(f"{slow.index}:{tag}", 0)
+                                   for tag in ("ab", "ba")),
+            "tcp_retrans": row.get("tcp_retrans"), "tcp_timeouts": row.get("tcp_timeouts"),
         })
     by = {(c["n"], c["algorithm"]): c for c in cells}
     for c in cells:

@@ -14,11 +14,12 @@ def _mb(x: float) -> str:
 def table(cells: list[dict]) -> str:
     """Return a text table: per topology and size, time and model per algorithm, slow-link MB.
 
-    ``cpu%`` is the cell's ``cpu_share``: how busy the ranks kept this machine's cores.
+    ``cpu%`` is the cell's ``cpu_share``: how busy the ranks kept this machine's cores;
+    ``resent`` the TCP segments all ranks retransmitted per call.
     """
     head = (f"{'topology':<11} {'size':>6} {'algorithm':<20} {'time(s)':>8} {'model(s)':>8} "
             f"{'speedup':>7} {'model':>6} {'slowMB':>8} {'modelMB':>8} {'vs bound':>8} "
-            f"{'cpu%':>5} {'#wrong':>6}")
+            f"{'cpu%':>5} {'resent':>6} {'#wrong':>6}")
     lines = [head]
     for c in cells:
         speed = f"{c['speedup']:.2f}" if "speedup" in c else ""
@@ -27,7 +28,7 @@ def table(cells: list[dict]) -> str:
                      f"{c['seconds']:>8.3f} {c['model_seconds']:>8.3f} {speed:>7} {mspeed:>6} "
                      f"{_mb(c['slow_link_payload']):>8} {_mb(c['model_slow_link_payload']):>8} "
                      f"{c['time_vs_bound']:>8.2f} {100 * c['cpu_share']:>5.0f} "
-                     f"{c['wrong']:>6}")
+                     f"{_count(c.get('tcp_retrans')):>6} {c['wrong']:>6}")
     return "\n".join(lines)
 
 
@@ -102,7 +103,8 @@ def plots(cells: list[dict], out: Path) -> list[Path]:
     ax.set_xlabel("ranks N")
     ax.set_ylabel("ring speedup over all-to-all")
     ax.set_title("largest size (dashed: model)")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # no lines without an all-to-all to compare with
+        ax.legend(fontsize=7)
     fig.tight_layout()
     written.append(out / "speedup_vs_n.png")
     fig.savefig(written[-1], dpi=110)
@@ -131,6 +133,10 @@ def plots(cells: list[dict], out: Path) -> list[Path]:
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
     return written
+
+
+def _count(x: float | None) -> str:
+    return "" if x is None else f"{x:.0f}"
 
 
 def _human(n: int) -> str:

@@ -8,9 +8,13 @@ runs the collectives' input agreement (``check=True``), then ``repeat`` timed ca
 ``check=False``, each started after a barrier; a call's time is the maximum over ranks, and its
 CPU time (``cpu_seconds``) the sum over ranks: 16-32 ranks share 2 cores here, and this says
 when the CPU rather than the links set the pace.
-Rank 0 reads every link's interface counters (``ip -n``, from inside its namespace) around the
-timed calls and writes one JSON row per measurement (``link_bytes``: per link direction, bytes
-and packets per call, barriers included), and a progress line to stdout.
+Rank 0 reads every link's interface counters and its shaper's drops (``ip -n``, ``tc -n``, from
+inside its namespace) around the timed calls and writes one JSON row per measurement
+(``link_bytes``: per link direction, bytes and packets per call, barriers included; ``drops``:
+packets the shaper's queue dropped per call), and a progress line to stdout. Every rank reads its
+own namespace's TCP counters around the timed calls (:func:`tcp_counters`); the row has their
+sums per call (``tcp_retrans``, ``tcp_timeouts``): how much of the time went to recovering
+losses rather than moving new bytes.
 """
 
 from __future__ import annotations
@@ -45,6 +49,22 @@ def _wrong(comm: MPIComm, algorithm: str, out: torch.Tensor, seed: int, n: int) 
     return mismatches(comm, out, reference)
 
 
+def tcp_counters() -> tuple[int, int]:
+    """Return this network namespace's TCP (retransmitted segments, retransmission timeouts).
+
+    From ``/proc/net/snmp`` (``Tcp: RetransSegs``) and ``/proc/net/netstat``
+    (``TcpExt: TCPTimeouts``), which the kernel keeps per namespace: in an emulated network,
+    per rank.
+    """
+    def field(path: str, table: str, name: str) -> int:
+        with open(path) as fh:
+            rows = [line.split() for line in fh if line.startswith(table + ":")]
+        return int(rows[1][rows[0].index(name)])  # a header row, then a values row
+
+    return (field("/proc/net/snmp", "Tcp", "RetransSegs"),
+            field("/proc/net/netstat", "TcpExt", "TCPTimeouts"))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Measure the requested algorithms and sizes; rank 0 writes ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__)
@@ -74,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             wrong = _wrong(comm, algorithm, fn(comm, x, check=True), args.seed, n)  # warm-up
             comm.barrier()
             before = net.tx_counters() if comm.rank == 0 else None
+            drops_before = net.drops() if comm.rank == 0 else None
+            tcp_before = tcp_counters()
             mine, cpu = [], []
             for _ in range(args.repeat):
                 comm.barrier()
@@ -83,9 +105,12 @@ def main(argv: list[str] | None = None) -> None:
                 cpu.append(time.process_time() - c0)
             comm.barrier()
             after = net.tx_counters() if comm.rank == 0 else None
+            drops_after = net.drops() if comm.rank == 0 else None
+            tcp = [a - b for a, b in zip(tcp_counters(), tcp_before, strict=True)]
             # gathered after the counters are read, so the gathers are not counted
             times = [max(gather_floats(comm, t)) for t in mine]
             cpu_seconds = [sum(gather_floats(comm, c)) for c in cpu]
+            retrans, timeouts = (sum(gather_floats(comm, v)) / args.repeat for v in tcp)
             if comm.rank == 0:
                 per_call = {f"{k[0]}:{'ab' if k[1] else 'ba'}":
                             [(after[k][0] - before[k][0]) / args.repeat,
@@ -94,10 +119,15 @@ def main(argv: list[str] | None = None) -> None:
                        "algorithm": algorithm, "times": times,
                        "seconds": statistics.median(times), "wrong": wrong,
                        "cpu_seconds": statistics.median(cpu_seconds),
-                       "link_bytes": per_call}
+                       "link_bytes": per_call,
+                       "drops": {f"{k[0]}:{'ab' if k[1] else 'ba'}":
+                                 (drops_after[k] - drops_before[k]) / args.repeat
+                                 for k in drops_after},
+                       "tcp_retrans": retrans, "tcp_timeouts": timeouts}
                 rows.append(row)
                 print(f"  {topo.name} n={n} {algorithm}: {row['seconds']:.3f} s, "
-                      f"cpu {row['cpu_seconds']:.2f} s over all ranks (#wrong {wrong})",
+                      f"cpu {row['cpu_seconds']:.2f} s over all ranks, "
+                      f"{retrans:.0f} TCP segments resent per call (#wrong {wrong})",
                       flush=True)
     if comm.rank == 0:
         with open(args.out, "w") as fh:
