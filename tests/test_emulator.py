@@ -91,7 +91,7 @@ TCP_COUNTERS = "from bitcomm.netem.worker import tcp_counters; print(*tcp_counte
 
 @pytest.mark.timeout(120)
 def test_shaper_drops_and_tcp_resends_are_counted_where_they_happen():
-    topo = load(CHAIN)  # 2 MB/s, 0.5 MB/s, 2 MB/s; queues of 0.5 s: 1 MB, 250 KB, 1 MB
+    topo = load(CHAIN)  # 2 MB/s, 0.5 MB/s, 2 MB/s; queues 1 MB, 400 KB (the floor), 1 MB
 
     def resent(rank):
         out = net.run(rank, [sys.executable, "-c", TCP_COUNTERS], capture_output=True,

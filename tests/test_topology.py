@@ -159,6 +159,12 @@ def test_emulator_tcp_settings_follow_the_slowest_link():
     assert Emulator(chain, window=0.32).receive_buffer() == int(0.4e6 * 0.32)
     assert Emulator(chain, window=0.01).receive_buffer() == 64 << 10  # the floor
     assert Emulator(chain, window=None).receive_buffer() is None
+    # shaper queues: 0.5 s of the rate, but never under a few of the ring's messages
+    slow, fast = chain.slowest_link(), chain.links[0]
+    assert (slow.rate, fast.rate) == (0.4e6, 2e6)
+    assert Emulator(chain).queue_bytes(slow) == 400_000  # the floor, not 0.5 s (200 KB)
+    assert Emulator(chain).queue_bytes(fast) == 1_000_000
+    assert Emulator(chain, queue=2.0).queue_bytes(slow) == 800_000
     with pytest.raises(ValueError, match="expected window > 0 seconds or None, got 0"):
         Emulator(chain, window=0)
     with pytest.raises(ValueError, match="expected queue > 0 seconds, got -1"):
