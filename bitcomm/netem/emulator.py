@@ -119,7 +119,7 @@ class Emulator:
         window: each rank's TCP receive buffer limit, in seconds of the slowest link's rate (at
             least 64 KiB); ``None`` keeps the kernel's default. See the module docstring.
         congestion: the ranks' TCP congestion control (``net.ipv4.tcp_congestion_control``),
-            one of the kernel's ``tcp_available_congestion_control``.
+            one the host lets namespaces use (``net.ipv4.tcp_allowed_congestion_control``).
 
     Example::
 
