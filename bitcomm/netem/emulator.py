@@ -18,8 +18,9 @@ transfers cannot run much faster than the rate; the queue holds 500 ms of the ra
 Why a floor in bytes: what arrives at a slow link in one burst is a message, and messages have
 the same bytes whatever the scale, so a queue sized in seconds alone shrinks under them when the
 rates are scaled down. Measured on hetero-32 with 4M elements at 0.4 MB/s slow links (scale 50):
-with 0.5 s (200 KB) queues the ring dropped 28 packets per call, hit 1.7 retransmission timeouts
-per call, and took 1.41x its bandwidth bound; with 400 KB, 0 drops and 1.09x, as at 0.8 MB/s.
+with 0.5 s (200 KB) queues (commit 228d69e) the ring dropped 28 packets per call, hit 1.7
+retransmission timeouts per call, and took 1.41x its bandwidth bound; with 400 KB (``queue: 1.0``
+there), 0 drops and 1.09x, as at 0.8 MB/s.
 
 Why 500 ms: a ring sends one bulk flow each way over every link it uses, and each flow's ACKs
 queue behind the other flow's data. With 200 ms the flows overflowed the slow link's queue; a
@@ -27,8 +28,9 @@ drop halves reno's window, which grows back by one segment per round trip, and r
 hundreds of milliseconds behind a full queue, so a direction could run at 0.5-0.75 of its rate
 for whole calls (``ss -ti`` on chain-32's wrap-around flow: cwnd 120 -> 60 segments after one
 drop, then +1 per 220 ms). With 500 ms, ``bitcomm compare --topology chain-32 --size 4M
-ring-majority`` took 1.08x the ring's bandwidth bound and hetero-32 1.08x; with the receive
-buffer limit below set to 0.32 s as well, 1.17x and 1.46x.
+--scale 125 ring-majority`` (0.8 MB/s slow links) took 1.08x the ring's bandwidth bound and
+hetero-32 (``--scale 25``) 1.08x; with the receive buffer limit below set to 0.32 s as well,
+1.17x and 1.46x.
 
 TCP inside the ranks: reno, no slow start after idle, and optionally (``window``) a receive
 buffer limit (``net.ipv4.tcp_rmem`` maximum) in seconds of the slowest link's rate, which caps
@@ -46,6 +48,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from bitcomm.netem.topology import Link, Topology
@@ -309,19 +312,25 @@ class Emulator:
         """Start ``args`` inside rank ``rank``'s namespace."""
         return subprocess.Popen(["ip", "netns", "exec", self.ns(rank), *args], **kwargs)
 
+    def _per_link(self, read: Callable[[str], dict[str, object]]) -> dict:
+        """Map ``read(namespace) -> {device: value}`` onto ``{(link index, a_to_b): value}``.
+
+        A link direction's value is its sending end's: the device in ``link.a``'s namespace
+        for a -> b, in ``link.b``'s for b -> a.
+        """
+        per_ns = {self.ns(v): read(self.ns(v)) for v in self.topo.vertices()}
+        return {(link.index, forward): per_ns[self.ns(end)][self.dev(link)]
+                for link in self.topo.links
+                for forward, end in ((True, link.a), (False, link.b))}
+
     def tx_counters(self) -> dict[tuple[int, bool], tuple[int, int]]:
         """Return ``{(link index, a_to_b): (bytes, packets)}`` sent so far on every direction."""
-        per_ns: dict[str, dict[str, tuple[int, int]]] = {}
-        for v in self.topo.vertices():
-            ns = self.ns(v)
+        def read(ns: str) -> dict[str, object]:
             stats = json.loads(_run(["ip", "-j", "-s", "-n", ns, "link", "show"]))
-            per_ns[ns] = {s["ifname"]: (s["stats64"]["tx"]["bytes"],
-                                        s["stats64"]["tx"]["packets"]) for s in stats}
-        out = {}
-        for link in self.topo.links:
-            out[(link.index, True)] = per_ns[self.ns(link.a)][self.dev(link)]
-            out[(link.index, False)] = per_ns[self.ns(link.b)][self.dev(link)]
-        return out
+            return {s["ifname"]: (s["stats64"]["tx"]["bytes"], s["stats64"]["tx"]["packets"])
+                    for s in stats}
+
+        return self._per_link(read)
 
     def drops(self) -> dict[tuple[int, bool], int]:
         """Return ``{(link index, a_to_b): packets}`` the shapers dropped so far (queue full).
@@ -329,18 +338,13 @@ class Emulator:
         A link direction's drops are those of every qdisc on the sending veth end (tbf, and
         netem when the link has a delay).
         """
-        per_ns: dict[str, dict[str, int]] = {}
-        for v in self.topo.vertices():
-            ns = self.ns(v)
+        def read(ns: str) -> dict[str, object]:
             per_dev: dict[str, int] = {}
             for q in json.loads(_run(["tc", "-j", "-s", "-n", ns, "qdisc", "show"])):
                 per_dev[q["dev"]] = per_dev.get(q["dev"], 0) + q.get("drops", 0)
-            per_ns[ns] = per_dev
-        out = {}
-        for link in self.topo.links:
-            out[(link.index, True)] = per_ns[self.ns(link.a)].get(self.dev(link), 0)
-            out[(link.index, False)] = per_ns[self.ns(link.b)].get(self.dev(link), 0)
-        return out
+            return per_dev
+
+        return self._per_link(read)
 
     def tx_bytes(self) -> dict[tuple[int, bool], int]:
         """Return bytes sent so far on every link direction: ``{(index, a_to_b): bytes}``."""

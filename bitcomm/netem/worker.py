@@ -49,6 +49,11 @@ def _wrong(comm: MPIComm, algorithm: str, out: torch.Tensor, seed: int, n: int) 
     return mismatches(comm, out, reference)
 
 
+def _key(link: tuple[int, bool]) -> str:
+    # JSON keys of per-link-direction values: "<link index>:ab" or ":ba"
+    return f"{link[0]}:{'ab' if link[1] else 'ba'}"
+
+
 def tcp_counters() -> tuple[int, int]:
     """Return this network namespace's TCP (retransmitted segments, retransmission timeouts).
 
@@ -112,16 +117,15 @@ def main(argv: list[str] | None = None) -> None:
             cpu_seconds = [sum(gather_floats(comm, c)) for c in cpu]
             retrans, timeouts = (sum(gather_floats(comm, v)) / args.repeat for v in tcp)
             if comm.rank == 0:
-                per_call = {f"{k[0]}:{'ab' if k[1] else 'ba'}":
-                            [(after[k][0] - before[k][0]) / args.repeat,
-                             (after[k][1] - before[k][1]) / args.repeat] for k in after}
+                per_call = {_key(k): [(after[k][0] - before[k][0]) / args.repeat,
+                                      (after[k][1] - before[k][1]) / args.repeat]
+                            for k in after}
                 row = {"topology": topo.name, "ranks": comm.size, "n": n,
                        "algorithm": algorithm, "times": times,
                        "seconds": statistics.median(times), "wrong": wrong,
                        "cpu_seconds": statistics.median(cpu_seconds),
                        "link_bytes": per_call,
-                       "drops": {f"{k[0]}:{'ab' if k[1] else 'ba'}":
-                                 (drops_after[k] - drops_before[k]) / args.repeat
+                       "drops": {_key(k): (drops_after[k] - drops_before[k]) / args.repeat
                                  for k in drops_after},
                        "tcp_retrans": retrans, "tcp_timeouts": timeouts}
                 rows.append(row)
