@@ -6,6 +6,8 @@ and prints one JSON line per hook: losses of both runs and the largest parameter
 """
 
 import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -75,3 +77,9 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # Every result is printed and the process group is gone. Skip the interpreter's teardown:
+    # in about one CI run in three (2026-11-22), rank 0 aborted there with "terminate called
+    # without an active exception" (a C++ thread destroyed while joinable, after all work),
+    # which the exit-code check would report as a failed hook. Not yet traced; see issue notes.
+    sys.stdout.flush()
+    os._exit(0)
