@@ -1,21 +1,46 @@
+import contextlib
+import os
+
 import pytest
 import torch
 
-from bitcomm.codecs import _frame
+CUDA = torch.cuda.is_available()
+# Without a GPU the Triton kernels run in triton's interpreter on CPU tensors. It must be chosen
+# before any kernel is defined, and bitcomm imports its kernels only on first use.
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bitcomm.codecs import _frame  # noqa: E402
 
 # Awkward sizes from the issue: 0, 1, 7, 8, 9 and 2**k +- 1.
 AWKWARD = [0, 1, 7, 8, 9, 15, 16, 17, 63, 65, 255, 257, 1023, 1025, 4095, 4097]
 
-CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not (_frame.has_triton() and INTERPRETED),
+    reason="the Triton path runs on CPU tensors only under TRITON_INTERPRET=1 (on a GPU "
+           "machine tests/test_cuda.py runs the kernels on CUDA tensors)")
+# The paths a codec can take on CPU tensors in this process.
+PATHS = ["numpy", "torch"] + (["triton"] if _frame.has_triton() and INTERPRETED else [])
 
 
-@pytest.fixture(params=["numpy", "torch"])
+@contextlib.contextmanager
+def forced(path):
+    """Run the body on codec path ``path`` ("numpy", "torch" or "triton") for CPU tensors."""
+    old = _frame.FORCE
+    _frame.FORCE = None if path == "numpy" else path
+    try:
+        yield
+    finally:
+        _frame.FORCE = old
+
+
+@pytest.fixture(params=["numpy", "torch", pytest.param("triton", marks=needs_interpreter)])
 def path(request):
-    """Run a test on the CPU fast path and on the torch-only path that CUDA tensors take."""
-    _frame.FORCE_TORCH = request.param == "torch"
-    yield request.param
-    _frame.FORCE_TORCH = False
+    """Run a test on the CPU fast path, the torch-only path and the Triton kernels."""
+    with forced(request.param):
+        yield request.param
 
 
 def hexbytes(t: torch.Tensor) -> str:

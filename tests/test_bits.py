@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from bitcomm.codecs import bits
 
-from conftest import AWKWARD, unhex
+from conftest import AWKWARD, PATHS, forced, unhex
 
 
 def test_golden_worked_example():
@@ -40,16 +40,15 @@ def test_round_trip_awkward_sizes(path, width):
         assert torch.equal(out.long(), x)
 
 
-def test_numpy_and_torch_paths_give_identical_bytes():
-    from bitcomm.codecs import _frame
+@pytest.mark.parametrize("other", PATHS[1:])
+def test_every_path_gives_identical_bytes(other):
     x = torch.randint(0, 1 << 13, (12345,), generator=torch.Generator().manual_seed(1))
     a = bits.pack(x, 13)
-    _frame.FORCE_TORCH = True
-    try:
+    with forced(other):
         b = bits.pack(x, 13)
-    finally:
-        _frame.FORCE_TORCH = False
+        back = bits.unpack(b, x.numel(), 13)
     assert torch.equal(a, b)
+    assert torch.equal(back.long(), x)
 
 
 def test_input_dtypes_and_output_dtype():

@@ -21,6 +21,8 @@ from bitcomm.collectives import (
 )
 from bitcomm.comm import run_local
 
+from conftest import forced
+
 SIZES = [1, 2, 3, 4, 5, 8]
 
 
@@ -302,8 +304,6 @@ def test_a_silent_rank_makes_the_others_time_out():
 
 def test_torch_only_codec_path_gives_the_same_results():
     """The codecs' torch-only path (what CUDA tensors take) changes no collective's result."""
-    from bitcomm.codecs import _frame
-
     size, n = 4, 10007
     xs = inputs(size, n, seed=21)
 
@@ -313,11 +313,8 @@ def test_torch_only_codec_path_gives_the_same_results():
                 alltoall_majority(c, x), sparse_allgather(c, x, 100, fmt="qsgd", seed=1)[0],
                 onebit_allreduce(c, x, OneBitState(n, size))]
     fast = run_local(fn, size)
-    _frame.FORCE_TORCH = True
-    try:
+    with forced("torch"):
         slow = run_local(fn, size)
-    finally:
-        _frame.FORCE_TORCH = False
     for a, b in zip(fast, slow, strict=True):
         assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
 

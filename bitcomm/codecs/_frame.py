@@ -4,14 +4,18 @@ Every codec frame is a 1-D ``torch.uint8`` tensor on the device of the data it e
 are little-endian fixed-width fields written with :mod:`struct`; they are built on the host and
 copied to the device once, so a CUDA encoder costs one small host-to-device copy per frame.
 
-Two implementations of bit packing live here: a numpy one for CPU tensors (``np.packbits`` is
-vectorised and much faster than anything expressible in torch ops on the CPU) and a torch-only one
-for every other device. They produce the same bytes; the tests check that on the CPU by forcing
-the torch path, which is the path CUDA tensors take.
+Each codec has up to three paths, chosen per tensor by :func:`backend`: numpy for CPU tensors
+(``np.packbits`` is vectorised and much faster than anything expressible in torch ops on the
+CPU), Triton kernels (:mod:`bitcomm.codecs._kernels`) for CUDA tensors when triton is installed,
+and torch ops for everything else (CUDA without triton, other devices). All three write the same
+bytes; the tests check that on the CPU by forcing the torch path, and the Triton path under
+``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import struct
 
 import numpy as np
@@ -19,16 +23,58 @@ import torch
 
 __all__: list[str] = []
 
-# Set by tests to run the torch-only kernels (the CUDA path) on CPU tensors.
-FORCE_TORCH = False
+# Set by tests to "torch" or "triton" to run that path on CPU tensors (triton needs
+# TRITON_INTERPRET=1 there).
+FORCE: str | None = None
+BACKENDS = ("numpy", "torch", "triton")
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+@functools.cache
+def has_triton() -> bool:
+    """Say whether triton can be imported (it is an optional dependency)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend(t: torch.Tensor) -> str:
+    """Return the path ``t`` takes: ``"numpy"`` (CPU), ``"triton"`` (CUDA) or ``"torch"``."""
+    if FORCE is not None:
+        return FORCE
+    if t.device.type == "cpu":
+        return "numpy"
+    if t.device.type == "cuda" and has_triton():
+        return "triton"
+    return "torch"
+
+
 def use_numpy(t: torch.Tensor) -> bool:
-    """Say whether ``t`` takes the numpy fast path (CPU tensors, unless tests force torch)."""
-    return t.device.type == "cpu" and not FORCE_TORCH
+    """Say whether ``t`` takes the numpy fast path (CPU tensors, unless tests force another)."""
+    return backend(t) == "numpy"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Say whether ``t`` takes the Triton kernels (:mod:`bitcomm.codecs._kernels`)."""
+    return backend(t) == "triton"
+
+
+def kernels():
+    """Return :mod:`bitcomm.codecs._kernels`, imported on first use (it imports triton)."""
+    from bitcomm.codecs import _kernels
+
+    return _kernels
+
+
+def raise_if(flags: torch.Tensor, fallback) -> None:
+    """Call ``fallback()`` (which raises the precise error) if any kernel flag is set.
+
+    The one host synchronisation of a Triton decoder: its kernels only flag a broken rule, and
+    the torch path, re-run on the bad input, says which rule with the usual message.
+    """
+    if flags.numel() and bool(flags.any()):
+        fallback()
+        raise AssertionError("a kernel flagged a payload that the torch path accepted")
 
 
 def check_float(x: object, name: str = "x") -> torch.Tensor:

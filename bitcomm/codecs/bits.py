@@ -97,7 +97,10 @@ def pack(x: torch.Tensor, width: int, *, check: bool = True) -> torch.Tensor:
     nb = (n + 7) // 8
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=v.device)
-    if _frame.use_numpy(v):
+    path = _frame.backend(v)
+    if path == "triton":
+        return _frame.kernels().planes_pack(v.contiguous(), width)
+    if path == "numpy":
         a = v.numpy()
         # A narrow working dtype keeps the per-plane passes cheap.
         if width <= 8 and a.dtype != np.uint8:
@@ -149,8 +152,13 @@ def unpack(payload: torch.Tensor, n: int, width: int, *, dtype: torch.dtype | No
     if n == 0:
         return torch.empty(0, dtype=dtype, device=buf.device)
     planes = buf.reshape(width, nb)
+    path = _frame.backend(buf)
+    if path == "triton":
+        out, flags = _frame.kernels().planes_unpack(buf, n, width, dtype)
+        _frame.raise_if(flags, lambda: _frame.check_padding(planes, n, _CODEC, "plane"))
+        return out
     _frame.check_padding(planes, n, _CODEC, "plane")
-    if _frame.use_numpy(buf):
+    if path == "numpy":
         p = planes.numpy()
         acc = np.zeros(nb * 8, dtype=np.uint8 if width <= 8 else np.uint16)
         tmp = np.empty(nb * 8, dtype=acc.dtype)

@@ -156,6 +156,8 @@ def pack(x: torch.Tensor, m: int, packing: str = "fixed", *, check: bool = True)
     g, b = radix_group(m)
     if g == 1:
         return bits.pack(v, b, check=False)
+    if _frame.use_triton(v):  # groups composed inside the packing kernel
+        return _frame.kernels().planes_pack(v.contiguous(), b, g, m + 1)
     groups = -(-n // g)
     digits = torch.zeros(groups * g, dtype=torch.int32, device=v.device)
     digits[:n] = v
@@ -195,6 +197,17 @@ def unpack(payload: torch.Tensor, n: int, m: int, packing: str = "fixed", *,
     if m == 0 or n == 0:
         return torch.zeros(n, dtype=dtype, device=buf.device)
     g, b = radix_group(m) if packing == "radix" else (1, m.bit_length())
+    if _frame.use_triton(buf):
+        # Every rule checked in the kernel; the torch path below names a broken one.
+        out, flags = _frame.kernels().planes_unpack(buf, n, b, dtype, group=g, base=m + 1,
+                                                     maxval=m)
+        _frame.raise_if(flags, lambda: _unpack_torch(buf, n, m, g, b, dtype))
+        return out
+    return _unpack_torch(buf, n, m, g, b, dtype)
+
+
+def _unpack_torch(buf: torch.Tensor, n: int, m: int, g: int, b: int, dtype: torch.dtype
+                  ) -> torch.Tensor:
     if g == 1:
         v = bits.unpack(buf, n, b)
         _check_decoded(v, m)

@@ -185,8 +185,11 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
     bits, bucket, scale = _check_config(bits, bucket, scale)
     key = _rng.key_from(seed, generator)
     n = v.numel()
-    if _frame.use_numpy(v):
+    path = _frame.backend(v)
+    if path == "numpy":
         scales, codes = _encode_cpu(v, bits, bucket, scale, key)
+    elif path == "triton":
+        scales, codes = _encode_triton(v, bits, bucket, scale, key)
     else:
         scales, codes = _encode_torch(v, bits, bucket, scale, key)
     _check_scales(scales, bucket, n, scale)  # once at the end: one device sync, not one a chunk
@@ -214,6 +217,21 @@ def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
     _qsgd_cpu.encode_codes(a, bucket, bits, key & 0xFFFFFFFF, scales.numpy(), fuse, codes,
                            numba.get_num_threads())
     return scales, torch.from_numpy(codes)
+
+
+def _encode_triton(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    # One kernel pass over x (bitcomm.codecs._kernels); it computes what _encode_torch computes.
+    kernels = _frame.kernels()
+    n = v.numel()
+    scales = torch.empty(-(-n // bucket), dtype=torch.float32, device=v.device)
+    x = v.contiguous()
+    if (scale == "max" and 8 <= bucket <= kernels.MAX_FUSED_BUCKET
+            and bucket & (bucket - 1) == 0):
+        return scales, kernels.qsgd_codes(x, bits, bucket, key, scales, None)
+    _scales_into(scales, x.to(torch.float32), bucket, scale)
+    factors = _factors(scales, (1 << (bits - 1)) - 1)
+    return scales, kernels.qsgd_codes(x, bits, bucket, key, scales, factors)
 
 
 def _factors(scales: torch.Tensor, s: int) -> torch.Tensor:
@@ -287,7 +305,11 @@ def _encode_torch(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
 
 def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
            ) -> tuple[torch.Tensor, int]:
-    """Decode one qsgd frame to ``sign * scale * level / s``; return ``(values, consumed)``."""
+    """Decode one qsgd frame to ``sign * (level * step)``; return ``(values, consumed)``.
+
+    ``step = scale / s`` is one correctly rounded float32 division per bucket and each value
+    one float32 product, so every device decodes a frame to the same bits.
+    """
     buf = _frame.as_buffer(frame)
     n, bits, scale_code, bucket = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
     if n < 0:
@@ -302,23 +324,20 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
     off = HEADER.size
     _frame.need(buf, off + 4 * nb, _CODEC, "scales")
     scales = _frame.from_bytes(buf[off : off + 4 * nb], torch.float32)
-    bad = torch.nonzero(~torch.isfinite(scales) | (scales < 0)).reshape(-1)
-    if bad.numel():
-        i = int(bad[0].item())
-        raise ValueError(f"corrupt {_CODEC} frame: expected a finite scale >= 0 in bucket {i}, "
-                         f"got {float(scales[i].item())}")
     off += 4 * nb
     end = off + (n * bits + 7) // 8
     _frame.need(buf, end, _CODEC, "codes")
-    codes = _unpack_codes(buf[off:end], n, bits)
-    if n and n * bits % 8:
-        used = (n * bits) % 8
-        if int(buf[end - 1].item()) & ((1 << (8 - used)) - 1):
-            raise ValueError(f"corrupt {_CODEC} frame: codes padding bits must be zero")
+    codes = buf[off:end]
+    _check_frame(scales, codes, n, bits)
     s = (1 << (bits - 1)) - 1
+    # A tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal,
+    # which differs from the correctly rounded quotient in the last bit.
+    step = scales / torch.full_like(scales, s)
+    if _frame.use_triton(buf):
+        return _frame.kernels().qsgd_values(codes, n, bits, bucket, step, dtype), end
+    codes = _unpack_codes(codes, n, bits)
     level = (codes & s).to(torch.float32)
     neg = (codes >> (bits - 1)).bool()
-    step = scales / s
     if n % bucket == 0:
         out = level.view(nb, bucket).mul_(step.unsqueeze(1)).view(-1)
     else:
@@ -326,3 +345,17 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
     out = torch.where(neg, -out, out)
     return out.to(dtype), end
 
+
+def _check_frame(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int) -> None:
+    # Both rules in one host synchronisation; the messages are built only when one is broken.
+    bad_scale = ~torch.isfinite(scales) | (scales < 0)
+    used = (n * bits) % 8
+    pad = codes[-1:] & ((1 << (8 - used)) - 1) if n and used else codes[:0]
+    if not bool(torch.cat([bad_scale.any().reshape(1), (pad != 0).any().reshape(1)]).any()):
+        return
+    bad = torch.nonzero(bad_scale).reshape(-1)
+    if bad.numel():
+        i = int(bad[0].item())
+        raise ValueError(f"corrupt {_CODEC} frame: expected a finite scale >= 0 in bucket {i}, "
+                         f"got {float(scales[i].item())}")
+    raise ValueError(f"corrupt {_CODEC} frame: codes padding bits must be zero")

@@ -101,7 +101,10 @@ def pack(x: torch.Tensor) -> torch.Tensor:
 
     """
     v = _frame.check_float(x)
-    if not _frame.use_numpy(v):
+    path = _frame.backend(v)
+    if path == "triton":
+        return _frame.kernels().sign_pack(v.contiguous())
+    if path == "torch":
         return _frame.packbits(v >= 0)
     if v.dtype == torch.bfloat16:  # numpy has no bfloat16
         return torch.from_numpy(np.packbits((v >= 0).numpy()))
@@ -132,11 +135,25 @@ def unpack(payload: torch.Tensor, n: int, *, dtype: torch.dtype = torch.float32)
     """
     buf = _frame.as_buffer(payload, "payload")
     n = _frame.check_count(n, "n")
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"expected a floating-point dtype, got {dtype}")
+    _check_dtype(dtype)
     if buf.numel() != (n + 7) // 8:
         raise ValueError(f"expected a {_CODEC} payload of {(n + 7) // 8} bytes for n={n}, "
                          f"got {buf.numel()}")
+    return _unpack(buf, n, dtype, 1.0)
+
+
+def _check_dtype(dtype: object) -> None:
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"expected a floating-point dtype, got {dtype}")
+
+
+def _unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    # scale * (+-1), checking the padding; scale is exact in dtype or rounded once, alike on
+    # every path.
+    if _frame.use_triton(buf):
+        out, flags = _frame.kernels().sign_unpack(buf, n, dtype, scale)
+        _frame.raise_if(flags, lambda: _frame.check_padding(buf, n, _CODEC, "payload"))
+        return out
     _frame.check_padding(buf, n, _CODEC, "payload")
     if n == 0:
         return torch.empty(0, dtype=dtype, device=buf.device)
@@ -146,7 +163,8 @@ def unpack(payload: torch.Tensor, n: int, *, dtype: torch.dtype = torch.float32)
     if lut is None:
         lut = torch.from_numpy(_NP_LUT).to(device=buf.device, dtype=dtype)
         _LUT[(buf.device, dtype)] = lut
-    return lut.index_select(0, buf.to(torch.int32)).reshape(-1)[:n]
+    out = lut.index_select(0, buf.to(torch.int32)).reshape(-1)[:n]
+    return out if scale == 1.0 else out.mul_(scale)
 
 
 def encode(x: torch.Tensor) -> torch.Tensor:
@@ -227,5 +245,5 @@ def decode_scaled(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
         raise ValueError(f"corrupt {_CODEC} frame: expected a finite scale >= 0, got {s}")
     end = SCALED_HEADER.size + (n + 7) // 8
     _frame.need(buf, end, _CODEC, "payload")
-    values = unpack(buf[SCALED_HEADER.size:end], n, dtype=dtype)
-    return values.mul_(s), end
+    _check_dtype(dtype)
+    return _unpack(buf[SCALED_HEADER.size:end], n, dtype, s), end

@@ -1,0 +1,290 @@
+"""Triton kernels for the codecs' GPU path: each writes the same bytes as the numpy path.
+
+One kernel per codec operation, launched from the codec's ``triton`` branch (CUDA tensors when
+triton is installed; CPU tensors under ``TRITON_INTERPRET=1`` in the tests). They are written for
+memory speed: every input byte is read once, in wide tiles, and sizes arrive as arguments, so a
+launch never waits for the device.
+
+* :func:`sign_pack` / :func:`sign_unpack`: a ``[BLOCK, 8]`` tile of elements per ``BLOCK`` bytes;
+  a byte is the sum of its eight shifted ``x >= 0`` bits.
+* :func:`planes_pack` / :func:`planes_unpack`: :mod:`bitcomm.codecs.bits` planes, all ``W``
+  planes of a tile from one read of the values; with ``G > 1`` a value is a base-``(m + 1)`` group
+  of ``G`` counts (:mod:`bitcomm.codecs.counts` radix), composed or split inside the kernel.
+* :func:`qsgd_codes` / :func:`qsgd_values`: the whole qsgd encoder (bucket max, the counter hash
+  of :mod:`bitcomm.codecs._rng`, fixed-point stochastic rounding, packing) in one pass when the
+  bucket is a power of two up to :data:`MAX_FUSED_BUCKET`; otherwise with per-bucket factors
+  computed by torch. The decoder multiplies each level by its bucket's step.
+
+Decoders also report, per program, whether the payload broke a rule (non-zero padding, a count
+above ``m``, a radix code out of range); the codec turns a set flag into its usual
+``ValueError`` by re-running its torch path, so messages are the same on every path.
+
+Floating-point results match the CPU bit for bit because every operation is one correctly
+rounded IEEE operation in the same order: ``div_rn`` for the reciprocal (Triton's ``/`` is an
+approximate division on GPUs) and launches with ``enable_fp_fusion=False`` (a multiply followed
+by an add must not become one fused multiply-add, which rounds once instead of twice).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sign_pack", "sign_unpack", "planes_pack", "planes_unpack", "qsgd_codes",
+           "qsgd_values", "MAX_FUSED_BUCKET"]
+
+_BYTES = 1024  # bytes per program of the bit-packing kernels (8192 one-bit elements)
+MAX_FUSED_BUCKET = 4096
+"""Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
+_QSGD_TILE = 4096  # elements per program of the qsgd kernels
+
+
+def _grid(total: int, per: int) -> tuple[int]:
+    return (max(1, triton.cdiv(total, per)),)
+
+
+# --- sign ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sign_pack_kernel(x_ptr, out_ptr, n, nbytes, BLOCK: tl.constexpr, WIDEN: tl.constexpr):
+    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    idx = ob[:, None] * 8 + j[None, :]
+    # Padding elements load as -1, which packs as a zero bit.
+    x = tl.load(x_ptr + idx, mask=idx < n, other=-1.0)
+    if WIDEN:  # 16-bit floats compare as float32 (exact; the interpreter needs it for bf16)
+        x = x.to(tl.float32)
+    byte = tl.sum((x >= 0).to(tl.int32) << (7 - j)[None, :], axis=1)
+    tl.store(out_ptr + ob, byte.to(tl.uint8), mask=ob < nbytes)
+
+
+def sign_pack(x: torch.Tensor) -> torch.Tensor:
+    """Return ``np.packbits(x >= 0)`` of a contiguous 1-D float tensor, on its device."""
+    n = x.numel()
+    nbytes = (n + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    if nbytes:
+        _sign_pack_kernel[_grid(nbytes, _BYTES)](x, out, n, nbytes, BLOCK=_BYTES,
+                                                 WIDEN=x.element_size() == 2)
+    return out
+
+
+@triton.jit
+def _sign_unpack_kernel(buf_ptr, out_ptr, scale, n, nbytes, flags_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    ob = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    byte = tl.load(buf_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
+    bit = (byte[:, None] >> (7 - j)[None, :]) & 1
+    idx = ob[:, None] * 8 + j[None, :]
+    # scale * +-1 is exact, so a scaled frame decodes to exactly +-scale.
+    val = tl.where(bit != 0, scale, -scale)
+    tl.store(out_ptr + idx, val.to(out_ptr.dtype.element_ty), mask=idx < n)
+    bad = tl.max(tl.max(((bit != 0) & (idx >= n)).to(tl.int32), axis=1), axis=0)
+    tl.store(flags_ptr + pid, bad)
+
+
+def sign_unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(values, flags)``: ``n`` values ``+-scale`` of ``dtype``; flags mark bad padding."""
+    nbytes = buf.numel()
+    out = torch.empty(n, dtype=dtype, device=buf.device)
+    grid = _grid(nbytes, _BYTES)
+    flags = torch.zeros(grid[0], dtype=torch.int32, device=buf.device)
+    if nbytes:
+        _sign_unpack_kernel[grid](buf, out, float(scale), n, nbytes, flags, BLOCK=_BYTES)
+    return out, flags
+
+
+# --- bit planes (bits, counts fixed and radix) ------------------------------------------------
+
+
+@triton.jit
+def _planes_pack_kernel(v_ptr, out_ptr, n, ncodes, nb, base, W: tl.constexpr, G: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    ci = ob[:, None] * 8 + j[None, :]  # code index inside a plane
+    if G == 1:
+        code = tl.load(v_ptr + ci, mask=ci < n, other=0).to(tl.int32)
+    else:
+        # Horner's rule over the group, first count most significant; padding counts are 0.
+        code = tl.zeros([BLOCK, 8], dtype=tl.int32)
+        for d in tl.static_range(G):
+            e = ci * G + d
+            code = code * base + tl.load(v_ptr + e, mask=e < n, other=0).to(tl.int32)
+    code = tl.where(ci < ncodes, code, 0)
+    # Every plane of the tile from the one read above, most significant plane first.
+    for row in tl.static_range(W):
+        bit = (code >> (W - 1 - row)) & 1
+        byte = tl.sum(bit << (7 - j)[None, :], axis=1)
+        tl.store(out_ptr + row * nb + ob, byte.to(tl.uint8), mask=ob < nb)
+
+
+def planes_pack(v: torch.Tensor, width: int, group: int = 1, base: int = 0) -> torch.Tensor:
+    """Pack integers (or radix groups of ``group`` base-``base`` counts) into ``width`` planes."""
+    n = v.numel()
+    ncodes = -(-n // group)
+    nb = (ncodes + 7) // 8
+    out = torch.empty(width * nb, dtype=torch.uint8, device=v.device)
+    if nb:
+        _planes_pack_kernel[_grid(nb, _BYTES)](v, out, n, ncodes, nb, base, W=width, G=group,
+                                               BLOCK=_BYTES)
+    return out
+
+
+@triton.jit
+def _planes_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, base, limit, maxval, flags_ptr,
+                          W: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    ob = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    ci = ob[:, None] * 8 + j[None, :]
+    code = tl.zeros([BLOCK, 8], dtype=tl.int32)
+    for row in tl.static_range(W):
+        byte = tl.load(buf_ptr + row * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        code |= ((byte[:, None] >> (7 - j)[None, :]) & 1) << (W - 1 - row)
+    live = ci < ncodes
+    # Rule 1: padding bits after the last code are zero.
+    bad = tl.max(tl.max(((code != 0) & (ci >= ncodes)).to(tl.int32), axis=1), axis=0)
+    if G == 1:
+        bad |= tl.max(tl.max((live & (code > maxval)).to(tl.int32), axis=1), axis=0) * 2
+        tl.store(out_ptr + ci, code.to(out_ptr.dtype.element_ty), mask=ci < n)
+    else:
+        # Rule 2: a radix code below (m + 1)**g; rule 3: padding counts after n are zero.
+        bad |= tl.max(tl.max((live & (code >= limit)).to(tl.int32), axis=1), axis=0) * 2
+        for d in tl.static_range(G - 1, -1, -1):
+            e = ci * G + d
+            digit = code % base
+            code = code // base
+            bad |= tl.max(tl.max((live & (e >= n) & (digit != 0)).to(tl.int32), axis=1),
+                          axis=0) * 4
+            tl.store(out_ptr + e, digit.to(out_ptr.dtype.element_ty), mask=e < n)
+    tl.store(flags_ptr + pid, bad)
+
+
+def planes_unpack(buf: torch.Tensor, n: int, width: int, dtype: torch.dtype, *, group: int = 1,
+                  base: int = 0, maxval: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(values, flags)`` from ``width`` planes; inverse of :func:`planes_pack`.
+
+    ``maxval`` (plain values only) flags a decoded value above it; for radix groups a code at or
+    above ``base**group`` is flagged, as are non-zero padding bits and padding counts.
+    """
+    ncodes = -(-n // group)
+    nb = (ncodes + 7) // 8
+    out = torch.empty(n, dtype=dtype, device=buf.device)
+    grid = _grid(nb, _BYTES)
+    flags = torch.zeros(grid[0], dtype=torch.int32, device=buf.device)
+    limit = base**group if group > 1 else 0
+    maxval = (1 << width) - 1 if maxval is None else maxval
+    if nb:
+        _planes_unpack_kernel[grid](buf, out, n, ncodes, nb, base, limit, maxval, flags,
+                                    W=width, G=group, BLOCK=_BYTES)
+    return out, flags
+
+
+# --- qsgd -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _random16(p, key):
+    # The stream value of element p (bitcomm.codecs._rng): hash index j = block * 2**15 +
+    # (p mod 2**15); lowbias32 without its last xorshift, whose effect is folded into the split
+    # (first half of a block: the low 16 bits of the full hash, second half: the high 16).
+    q = p & 0xFFFF
+    jh = (p >> 16) * 32768 + (q & 0x7FFF)
+    kp = (key ^ ((jh >> 31) * 0x27D4EB2F)) & 0xFFFFFFFF
+    h = ((jh & 0x7FFFFFFF) ^ kp).to(tl.uint32)
+    h ^= h >> 16
+    h = h * tl.cast(0x7FEB352D, tl.uint32)
+    h ^= h >> 15
+    h = h * tl.cast(0x846CA68B, tl.uint32)
+    high = h >> 16
+    return tl.where(q >= 32768, high, (h ^ high) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, n, nbytes, nbuckets, bucket,
+                       key, S: tl.constexpr, BITS: tl.constexpr, ROW: tl.constexpr,
+                       ROWS: tl.constexpr, FUSED: tl.constexpr):
+    PER: tl.constexpr = 8 // BITS
+    C: tl.constexpr = ROW // PER
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, C)
+    j = tl.arange(0, PER)
+    idx = (r[:, None, None] * C + c[None, :, None]) * PER + j[None, None, :]
+    x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    if FUSED:
+        # A row is one bucket: its scale is its max |x|, NaN if it holds a NaN (as aminmax).
+        mx = tl.max(tl.max(a, axis=2), axis=1)
+        nan = tl.max(tl.max((a != a).to(tl.int32), axis=2), axis=1) > 0
+        scale = tl.where(nan, float("nan"), mx)
+        tl.store(scales_ptr + r, scale, mask=r < nbuckets)
+        # float32(1 / scale) * float32(s * 2**16), 0 for a zero scale (qsgd._factors).
+        safe = tl.where(scale > 0, scale, 1.0)
+        factor = tl.where(scale > 0, tl.math.div_rn(1.0, safe) * (S * 65536.0), 0.0)
+        f = factor[:, None, None]
+    else:
+        f = tl.load(factors_ptr + idx // bucket, mask=idx < n, other=0.0)
+    t = (a * f + 0.5).to(tl.int32)  # two roundings: the launch turns off fused multiply-add
+    level = tl.minimum((t + _random16(idx, key)) >> 16, S)
+    sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    code = tl.where(idx < n, (sign << (BITS - 1)) | level, 0)
+    byte = tl.sum(code << (8 - BITS * (j + 1))[None, None, :], axis=2)
+    ob = r[:, None] * C + c[None, :]
+    tl.store(out_ptr + ob, byte.to(tl.uint8), mask=ob < nbytes)
+
+
+def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.Tensor,
+               factors: torch.Tensor | None) -> torch.Tensor:
+    """Return the packed qsgd codes of ``x``; with ``factors=None`` also write ``scales``.
+
+    ``factors=None`` needs a power-of-two ``bucket <= MAX_FUSED_BUCKET`` (the bucket max is
+    taken in the same pass); otherwise ``factors`` holds each bucket's ``s * 2**16 / scale``.
+    """
+    n = x.numel()
+    nbytes = (n * bits + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return out
+    fused = factors is None
+    row = bucket if fused else 1024
+    rows = max(1, _QSGD_TILE // row)
+    nrows = -(-n // row)
+    _qsgd_codes_kernel[_grid(nrows, rows)](
+        x, out, scales, scales if fused else factors, n, nbytes, scales.numel(), bucket,
+        key & 0xFFFFFFFF, S=(1 << (bits - 1)) - 1, BITS=bits, ROW=row, ROWS=rows, FUSED=fused,
+        enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, BITS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    PER: tl.constexpr = 8 // BITS
+    S: tl.constexpr = (1 << (BITS - 1)) - 1
+    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, PER)
+    byte = tl.load(codes_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
+    code = (byte[:, None] >> (8 - BITS * (j + 1))[None, :]) & ((1 << BITS) - 1)
+    idx = ob[:, None] * PER + j[None, :]
+    step = tl.load(steps_ptr + idx // bucket, mask=idx < n, other=0.0)
+    val = (code & S).to(tl.float32) * step
+    val = tl.where((code >> (BITS - 1)) != 0, -val, val)
+    tl.store(out_ptr + idx, val.to(out_ptr.dtype.element_ty), mask=idx < n)
+
+
+def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Return ``sign * level * step[bucket]`` of ``n`` packed qsgd codes, as ``dtype``."""
+    out = torch.empty(n, dtype=dtype, device=codes.device)
+    nbytes = codes.numel()
+    if n:
+        _qsgd_values_kernel[_grid(nbytes, _BYTES)](codes, steps, out, n, nbytes, bucket,
+                                                   BITS=bits, BLOCK=_BYTES,
+                                                   enable_fp_fusion=False)
+    return out

@@ -1,0 +1,167 @@
+"""The Triton kernels write the numpy path's bytes and decode to its values.
+
+Without a GPU they run in triton's interpreter on CPU tensors (conftest sets
+``TRITON_INTERPRET=1``), a few thousand elements at a time: the interpreter runs a program as
+numpy operations, about a second per million elements. On a GPU machine, tests/test_cuda.py runs
+them on CUDA tensors.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from bitcomm.codecs import _rng, bits, counts, qsgd, sign
+
+from conftest import AWKWARD, forced, needs_interpreter
+
+pytestmark = needs_interpreter
+triton = pytest.importorskip("triton", reason="triton (the dev extra) is not installed")
+tl = pytest.importorskip("triton.language")
+from bitcomm.codecs import _kernels  # noqa: E402  (imports triton)
+
+SIZES = AWKWARD + [8191, 8193, 65537]  # 8192 elements is one program of the packing kernels
+
+
+def _both(fn):
+    ref = fn()
+    with forced("triton"):
+        got = fn()
+    return ref, got
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_sign_pack_and_unpack(dtype):
+    g = torch.Generator().manual_seed(1)
+    for n in SIZES:
+        x = torch.randn(n, generator=g).to(dtype)
+        x[: min(n, 4)] = torch.tensor([0.0, -0.0, float("nan"), -1e-30])[: min(n, 4)].to(dtype)
+        ref, got = _both(lambda x=x: sign.encode(x))
+        assert torch.equal(ref, got), n
+        ref, got = _both(lambda f=ref: sign.decode(f, dtype=dtype)[0])
+        assert got.dtype == dtype and torch.equal(ref, got), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_scaled_sign(dtype):
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(2)) * 3.3
+    for kind in sign.SCALES:
+        ref, got = _both(lambda kind=kind: sign.encode_scaled(x, kind))
+        assert torch.equal(ref, got)
+        ref, got = _both(lambda f=ref: sign.decode_scaled(f, dtype=dtype)[0])
+        assert torch.equal(ref, got)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 16])
+def test_bit_planes(width):
+    g = torch.Generator().manual_seed(width)
+    for n in SIZES:
+        v = torch.randint(0, 1 << width, (n,), generator=g)
+        ref, got = _both(lambda v=v: bits.encode(v, width))
+        assert torch.equal(ref, got), n
+        ref, got = _both(lambda f=ref: bits.decode(f)[0])
+        assert ref.dtype == got.dtype and torch.equal(ref, got), n
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 10, 100, 1000])
+def test_counts_fixed_and_radix(m):
+    g = torch.Generator().manual_seed(m)
+    for n in SIZES:
+        c = torch.randint(0, m + 1, (n,), generator=g, dtype=torch.int32)
+        for packing in counts.PACKINGS:
+            ref, got = _both(lambda c=c, p=packing: counts.encode(c, m, p))
+            assert torch.equal(ref, got), (n, packing)
+            ref, got = _both(lambda f=ref: counts.decode(f)[0])
+            assert torch.equal(ref, got), (n, packing)
+
+
+def _messages(fn):
+    """Return the error message of ``fn`` on the numpy path and on the Triton path."""
+    out = []
+    for p in ("numpy", "triton"):
+        with forced(p), pytest.raises(ValueError) as e:
+            fn()
+        out.append(str(e.value))
+    return out
+
+
+def test_corrupt_payloads_raise_the_same_errors():
+    # sign: a padding bit set.
+    a, b = _messages(lambda: sign.unpack(torch.tensor([0xFF, 0x01], dtype=torch.uint8), 9))
+    assert a == b and "padding" in a
+    # bits: a padding bit in the second of three planes.
+    payload = bits.pack(torch.tensor([5, 0, 3]), 3)
+    payload[1] |= 1
+    a, b = _messages(lambda: bits.unpack(payload, 3, 3))
+    assert a == b and "row 1" in a
+    # counts, fixed: 3 in two bits is above m = 2.
+    a, b = _messages(lambda: counts.unpack(torch.tensor([0xC0, 0xC0], dtype=torch.uint8), 2, 2))
+    assert a == b and "decoded count 3 > m=2" in a
+    # counts, radix m = 2 (5 counts per byte): code 250 >= 3**5.
+    a, b = _messages(lambda: counts.unpack(bits.pack(torch.tensor([250]), 8), 5, 2, "radix"))
+    assert a == b and "radix code 250" in a
+    # counts, radix: a valid code whose padding counts (after n = 3) are not zero.
+    a, b = _messages(lambda: counts.unpack(bits.pack(torch.tensor([1]), 8), 3, 2, "radix"))
+    assert a == b and "padding counts" in a
+
+
+_BUCKETS = [1, 7, 8, 512, 4096, 8192, 100_000]  # fused: powers of two from 8 to 4096
+
+
+@pytest.mark.parametrize("nbits", qsgd.BITS)
+@pytest.mark.parametrize("scale", qsgd.SCALES)
+def test_qsgd_encode(nbits, scale):
+    g = torch.Generator().manual_seed(nbits)
+    for n in [0, 1, 7, 9, 4095, 4097]:
+        for bucket in _BUCKETS:
+            for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+                x = (torch.randn(n, generator=g) * 3).to(dtype)
+                x[:3] = torch.tensor([-0.0, 0.0, 1e-40])[: min(n, 3)].to(dtype)
+                x[3:50:5] *= 1e30 if dtype in (torch.float32, torch.float64) else 1
+                ref, got = _both(lambda x=x, b=bucket: qsgd.encode(x, nbits, b, scale=scale,
+                                                                  seed=n + b))
+                assert torch.equal(ref, got), (n, bucket, dtype)
+
+
+def test_qsgd_encode_across_stream_blocks():
+    # 3 stream blocks of 2**16 elements and a partial one, fused and unfused buckets.
+    x = torch.randn(3 * 65536 + 5, generator=torch.Generator().manual_seed(7))
+    for bucket in (512, 1000):
+        ref, got = _both(lambda b=bucket: qsgd.encode(x, 4, b, seed=b))
+        assert torch.equal(ref, got), bucket
+
+
+def test_qsgd_stream_past_two_to_the_32():
+    """The kernel's hash equals _rng's stream at positions where the high word changes."""
+    for start in (0, (1 << 32) - (1 << 16), 1 << 32, (5 << 32) + (3 << 16)):
+        for key in (0, 12345, -7, 2**31 - 1):
+            pos = torch.arange(start, start + (1 << 16), dtype=torch.int64)
+            out = torch.empty(1 << 16, dtype=torch.int32)
+            _stream_kernel[(1,)](pos, out, key & 0xFFFFFFFF, N=1 << 16)
+            assert torch.equal(out, _rng.random16(key, start, 1 << 16)), (start, key)
+
+
+@triton.jit
+def _stream_kernel(pos_ptr, out_ptr, key, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _kernels._random16(tl.load(pos_ptr + i), key))
+
+
+@pytest.mark.parametrize("nbits", qsgd.BITS)
+def test_qsgd_decode_is_one_formula(nbits):
+    """Every path decodes to float32(float32(scale / s) * level), negated for sign 1."""
+    x = torch.randn(5003, generator=torch.Generator().manual_seed(nbits)) * 2.7
+    s = (1 << (nbits - 1)) - 1
+    for bucket in (7, 512):
+        frame = qsgd.encode(x, nbits, bucket, seed=3)
+        nb = -(-x.numel() // bucket)
+        scales = frame[14 : 14 + 4 * nb].numpy().view(np.float32)
+        codes = np.unpackbits(frame[14 + 4 * nb :].numpy()).reshape(-1, nbits)
+        codes = (codes * (1 << np.arange(nbits - 1, -1, -1))).sum(1)[: x.numel()]
+        step = (scales / np.float32(s)).astype(np.float32)  # numpy divides correctly rounded
+        level = (codes & s).astype(np.float32)
+        want = level * step[np.arange(x.numel()) // bucket]
+        want = np.where(codes >> (nbits - 1), -want, want).astype(np.float32)
+        for p in ("numpy", "torch", "triton"):
+            with forced(p):
+                got = qsgd.decode(frame)[0].numpy()
+            assert np.array_equal(got.view(np.int32), want.view(np.int32)), (p, bucket)
