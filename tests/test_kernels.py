@@ -165,3 +165,70 @@ def test_qsgd_decode_is_one_formula(nbits):
             with forced(p):
                 got = qsgd.decode(frame)[0].numpy()
             assert np.array_equal(got.view(np.int32), want.view(np.int32)), (p, bucket)
+
+
+# --- fused collective steps -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+def test_fused_majorities_equal_the_numpy_path(size):
+    """ring_majority and alltoall_majority with their fused kernels: same result, same bytes."""
+    from bitcomm.collectives import (
+        alltoall_majority,
+        alltoall_majority_bytes,
+        ring_majority,
+        ring_majority_bytes,
+    )
+    from bitcomm.comm import run_local
+
+    # Each interpreted launch costs milliseconds and a ring makes 2 (size - 1) per rank, so
+    # the larger rings see fewer cases.
+    if size <= 3:
+        cases = [(n, tie) for n in (0, 1, 9, 4097) for tie in ("negative", "positive")]
+    else:
+        cases = [(2 * size + 1, "negative"), (1001, "positive")]
+    for n, tie in cases:
+        g = torch.Generator().manual_seed(n * 10 + size)
+        xs = [torch.randn(n, generator=g) for _ in range(size)]
+        xs[0][: min(n, 2)] = 0.0  # zeros vote +1
+        votes = sum((x >= 0).to(torch.int32) for x in xs)
+
+        def fn(c):
+            x = xs[c.rank]
+            c.counters.reset()
+            ring = ring_majority(c, x, tie=tie)
+            ring_extra = c.counters.total_sent - ring_majority_bytes(n, size, c.rank)
+            c.counters.reset()
+            a2a = alltoall_majority(c, x.half(), tie=tie)
+            a2a_extra = c.counters.total_sent - alltoall_majority_bytes(n, size, c.rank)
+            packed = ring_majority(c, x.double(), tie=tie, packed=True)
+            return ring, a2a, packed, ring_extra, a2a_extra
+
+        ref = run_local(fn, size)
+        with forced("triton"):
+            got = run_local(fn, size)
+        for r in range(size):
+            for a, b in zip(ref[r][:3], got[r][:3], strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (n, size, tie)
+            assert got[r][3:] == (0, 0)  # bytes sent equal the documented formulas
+        # Against a brute-force count of the votes: ties give -1, or +1 with tie="positive".
+        want = 2 * votes > size if tie == "negative" else 2 * votes >= size
+        assert torch.equal(got[0][0], torch.where(want, 1.0, -1.0))
+
+
+def test_count_step_adds_votes_and_repacks():
+    """One ring step: received planes + this rank's votes, repacked at the next width."""
+    from bitcomm.collectives import _kernels as ck
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 8, 9, 8191, 8193):
+        for i in (1, 2, 3, 4, 7):
+            before = torch.randint(0, i + 1, (n,), generator=g)
+            x = torch.randn(n, generator=g)
+            got = ck.count_step(counts.pack(before, i), x, counts.width(i), counts.width(i + 1))
+            assert torch.equal(got, counts.pack(before + (x >= 0).long(), i + 1)), (n, i)
+            for tie, want in (("negative", 2 * (before + (x >= 0)) > i + 1),
+                              ("positive", 2 * (before + (x >= 0)) >= i + 1)):
+                dec = ck.count_step(counts.pack(before, i), x, counts.width(i), 1, decide=i + 1,
+                                    tie_positive=tie == "positive")
+                assert torch.equal(dec, bits.pack(want.to(torch.uint8), 1)), (n, i, tie)

@@ -27,11 +27,14 @@ by an add must not become one fused multiply-add, which rounds once instead of t
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["sign_pack", "sign_unpack", "planes_pack", "planes_unpack", "qsgd_codes",
+__all__ = ["launch", "sign_pack", "sign_unpack", "planes_pack", "planes_unpack", "qsgd_codes",
            "qsgd_values", "MAX_FUSED_BUCKET"]
 
 _BYTES = 1024  # bytes per program of the bit-packing kernels (8192 one-bit elements)
@@ -42,6 +45,24 @@ _QSGD_TILE = 4096  # elements per program of the qsgd kernels
 
 def _grid(total: int, per: int) -> tuple[int]:
     return (max(1, triton.cdiv(total, per)),)
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """Launch ``kernel`` on ``grid``.
+
+    Under ``TRITON_INTERPRET=1`` launches are serialised: the interpreter swaps the language's
+    functions for numpy ones while a kernel runs, so two threads (ranks of ``run_local``) must
+    not interpret at once. Compiled launches need no lock.
+    """
+    if _INTERPRETED:
+        with _INTERPRETER_LOCK:
+            kernel[grid](*args, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
 
 
 # --- sign ---------------------------------------------------------------------------------------
@@ -66,8 +87,8 @@ def sign_pack(x: torch.Tensor) -> torch.Tensor:
     nbytes = (n + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if nbytes:
-        _sign_pack_kernel[_grid(nbytes, _BYTES)](x, out, n, nbytes, BLOCK=_BYTES,
-                                                 WIDEN=x.element_size() == 2)
+        launch(_sign_pack_kernel, _grid(nbytes, _BYTES), x, out, n, nbytes, BLOCK=_BYTES,
+               WIDEN=x.element_size() == 2)
     return out
 
 
@@ -86,15 +107,19 @@ def _sign_unpack_kernel(buf_ptr, out_ptr, scale, n, nbytes, flags_ptr, BLOCK: tl
     tl.store(flags_ptr + pid, bad)
 
 
-def sign_unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float = 1.0
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(values, flags)``: ``n`` values ``+-scale`` of ``dtype``; flags mark bad padding."""
+def sign_unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float = 1.0, *,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(values, flags)``: ``n`` values ``+-scale`` of ``dtype``; flags mark bad padding.
+
+    ``out`` (contiguous, ``n`` elements) receives the values instead of a new tensor.
+    """
     nbytes = buf.numel()
-    out = torch.empty(n, dtype=dtype, device=buf.device)
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=buf.device)
     grid = _grid(nbytes, _BYTES)
     flags = torch.zeros(grid[0], dtype=torch.int32, device=buf.device)
     if nbytes:
-        _sign_unpack_kernel[grid](buf, out, float(scale), n, nbytes, flags, BLOCK=_BYTES)
+        launch(_sign_unpack_kernel, grid, buf, out, float(scale), n, nbytes, flags, BLOCK=_BYTES)
     return out, flags
 
 
@@ -130,8 +155,8 @@ def planes_pack(v: torch.Tensor, width: int, group: int = 1, base: int = 0) -> t
     nb = (ncodes + 7) // 8
     out = torch.empty(width * nb, dtype=torch.uint8, device=v.device)
     if nb:
-        _planes_pack_kernel[_grid(nb, _BYTES)](v, out, n, ncodes, nb, base, W=width, G=group,
-                                               BLOCK=_BYTES)
+        launch(_planes_pack_kernel, _grid(nb, _BYTES), v, out, n, ncodes, nb, base, W=width,
+               G=group, BLOCK=_BYTES)
     return out
 
 
@@ -181,8 +206,8 @@ def planes_unpack(buf: torch.Tensor, n: int, width: int, dtype: torch.dtype, *, 
     limit = base**group if group > 1 else 0
     maxval = (1 << width) - 1 if maxval is None else maxval
     if nb:
-        _planes_unpack_kernel[grid](buf, out, n, ncodes, nb, base, limit, maxval, flags,
-                                    W=width, G=group, BLOCK=_BYTES)
+        launch(_planes_unpack_kernel, grid, buf, out, n, ncodes, nb, base, limit, maxval, flags,
+               W=width, G=group, BLOCK=_BYTES)
     return out, flags
 
 
@@ -255,10 +280,10 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     row = bucket if fused else 1024
     rows = max(1, _QSGD_TILE // row)
     nrows = -(-n // row)
-    _qsgd_codes_kernel[_grid(nrows, rows)](
-        x, out, scales, scales if fused else factors, n, nbytes, scales.numel(), bucket,
-        key & 0xFFFFFFFF, S=(1 << (bits - 1)) - 1, BITS=bits, ROW=row, ROWS=rows, FUSED=fused,
-        enable_fp_fusion=False)
+    launch(_qsgd_codes_kernel, _grid(nrows, rows), x, out, scales,
+           scales if fused else factors, n, nbytes, scales.numel(), bucket, key & 0xFFFFFFFF,
+           S=(1 << (bits - 1)) - 1, BITS=bits, ROW=row, ROWS=rows, FUSED=fused,
+           enable_fp_fusion=False)
     return out
 
 
@@ -284,7 +309,6 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
     out = torch.empty(n, dtype=dtype, device=codes.device)
     nbytes = codes.numel()
     if n:
-        _qsgd_values_kernel[_grid(nbytes, _BYTES)](codes, steps, out, n, nbytes, bucket,
-                                                   BITS=bits, BLOCK=_BYTES,
-                                                   enable_fp_fusion=False)
+        launch(_qsgd_values_kernel, _grid(nbytes, _BYTES), codes, steps, out, n, nbytes, bucket,
+               BITS=bits, BLOCK=_BYTES, enable_fp_fusion=False)
     return out

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from bitcomm.codecs import bits, counts
+from bitcomm.codecs import _frame, bits, counts, sign
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm, Request
 
@@ -93,6 +93,8 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
     size, rank, n = comm.size, comm.rank, v.numel()
     if size == 1:
         return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
+    if packing == "fixed" and _frame.use_triton(v):
+        return _ring_fused(comm, x, v, tie, packed)
     chunks = _common.bounds(n, size)
     nxt, prv = (rank + 1) % size, (rank - 1) % size
 
@@ -147,6 +149,52 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
     return out.reshape(x.shape)
 
 
+def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, packed: bool
+                ) -> torch.Tensor:
+    # ring_majority's schedule with one kernel per step (bitcomm.collectives._kernels): the
+    # same bytes on the wire, and no host synchronisation between the steps.
+    from bitcomm.collectives import _kernels
+
+    size, rank, n = comm.size, comm.rank, v.numel()
+    unpack = _frame.kernels().sign_unpack
+    v = v.contiguous()
+    chunks = _common.bounds(n, size)
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+
+    def part(t: torch.Tensor, c: int) -> torch.Tensor:
+        lo, hi = chunks[c % size]
+        return t[lo:hi]
+
+    sends: list[Request] = []
+    message = _kernels.count_step(None, part(v, rank), 0, 1)  # counts over 1 rank
+    for i in range(1, size):
+        sends.append(comm.isend(message, nxt))
+        c = rank - i
+        length = part(v, c).numel()
+        got = comm.recv(torch.empty(counts.packed_size(length, i), dtype=torch.uint8,
+                                    device=v.device), prv)
+        # Counts over i ranks arrive in width(i) planes; this rank's votes make i + 1.
+        if i < size - 1:
+            message = _kernels.count_step(got, part(v, c), counts.width(i), counts.width(i + 1))
+        else:
+            message = _kernels.count_step(got, part(v, c), counts.width(i), 1, decide=size,
+                                          tie_positive=tie == "positive")
+    # The decisions, as +-1 (in x's dtype, or float32 to be packed at the end).
+    out = torch.empty(n, dtype=torch.float32 if packed else x.dtype, device=v.device)
+    unpack(message, part(v, rank + 1).numel(), out.dtype, out=part(out, rank + 1))
+    for i in range(1, size):
+        sends.append(comm.isend(message, nxt))
+        c = rank + 1 - i
+        length = part(v, c).numel()
+        message = comm.recv(torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
+                                        device=v.device), prv)
+        unpack(message, length, out.dtype, out=part(out, c))
+    Request.wait_all(sends)
+    if packed:
+        return _frame.kernels().sign_pack(out)
+    return out.reshape(x.shape)
+
+
 def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
                       check: bool = True, packed: bool = False) -> torch.Tensor:
     """Return the same majority as :func:`ring_majority`, exchanged the 1-bit Adam way.
@@ -165,19 +213,30 @@ def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
     _check_options(tie)
     v = _common.prepare(comm, x, check, "alltoall_majority")
     size, rank, n = comm.size, comm.rank, v.numel()
-    votes = (v >= 0).to(torch.uint8)
     if size == 1:
-        return _finish(x, _decide(votes.to(torch.int32), 1, tie), packed)
+        return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
     chunks = _common.bounds(n, size)
     lengths = [hi - lo for lo, hi in chunks]
-    sends = [bits.pack(votes[lo:hi], 1, check=False) for lo, hi in chunks]
+    sends = [sign.pack(v[lo:hi]) for lo, hi in chunks]
     mine = bits.packed_size(lengths[rank], 1)
     got = comm.alltoallv(sends, [mine] * size)
+    every_size = [bits.packed_size(length, 1) for length in lengths]
+    if _frame.use_triton(v):
+        # One kernel sums the votes of every rank, decides and packs (no host sync).
+        from bitcomm.collectives import _kernels
+
+        decision = _kernels.vote_count(torch.stack(got), lengths[rank],
+                                       tie_positive=tie == "positive")
+        every = comm.allgatherv(decision, every_size)
+        out = torch.empty(n, dtype=torch.float32 if packed else x.dtype, device=v.device)
+        for p, (lo, hi) in zip(every, chunks, strict=True):
+            _frame.kernels().sign_unpack(p, hi - lo, out.dtype, out=out[lo:hi])
+        return _frame.kernels().sign_pack(out) if packed else out.reshape(x.shape)
     total = torch.zeros(lengths[rank], dtype=torch.int32, device=v.device)
     for payload in got:
         total += bits.unpack(payload, lengths[rank], 1, dtype=torch.int32)
     decision = bits.pack(_decide(total, size, tie).to(torch.uint8), 1, check=False)
-    every = comm.allgatherv(decision, [bits.packed_size(length, 1) for length in lengths])
+    every = comm.allgatherv(decision, every_size)
     decided = torch.cat([bits.unpack(p, length, 1).bool()
                          for p, length in zip(every, lengths, strict=True)])
     return _finish(x, decided, packed)

@@ -1,0 +1,106 @@
+"""Fused Triton kernels for the majority collectives' steps on the GPU.
+
+A ring step of :func:`bitcomm.collectives.ring_majority` is, unfused, four passes (unpack the
+received counts, compare the chunk with 0, add, repack at the next width) and two host
+synchronisations (the count decoder's checks). :func:`count_step` does it in one pass that reads
+the received bit planes and the chunk once and writes the next planes once; its last step
+decides and packs the 1-bit decisions instead. :func:`vote_count` is the all-to-all majority's
+sum of every rank's packed votes, decided and packed, in one pass. The payloads are the codecs'
+(:mod:`bitcomm.codecs.counts` fixed packing, :mod:`bitcomm.codecs.sign` bits), byte for byte.
+
+Payloads arriving inside one collective come from bitcomm on the other ranks over a reliable
+transport, so these kernels do not re-check them: a check would cost a host synchronisation per
+step, and an error raised mid-ring on one rank would leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bitcomm.codecs._kernels import launch
+
+__all__ = ["count_step", "vote_count"]
+
+_BYTES = 1024  # bytes per program and plane (8192 elements)
+
+
+@triton.jit
+def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, W_IN: tl.constexpr,
+                       W_OUT: tl.constexpr, DECIDE: tl.constexpr, TIE_POSITIVE: tl.constexpr,
+                       WIDEN: tl.constexpr, BLOCK: tl.constexpr):
+    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    idx = ob[:, None] * 8 + j[None, :]
+    live = idx < n
+    x = tl.load(x_ptr + idx, mask=live, other=-1.0)
+    if WIDEN:  # 16-bit floats compare as float32 (exact)
+        x = x.to(tl.float32)
+    count = (x >= 0).to(tl.int32)  # this rank's vote; padding lanes vote 0
+    for row in tl.static_range(W_IN):
+        byte = tl.load(recv_ptr + row * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        count += ((byte[:, None] >> (7 - j)[None, :]) & 1) << (W_IN - 1 - row)
+    if DECIDE:
+        # Majority: +1 when more than half of the ranks vote +1 (ties by the tie rule).
+        if TIE_POSITIVE:
+            count = (2 * count >= size).to(tl.int32)
+        else:
+            count = (2 * count > size).to(tl.int32)
+    count = tl.where(live, count, 0)
+    for row in tl.static_range(W_OUT):
+        bit = (count >> (W_OUT - 1 - row)) & 1
+        out = tl.sum(bit << (7 - j)[None, :], axis=1)
+        tl.store(out_ptr + row * nb + ob, out.to(tl.uint8), mask=ob < nb)
+
+
+def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out: int, *,
+               decide: int = 0, tie_positive: bool = False) -> torch.Tensor:
+    """Return the planes of ``received + (x >= 0)`` at ``w_out`` bits (``counts`` fixed packing).
+
+    Args:
+        received: ``w_in`` planes of counts over the ranks so far, or ``None`` (``w_in = 0``).
+        x: this rank's chunk (contiguous float tensor).
+        w_in: planes in ``received``.
+        w_out: planes to write (1 with ``decide``).
+        decide: the number of ranks: write the majority decision bits instead of counts.
+        tie_positive: with ``decide``, a tie decides +1.
+
+    """
+    n = x.numel()
+    nb = (n + 7) // 8
+    out = torch.empty(w_out * nb, dtype=torch.uint8, device=x.device)
+    if nb:
+        launch(_count_step_kernel, (triton.cdiv(nb, _BYTES),),
+               x if received is None else received, x, out, n, nb, max(decide, 1), W_IN=w_in,
+               W_OUT=w_out, DECIDE=bool(decide), TIE_POSITIVE=tie_positive,
+               WIDEN=x.element_size() == 2, BLOCK=_BYTES)
+    return out
+
+
+@triton.jit
+def _vote_count_kernel(votes_ptr, out_ptr, n, nb, size, TIE_POSITIVE: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    count = tl.zeros([BLOCK, 8], dtype=tl.int32)
+    for r in range(size):
+        byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        count += (byte[:, None] >> (7 - j)[None, :]) & 1
+    if TIE_POSITIVE:
+        bit = (2 * count >= size).to(tl.int32)
+    else:
+        bit = (2 * count > size).to(tl.int32)
+    bit = tl.where(ob[:, None] * 8 + j[None, :] < n, bit, 0)
+    out = tl.sum(bit << (7 - j)[None, :], axis=1)
+    tl.store(out_ptr + ob, out.to(tl.uint8), mask=ob < nb)
+
+
+def vote_count(votes: torch.Tensor, n: int, *, tie_positive: bool = False) -> torch.Tensor:
+    """Return the packed majority of ``size`` rows of packed votes (``votes``: size x nb)."""
+    size, nb = votes.shape
+    out = torch.empty(nb, dtype=torch.uint8, device=votes.device)
+    if nb:
+        launch(_vote_count_kernel, (triton.cdiv(nb, _BYTES),), votes, out, n, nb, size,
+               TIE_POSITIVE=tie_positive, BLOCK=_BYTES)
+    return out
