@@ -72,13 +72,18 @@ def bench() -> None:
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True,
               help="Timed repetitions per measurement (median reported), after a warm-up.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the vector lives: cpu (numpy anchors) or cuda (HBM-read anchor, "
+                   "CUDA-event timing).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
-              show_default=True, help="Directory for codecs.json and codecs.csv.")
-def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, out_dir: str) -> None:
-    """Encode/decode throughput of every codec, as ratios to numpy anchors in the same run."""
+              show_default=True, help="Directory for codecs[-cuda].json and .csv.")
+def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
+                 out_dir: str) -> None:
+    """Encode/decode throughput of every codec, as ratios to anchors in the same run."""
     from bitcomm.bench import codecs as bench_mod
 
-    config = _machine() | {
+    _check_device(device)
+    config = _machine(device) | {
         "sizes": list(sizes), "repeat": repeat, "seed": seed,
     }
     click.echo("# bitcomm bench codecs: " + " ".join(f"{k}={v}" for k, v in config.items()))
@@ -97,18 +102,35 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, out_dir: str) -
                    f"{row.gbps:>8.3f} {row.wire_bytes:>12} {row.wrong:>6} {ratio:>7} "
                    f"{row.anchor:<11} {target:>7}{flag}")
 
-    rows = bench_mod.run(sizes, repeat=repeat, seed=seed, progress=show)
-    _save(Path(out_dir), "codecs", config, [r.as_dict() for r in rows])
+    rows = bench_mod.run(sizes, repeat=repeat, seed=seed, progress=show, device=device)
+    _save(Path(out_dir), "codecs" if device == "cpu" else f"codecs-{device}", config,
+          [r.as_dict() for r in rows])
     wrong = sum(r.wrong for r in rows)
     if wrong:
         click.echo(f"# {wrong} wrong results: a codec is broken", err=True)
         sys.exit(1)
 
 
-def _machine() -> dict:
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+def _machine(device: str = "cpu") -> dict:
+    info = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "machine": platform.machine(),
             "python": platform.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if device == "cuda":
+        from bitcomm.codecs import _frame
+
+        info["gpu"] = torch.cuda.get_device_name().replace(" ", "_")
+        info["path"] = _frame.backend(torch.empty(0, device="cuda"))
+        if _frame.has_triton():
+            import triton
+
+            info["triton"] = triton.__version__
+    return info
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: expected a CUDA device, but "
+                               "torch.cuda.is_available() is False on this machine")
 
 
 def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
@@ -137,10 +159,20 @@ def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True,
               help="Directory for collectives-TRANSPORT-RANKS.json and .csv.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cuda: time one rank's ring-majority kernels on this GPU (no launch), each "
+                   "next to its bytes at HBM speed and the rank's wire bytes at --link-gbps.")
+@click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True), default=100.0,
+              show_default=True, help="Link rate (Gb/s) for the wire time (--device cuda).")
 @click.option("--worker", is_flag=True, hidden=True, help="Run as one rank of a launched job.")
 def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat: int,
-                      seed: int, out_dir: str, worker: bool) -> None:
+                      seed: int, out_dir: str, device: str, link_gbps: float,
+                      worker: bool) -> None:
     """Time ring vs all-to-all majority, 1-bit allreduce, sparse and dense allreduce."""
+    if device == "cuda":
+        _check_device(device)
+        _bench_ring_steps(ranks, sizes, max(repeat, 10), seed, link_gbps, Path(out_dir))
+        return
     args = ["--transport", transport, "--sizes", ",".join(map(str, sizes)), "--repeat",
             str(repeat), "--seed", str(seed), "--out", out_dir]
     if not worker and "PMI_RANK" not in os.environ and "RANK" not in os.environ:
@@ -177,6 +209,31 @@ def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat
             click.echo(f"# {wrong} wrong results or byte counts: a collective is broken",
                        err=True)
             sys.exit(1)
+
+
+def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int,
+                      link_gbps: float, out: Path) -> None:
+    from bitcomm.bench import collectives as bench_mod
+
+    config = _machine("cuda") | {"ranks": ranks, "sizes": list(sizes), "repeat": repeat,
+                                 "seed": seed, "link_gbps": link_gbps}
+    click.echo("# bitcomm bench collectives --device cuda: "
+               + " ".join(f"{k}={v}" for k, v in config.items()))
+    click.echo("# one rank's ring_majority kernels (CUDA events, median); hbm(ms) = bytes "
+               "moved at the torch.sum read speed; wire(ms) = the rank's wire bytes at "
+               f"{link_gbps:g} Gb/s; call = every rank a thread on this GPU")
+    click.echo(f"{'size':>6} {'kernel':<11} {'count':>10} {'time(ms)':>9} {'moved':>12} "
+               f"{'hbm(ms)':>8} {'vs_hbm':>6} {'wire_bytes':>11} {'wire(ms)':>8}")
+    rows = []
+    for n in sizes:
+        for row in bench_mod.ring_steps(n, ranks, device="cuda", repeat=repeat,
+                                        link_gbps=link_gbps, seed=seed):
+            rows.append(row)
+            wire = "" if math.isnan(row.wire_seconds) else f"{row.wire_seconds * 1e3:.3f}"
+            click.echo(f"{_human(n):>6} {row.what:<11} {row.count:>10} {row.seconds * 1e3:>9.3f} "
+                       f"{row.moved:>12} {row.hbm_seconds * 1e3:>8.3f} {row.vs_hbm:>6.2f} "
+                       f"{row.wire_bytes or '':>11} {wire:>8}")
+    _save(out, f"collectives-cuda-{ranks}", config, [r.as_dict() for r in rows])
 
 
 def _launch(ranks: int, transport: str, args: list[str]) -> int:

@@ -1,13 +1,19 @@
 """One rank of the multi-process collective checks (launched by test_multiprocess.py).
 
-    mpiexec -n N python -m mpi4py tests/mp_worker.py mpi [check|fault]
-    RANK=r WORLD_SIZE=N BITCOMM_STORE=path python tests/mp_worker.py torch [check|fault]
+    mpiexec -n N python -m mpi4py tests/mp_worker.py mpi [check|fault|check-cuda]
+    RANK=r WORLD_SIZE=N BITCOMM_STORE=path python tests/mp_worker.py torch [check|fault|...]
+    RANK=r WORLD_SIZE=N BITCOMM_STORE=path python tests/mp_worker.py nccl check-cuda
+
+``check-cuda`` runs the collectives on CUDA tensors (rank r on GPU r mod the GPU count);
+``nccl`` needs a GPU per rank (NCCL refuses two ranks on one device).
 
 Every rank builds every rank's input from one seed, so it can compute the expected result
 itself; results are also compared byte for byte across ranks. Any failure raises (under
 ``python -m mpi4py`` that aborts every rank); success prints ``OK rank R``.
 """
 
+import datetime
+import os
 import sys
 
 import torch
@@ -31,7 +37,18 @@ from bitcomm.comm.launch import world
 
 
 def make_comm(kind):
-    return world("mpi" if kind == "mpi" else "gloo", timeout=20)
+    if kind != "nccl":
+        return world("mpi" if kind == "mpi" else "gloo", timeout=20)
+    import torch.distributed as dist
+
+    from bitcomm.comm.torchdist import TorchComm
+
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl", init_method=f"file://{os.environ['BITCOMM_STORE']}",
+                            rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=20))
+    return TorchComm()
 
 
 def same_everywhere(comm, t):
@@ -112,6 +129,31 @@ def check(comm):
     assert torch.equal(ring_majority(comm, torch.ones(5)), torch.ones(5))
 
 
+def check_cuda(comm):
+    """The collectives on CUDA tensors: results stay on the device and equal the CPU ones."""
+    size, rank = comm.size, comm.rank
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    for n in (1, 1000, 2**16 + 3):
+        xs = inputs(size, n, seed=n + 17 * size)
+        x = xs[rank].to(device)
+        for tie in ("negative", "positive"):
+            expect = brute_majority(xs, tie)
+            for packing in ("fixed", "radix"):
+                out, sent = counted(comm, lambda p=packing, t=tie: ring_majority(
+                    comm, x, packing=p, tie=t))
+                assert out.device == device and torch.equal(out.cpu(), expect), (n, packing)
+                assert sent == ring_majority_bytes(n, size, rank, packing=packing), (n, sent)
+            out = alltoall_majority(comm, x, tie=tie)
+            assert out.device == device and torch.equal(out.cpu(), expect), n
+        out = allreduce(comm, x)
+        assert out.device == device
+        assert torch.allclose(out.cpu(), sum(xs), atol=1e-5)
+        dense, _ = sparse_allgather(comm, x, min(n, 9), fmt="qsgd", seed=5)
+        assert dense.device == device
+        same_everywhere(comm, dense.cpu())
+
+
 def fault(comm):
     # Rank 1 fails inside the ring, at its second step (after the agreement and one step), while
     # the others wait for it; they must not hang.
@@ -131,7 +173,7 @@ def fault(comm):
 def main():
     kind, mode = sys.argv[1], sys.argv[2]
     comm = make_comm(kind)
-    (check if mode == "check" else fault)(comm)
+    {"check": check, "fault": fault, "check-cuda": check_cuda}[mode](comm)
     comm.barrier()
     print(f"OK rank {comm.rank}", flush=True)
 

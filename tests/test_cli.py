@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from bitcomm.cli import Size, SizeList, main
@@ -50,6 +51,16 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
         assert row["wire_bytes"] == (n + 7) // 8
         assert by[("qsgd-4", "encode", n)]["wire_bytes"] == 14 + 4 * -(-n // 512) + n // 2
     assert "sign" in result.output and "#wrong" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("what", ["codecs", "collectives"])
+def test_bench_device_cuda_without_a_gpu_is_a_usage_error(what, tmp_path):
+    result = CliRunner().invoke(main, ["bench", what, "--device", "cuda", "--out",
+                                       str(tmp_path)])
+    assert result.exit_code == 2
+    assert "--device cuda: expected a CUDA device" in result.output
+    assert not list(tmp_path.iterdir())
 
 
 def test_topo_show_prints_links_and_the_model():

@@ -232,3 +232,76 @@ def test_count_step_adds_votes_and_repacks():
                 dec = ck.count_step(counts.pack(before, i), x, counts.width(i), 1, decide=i + 1,
                                     tie_positive=tie == "positive")
                 assert torch.equal(dec, bits.pack(want.to(torch.uint8), 1)), (n, i, tie)
+
+
+def test_ring_steps_benchmark_rows():
+    """bench.collectives.ring_steps: one row per kernel of rank 0, bytes as derived here."""
+    from bitcomm.bench.collectives import ring_steps
+
+    with forced("triton"):
+        rows = ring_steps(1000, 4, device="cpu", repeat=1)
+    by = {r.what: r for r in rows}
+    assert [r.what for r in rows] == ["step 1", "step 2", "step 3", "decide", "unpack 0",
+                                      "unpack 1", "unpack 2", "unpack 3", "rank-total", "call"]
+    # 4 chunks of 250 elements: 1000 bytes of fp32 and 32 bytes per bit plane each. Step 1
+    # writes 1 plane; steps 2 and 3 read counts over 1 and 2 ranks (1 and 2 planes) and write
+    # 2 planes; the last step reads 2 planes and writes 1; an unpack reads 1 and writes 1000.
+    assert [by[w].moved for w in ("step 1", "step 2", "step 3", "decide")] == [
+        1032, 32 + 1000 + 64, 64 + 1000 + 64, 64 + 1000 + 32]
+    assert all(by[f"unpack {c}"].moved == 1032 for c in range(4))
+    # Wire: counts over 1, 2, 3 ranks (1 + 2 + 2 planes of 32 bytes), then 3 decision chunks.
+    assert by["rank-total"].wire_bytes == 5 * 32 + 3 * 32
+    assert by["rank-total"].wire_seconds == 256 * 8 / 100e9
+    assert by["rank-total"].seconds == pytest.approx(sum(r.seconds for r in rows[:8]))
+    assert all(r.seconds > 0 and r.vs_hbm > 0 for r in rows)
+
+
+_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _host_reads(monkeypatch, fn):
+    """Run ``fn`` and return the tensor-to-host reads that bitcomm's own code made in it.
+
+    On a CUDA tensor each of these waits for the device; on the CPU they are the same calls, so
+    counting them here shows what the GPU path would wait for.
+    """
+    import sys
+    from pathlib import Path
+
+    import bitcomm
+
+    root = str(Path(bitcomm.__file__).parent)
+    seen = []
+    # torch.nonzero's output size depends on the data, so on CUDA it waits for the device too.
+    for owner, name in [(torch.Tensor, n) for n in _SYNCS] + [(torch, "nonzero")]:
+        original = getattr(owner, name)
+
+        def spy(*a, _original=original, _name=name, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(root) and not caller.endswith("_kernels.py"):
+                seen.append((_name, caller, sys._getframe(1).f_lineno))
+            return _original(*a, **k)
+
+        monkeypatch.setattr(owner, name, spy)
+    try:
+        fn()
+    finally:
+        monkeypatch.undo()
+    return seen
+
+
+@pytest.mark.parametrize("size", [2, 5])
+def test_fused_majorities_read_nothing_back_to_the_host(monkeypatch, size):
+    from bitcomm.collectives import alltoall_majority, ring_majority
+    from bitcomm.comm import run_local
+
+    xs = [torch.randn(1001, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+
+    def job():
+        run_local(lambda c: (ring_majority(c, xs[c.rank], check=False),
+                             alltoall_majority(c, xs[c.rank], check=False)), size)
+
+    with forced("triton"):
+        assert _host_reads(monkeypatch, job) == []
+    with forced("torch"):  # the unfused path checks every received payload on the host
+        assert len(_host_reads(monkeypatch, job)) >= 2 * (size - 1)

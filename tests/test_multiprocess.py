@@ -35,9 +35,12 @@ def run_mpi(size, mode):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=env())
 
 
-def run_gloo(size, mode, tmp_path, script=WORKER):
-    """Start ``size`` gloo ranks of ``script`` (mp_worker.py in ``mode``); return codes, output."""
-    args = [str(script)] if script != WORKER else [str(WORKER), "torch", mode]
+def run_gloo(size, mode, tmp_path, script=WORKER, kind="torch"):
+    """Start ``size`` gloo ranks of ``script`` (mp_worker.py in ``mode``); return codes, output.
+
+    ``kind="nccl"`` makes mp_worker.py's ranks use NCCL instead (same launch, file store).
+    """
+    args = [str(script)] if script != WORKER else [str(WORKER), kind, mode]
     procs = [subprocess.Popen(cmd, env=env(job_env), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for cmd, job_env in commands(size, "gloo", [sys.executable, *args], tmp_path)]

@@ -27,11 +27,14 @@ from collections.abc import Callable
 import torch
 
 from bitcomm import collectives as col
-from bitcomm.codecs import sparse
+from bitcomm.bench.codecs import time_call
+from bitcomm.codecs import _frame, counts, sign, sparse
+from bitcomm.collectives import _common
+from bitcomm.comm import run_local
 from bitcomm.comm.base import Comm
 
-__all__ = ["Row", "run", "ALGORITHMS", "DEFAULT_SIZES", "bench_input", "gather_floats",
-           "mismatches", "majority_reference"]
+__all__ = ["Row", "StepRow", "run", "ring_steps", "ALGORITHMS", "DEFAULT_SIZES",
+           "bench_input", "gather_floats", "mismatches", "majority_reference"]
 
 DEFAULT_SIZES = (1 << 20, 8 << 20)
 ALGORITHMS = ("ring-majority", "ring-majority-radix", "alltoall-majority", "onebit-allreduce",
@@ -173,3 +176,101 @@ def run(comm: Comm, sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeat: int = 3, 
             for row in measured.values():
                 progress(row)
     return rows if comm.rank == 0 else None
+
+
+@dataclasses.dataclass
+class StepRow:
+    """One kernel of one rank's :func:`~bitcomm.collectives.ring_majority`, or a whole call.
+
+    ``moved`` is the bytes the kernel reads and writes, ``hbm_seconds`` the time they take at
+    the HBM read speed measured in the same run (``torch.sum``), and ``vs_hbm`` = seconds /
+    hbm_seconds. The ``rank-total`` row sums one rank's kernels; ``wire_seconds`` is the time
+    that rank's wire bytes take at the stated link rate. The ``call`` row is a whole call with
+    every rank a thread of this process on one device.
+    """
+
+    what: str
+    ranks: int
+    n: int
+    count: int
+    seconds: float
+    moved: int
+    hbm_seconds: float
+    vs_hbm: float
+    wire_bytes: int = 0
+    wire_seconds: float = float("nan")
+
+    def as_dict(self) -> dict:
+        """Return the row as a JSON-friendly dict."""
+        return dataclasses.asdict(self)
+
+
+def ring_steps(n: int, size: int, *, device: str | torch.device = "cuda", repeat: int = 10,
+               link_gbps: float = 100.0, seed: int = 0) -> list[StepRow]:
+    """Time the fused kernels one rank runs in a ``size``-rank ring majority of ``n`` elements.
+
+    Rank 0's chunks, in order: the first step (votes packed as 1-bit counts), the middle steps
+    (received counts + votes, repacked one plane wider when the width grows), the deciding step,
+    and the ``size`` unpacks of decisions into the +-1 result. Needs the Triton path (a CUDA
+    device with triton; CPU tensors under ``TRITON_INTERPRET=1`` with the path forced).
+    """
+    from bitcomm.collectives import _kernels  # imports triton
+
+    device = torch.device(device)
+    x = bench_input(seed, 0, n).to(device)
+    if not _frame.use_triton(x):
+        raise RuntimeError("ring_steps times the Triton kernels: expected a CUDA device with "
+                           "triton installed")
+    hbm = 4 * n / time_call(lambda: torch.sum(x), repeat, device)  # bytes per second
+    unpack = _frame.kernels().sign_unpack
+    lengths = [hi - lo for lo, hi in _common.bounds(n, size)]
+    gen = torch.Generator().manual_seed(seed)
+    rows: list[StepRow] = []
+
+    def add(what: str, length: int, fn, moved: int) -> None:
+        t = time_call(fn, repeat, device)
+        rows.append(StepRow(what, size, n, length, t, moved, moved / hbm, t * hbm / moved))
+
+    def received(length: int, i: int) -> torch.Tensor:
+        c = torch.randint(0, i + 1, (length,), generator=gen).to(device)
+        return counts.pack(c, i)
+
+    length = lengths[0]
+    add("step 1", length, lambda: _kernels.count_step(None, x[:length], 0, 1),
+        4 * length + (length + 7) // 8)
+    for i in range(1, size):
+        c = (0 - i) % size
+        chunk = x[sum(lengths[:c]) : sum(lengths[: c + 1])]
+        got = received(chunk.numel(), i)
+        w_in, last = counts.width(i), i == size - 1
+        w_out = 1 if last else counts.width(i + 1)
+        moved = got.numel() + 4 * chunk.numel() + w_out * ((chunk.numel() + 7) // 8)
+        if last:
+            add("decide", chunk.numel(),
+                lambda g=got, ch=chunk, w=w_in: _kernels.count_step(g, ch, w, 1, decide=size),
+                moved)
+        else:
+            add(f"step {i + 1}", chunk.numel(),
+                lambda g=got, ch=chunk, a=w_in, b=w_out: _kernels.count_step(g, ch, a, b), moved)
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    decisions = sign.pack(x)
+    lo = 0
+    for c, length in enumerate(lengths):
+        part, piece = out[lo : lo + length], decisions[: (length + 7) // 8]
+        add(f"unpack {c}", length, lambda p=piece, o=part, m=length: unpack(
+            p, m, torch.float32, out=o), (length + 7) // 8 + 4 * length)
+        lo += length
+    total = sum(r.seconds for r in rows)
+    moved = sum(r.moved for r in rows)
+    wire = col.ring_majority_bytes(n, size, 0, check=False)
+    rows.append(StepRow("rank-total", size, n, n, total, moved, moved / hbm, total * hbm / moved,
+                        wire, wire * 8 / (link_gbps * 1e9)))
+    xs = [bench_input(seed, r, n).to(device) for r in range(size)]
+
+    def call() -> None:
+        run_local(lambda comm: col.ring_majority(comm, xs[comm.rank], check=False), size)
+
+    t = time_call(call, max(1, repeat // 5), device)
+    rows.append(StepRow("call", size, n, n, t, moved * size, moved * size / hbm,
+                        t * hbm / (moved * size), wire, wire * 8 / (link_gbps * 1e9)))
+    return rows
