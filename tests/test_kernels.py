@@ -305,3 +305,41 @@ def test_fused_majorities_read_nothing_back_to_the_host(monkeypatch, size):
         assert _host_reads(monkeypatch, job) == []
     with forced("torch"):  # the unfused path checks every received payload on the host
         assert len(_host_reads(monkeypatch, job)) >= 2 * (size - 1)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_fused_onebit_allreduce_matches_the_reference_over_calls(size):
+    """The fused 1-bit allreduce: same bytes sent, same result and error buffers as DeepSpeed's
+    algorithm (test_collectives.onebit_reference) over calls that feed errors back."""
+    from test_collectives import onebit_reference
+
+    from bitcomm.collectives import OneBitState, onebit_allreduce, onebit_allreduce_bytes
+    from bitcomm.comm import run_local
+
+    n = 1001
+    states = {p: [OneBitState(n, size) for _ in range(size)] for p in ("numpy", "triton")}
+    werr = [torch.zeros_like(states["numpy"][0].worker_error) for _ in range(size)]
+    serr = [torch.zeros_like(states["numpy"][0].server_error) for _ in range(size)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        xs = [torch.randn(n, generator=g) for _ in range(size)]
+        xs[0][:2] = torch.tensor([0.0, -0.0])  # zeros are +1, as sign().add_(1).bool() says
+        outs = {}
+        for p in ("numpy", "triton"):
+            with forced(p):
+                outs[p] = run_local(lambda c, p=p: (
+                    onebit_allreduce(c, xs[c.rank], states[p][c.rank]),
+                    c.counters.total_sent), size)
+        expect = onebit_reference(xs, werr, serr)
+        for r in range(size):
+            out, sent = outs["triton"][r]
+            assert sent == onebit_allreduce_bytes(n, size)
+            assert torch.equal(out, outs["triton"][0][0])  # identical on every rank
+            torch.testing.assert_close(out, outs["numpy"][r][0], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
+            fused, plain = states["triton"][r], states["numpy"][r]
+            torch.testing.assert_close(fused.worker_error, plain.worker_error, rtol=1e-6,
+                                       atol=1e-7)
+            torch.testing.assert_close(fused.server_error, plain.server_error, rtol=1e-6,
+                                       atol=1e-7)
+            torch.testing.assert_close(fused.worker_error, werr[r], rtol=1e-5, atol=1e-6)

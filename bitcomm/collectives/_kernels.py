@@ -7,6 +7,9 @@ the received bit planes and the chunk once and writes the next planes once; its 
 decides and packs the 1-bit decisions instead. :func:`vote_count` is the all-to-all majority's
 sum of every rank's packed votes, decided and packed, in one pass. The payloads are the codecs'
 (:mod:`bitcomm.codecs.counts` fixed packing, :mod:`bitcomm.codecs.sign` bits), byte for byte.
+For :func:`bitcomm.collectives.onebit_allreduce`, :func:`sign_error` packs the signs and writes
+the error feedback in one pass, :func:`weighted_votes` adds up every rank's scaled signs and
+the server error, and :func:`scaled_signs` writes the result; the scales stay on the device.
 
 Payloads arriving inside one collective come from bitcomm on the other ranks over a reliable
 transport, so these kernels do not re-check them: a check would cost a host synchronisation per
@@ -21,7 +24,7 @@ import triton.language as tl
 
 from bitcomm.codecs._kernels import launch
 
-__all__ = ["count_step", "vote_count"]
+__all__ = ["count_step", "vote_count", "sign_error", "weighted_votes", "scaled_signs"]
 
 _BYTES = 1024  # bytes per program and plane (8192 elements)
 
@@ -103,4 +106,85 @@ def vote_count(votes: torch.Tensor, n: int, *, tie_positive: bool = False) -> to
     if nb:
         launch(_vote_count_kernel, (triton.cdiv(nb, _BYTES),), votes, out, n, nb, size,
                TIE_POSITIVE=tie_positive, BLOCK=_BYTES)
+    return out
+
+
+# --- onebit_allreduce -------------------------------------------------------------------------
+
+
+@triton.jit
+def _sign_error_kernel(buf_ptr, scale_ptr, err_ptr, out_ptr, nb, BLOCK: tl.constexpr):
+    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    idx = ob[:, None] * 8 + j[None, :]
+    live = idx < nb * 8
+    x = tl.load(buf_ptr + idx, mask=live, other=0.0)
+    # DeepSpeed's x.sign().add_(1).bool(): true for x >= 0, and for NaN (NaN + 1 is truthy).
+    bit = (x >= 0) | (x != x)
+    scale = tl.load(scale_ptr)
+    tl.store(err_ptr + idx, x - tl.where(bit, scale, -scale), mask=live)
+    byte = tl.sum(bit.to(tl.int32) << (7 - j)[None, :], axis=1)
+    tl.store(out_ptr + ob, byte.to(tl.uint8), mask=ob < nb)
+
+
+def sign_error(buf: torch.Tensor, scale: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """Return the packed signs of ``buf`` and write ``buf - scale * sign`` into ``error``.
+
+    1-bit Adam's compression step in one pass; ``buf.numel()`` is a multiple of 8 and
+    ``scale`` a 0-dim float32 tensor on the device (read there, never on the host).
+    """
+    nb = buf.numel() // 8
+    out = torch.empty(nb, dtype=torch.uint8, device=buf.device)
+    if nb:
+        launch(_sign_error_kernel, (triton.cdiv(nb, _BYTES),), buf, scale, error, out, nb,
+               BLOCK=_BYTES)
+    return out
+
+
+@triton.jit
+def _weighted_votes_kernel(votes_ptr, weights_ptr, err_ptr, out_ptr, nb, size,
+                           BLOCK: tl.constexpr):
+    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    idx = ob[:, None] * 8 + j[None, :]
+    live = idx < nb * 8
+    acc = tl.zeros([BLOCK, 8], dtype=tl.float32)
+    for r in range(size):  # ranks in order, as torch's sum over them
+        byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        w = tl.load(weights_ptr + r)
+        acc += tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, w, -w)
+    acc += tl.load(err_ptr + idx, mask=live, other=0.0)
+    tl.store(out_ptr + idx, acc, mask=live)
+
+
+def weighted_votes(votes: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
+                   ) -> torch.Tensor:
+    """Return ``sum_r (+-1)_r * weights[r] + error`` for ``votes`` (size x nb packed signs)."""
+    size, nb = votes.shape
+    out = torch.empty(nb * 8, dtype=torch.float32, device=votes.device)
+    if nb:
+        launch(_weighted_votes_kernel, (triton.cdiv(nb, _BYTES),), votes, weights, error, out,
+               nb, size, BLOCK=_BYTES)
+    return out
+
+
+@triton.jit
+def _scaled_signs_kernel(packed_ptr, scales_ptr, out_ptr, n, nbytes, chunk, BLOCK: tl.constexpr):
+    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    byte = tl.load(packed_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
+    idx = ob[:, None] * 8 + j[None, :]
+    scale = tl.load(scales_ptr + idx // chunk, mask=idx < n, other=0.0)
+    val = tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, scale, -scale)
+    tl.store(out_ptr + idx, val, mask=idx < n)
+
+
+def scaled_signs(packed: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
+                 ) -> torch.Tensor:
+    """Return the first ``n`` of ``scales[i // chunk] * (+-1)_i`` for packed signs ``packed``."""
+    out = torch.empty(n, dtype=torch.float32, device=packed.device)
+    nbytes = packed.numel()
+    if n:
+        launch(_scaled_signs_kernel, (triton.cdiv(nbytes, _BYTES),), packed, scales, out, n,
+               nbytes, chunk, BLOCK=_BYTES)
     return out

@@ -27,7 +27,7 @@ import math
 import numpy as np
 import torch
 
-from bitcomm.codecs import bits
+from bitcomm.codecs import _frame, bits
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm
 
@@ -118,6 +118,8 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     buf[: v.numel()] = v
     buf.add_(state.worker_error)
     worker_scale = _rms(buf)
+    if _frame.use_triton(v):
+        return _fused(comm, x, v, state, buf, worker_scale)
     signs = buf.sign().add_(1).bool()
     state.worker_error.copy_(buf - worker_scale * _plus_minus(signs))
 
@@ -139,6 +141,28 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     out = torch.stack([_plus_minus(bits.unpack(p, chunk, 1).bool()) for p in every])
     out = out.mul_(server_scales.unsqueeze(1)).flatten()
     return out[: v.numel()].reshape(x.shape)
+
+
+def _fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState, buf: torch.Tensor,
+           worker_scale: torch.Tensor) -> torch.Tensor:
+    # The same exchange and arithmetic with one kernel per compress / decompress step
+    # (bitcomm.collectives._kernels); nothing is read back to the host.
+    from bitcomm.collectives import _kernels
+
+    size = comm.size
+    chunk = state.worker_error.numel() // size
+    nbytes = chunk // 8  # chunks are multiples of 8 elements: byte-aligned slices of one pack
+    packed = _kernels.sign_error(buf, worker_scale, state.worker_error)
+    got = comm.alltoallv([packed[j * nbytes : (j + 1) * nbytes] for j in range(size)],
+                         [nbytes] * size)
+    weights = _gather_scalar(comm, worker_scale).mul_(1 / size)
+    compensated = _kernels.weighted_votes(torch.stack(got), weights, state.server_error)
+    server_scale = _rms(compensated)
+    mine = _kernels.sign_error(compensated, server_scale, state.server_error)
+    every = comm.allgatherv(mine, [nbytes] * size)
+    server_scales = _gather_scalar(comm, server_scale)
+    out = _kernels.scaled_signs(torch.cat(every), server_scales, v.numel(), chunk)
+    return out.reshape(x.shape)
 
 
 def _gather_scalar(comm: Comm, value: torch.Tensor) -> torch.Tensor:
