@@ -95,12 +95,8 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
         return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
     if packing == "fixed" and _frame.use_triton(v):
         return _ring_fused(comm, x, v, tie, packed)
-    chunks = _common.bounds(n, size)
+    part = _ring_chunks(n, size)
     nxt, prv = (rank + 1) % size, (rank - 1) % size
-
-    def part(t: torch.Tensor, c: int) -> torch.Tensor:
-        lo, hi = chunks[c % size]
-        return t[lo:hi]
 
     def votes(c: int) -> torch.Tensor:
         # One chunk at a time, when its step comes: the first message leaves after 1/N of the
@@ -121,9 +117,7 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
         got = comm.recv(torch.empty(counts.packed_size(length, i, packing), dtype=torch.uint8,
                                     device=v.device), prv)
         running = counts.unpack(got, length, i, packing, dtype=torch.int32) + votes(c)
-    # Ring allgather of the 1-bit decisions: the paper streams back only the majority bit.
-    # Step i forwards, unchanged, the packed chunk received at step i - 1 (chunk rank + 2 - i),
-    # and each chunk is written into the result as it arrives.
+    # Then the ring allgather of the 1-bit decisions (_ring_allgather).
     decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
     out = None if packed else torch.empty(n, dtype=x.dtype, device=v.device)
 
@@ -135,18 +129,38 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
 
     mine = _decide(running, size, tie)
     keep(rank + 1, mine)
-    forward = bits.pack(mine.to(torch.uint8), 1, check=False)
-    for i in range(1, size):
-        sends.append(comm.isend(forward, nxt))
-        c = rank + 1 - i
-        length = part(v, c).numel()
-        forward = comm.recv(torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
-                                        device=v.device), prv)
-        keep(c, bits.unpack(forward, length, 1).bool())
+    _ring_allgather(comm, bits.pack(mine.to(torch.uint8), 1, check=False), part, v, sends,
+                    lambda c, got, length: keep(c, bits.unpack(got, length, 1).bool()))
     Request.wait_all(sends)
     if decided is not None:
         return bits.pack(decided.to(torch.uint8), 1, check=False)
     return out.reshape(x.shape)
+
+
+def _ring_chunks(n: int, size: int):
+    """Return ``part(t, c)``: chunk ``c mod size`` of a tensor of ``n`` elements (a view)."""
+    chunks = _common.bounds(n, size)
+
+    def part(t: torch.Tensor, c: int) -> torch.Tensor:
+        lo, hi = chunks[c % size]
+        return t[lo:hi]
+
+    return part
+
+
+def _ring_allgather(comm: Comm, forward: torch.Tensor, part, v: torch.Tensor,
+                    sends: list[Request], keep) -> None:
+    # Ring allgather of the 1-bit decisions: the paper streams back only the majority bit.
+    # Step i forwards, unchanged, the packed chunk received at step i - 1 (chunk rank + 2 - i),
+    # and keep(c, payload, length) writes each chunk into the result as it arrives.
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for i in range(1, comm.size):
+        sends.append(comm.isend(forward, nxt))
+        c = comm.rank + 1 - i
+        length = part(v, c).numel()
+        forward = comm.recv(torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
+                                        device=v.device), prv)
+        keep(c, forward, length)
 
 
 def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, packed: bool
@@ -158,13 +172,8 @@ def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, packed: 
     size, rank, n = comm.size, comm.rank, v.numel()
     unpack = _frame.kernels().sign_unpack
     v = v.contiguous()
-    chunks = _common.bounds(n, size)
+    part = _ring_chunks(n, size)
     nxt, prv = (rank + 1) % size, (rank - 1) % size
-
-    def part(t: torch.Tensor, c: int) -> torch.Tensor:
-        lo, hi = chunks[c % size]
-        return t[lo:hi]
-
     sends: list[Request] = []
     message = _kernels.count_step(None, part(v, rank), 0, 1)  # counts over 1 rank
     for i in range(1, size):
@@ -182,13 +191,8 @@ def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, packed: 
     # The decisions, as +-1 (in x's dtype, or float32 to be packed at the end).
     out = torch.empty(n, dtype=torch.float32 if packed else x.dtype, device=v.device)
     unpack(message, part(v, rank + 1).numel(), out.dtype, out=part(out, rank + 1))
-    for i in range(1, size):
-        sends.append(comm.isend(message, nxt))
-        c = rank + 1 - i
-        length = part(v, c).numel()
-        message = comm.recv(torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
-                                        device=v.device), prv)
-        unpack(message, length, out.dtype, out=part(out, c))
+    _ring_allgather(comm, message, part, v, sends, lambda c, got, length: unpack(
+        got, length, out.dtype, out=part(out, c)))
     Request.wait_all(sends)
     if packed:
         return _frame.kernels().sign_pack(out)
