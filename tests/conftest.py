@@ -1,5 +1,7 @@
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import bitcomm  # noqa: E402
 from bitcomm.codecs import _frame  # noqa: E402
 
 # Awkward sizes from the issue: 0, 1, 7, 8, 9 and 2**k +- 1.
@@ -49,3 +52,32 @@ def hexbytes(t: torch.Tensor) -> str:
 
 def unhex(s: str) -> list[int]:
     return [int(b, 16) for b in s.replace("|", " ").split()]
+
+
+_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def host_reads(monkeypatch, fn):
+    """Run ``fn`` and return the tensor-to-host reads that bitcomm's own code made in it.
+
+    On a CUDA tensor each of these waits for the device; on the CPU they are the same calls, so
+    counting them here shows what the GPU path would wait for.
+    """
+    root = str(Path(bitcomm.__file__).parent)
+    seen = []
+    # torch.nonzero's output size depends on the data, so on CUDA it waits for the device too.
+    for owner, name in [(torch.Tensor, n) for n in _SYNCS] + [(torch, "nonzero")]:
+        original = getattr(owner, name)
+
+        def spy(*a, _original=original, _name=name, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(root) and not caller.endswith("_kernels.py"):
+                seen.append((_name, caller, sys._getframe(1).f_lineno))
+            return _original(*a, **k)
+
+        monkeypatch.setattr(owner, name, spy)
+    try:
+        fn()
+    finally:
+        monkeypatch.undo()
+    return seen

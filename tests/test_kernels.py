@@ -12,7 +12,7 @@ import torch
 
 from bitcomm.codecs import _rng, bits, counts, qsgd, sign
 
-from conftest import AWKWARD, forced, needs_interpreter
+from conftest import AWKWARD, forced, host_reads, needs_interpreter
 
 pytestmark = needs_interpreter
 triton = pytest.importorskip("triton", reason="triton (the dev extra) is not installed")
@@ -256,40 +256,6 @@ def test_ring_steps_benchmark_rows():
     assert all(r.seconds > 0 and r.vs_hbm > 0 for r in rows)
 
 
-_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-def _host_reads(monkeypatch, fn):
-    """Run ``fn`` and return the tensor-to-host reads that bitcomm's own code made in it.
-
-    On a CUDA tensor each of these waits for the device; on the CPU they are the same calls, so
-    counting them here shows what the GPU path would wait for.
-    """
-    import sys
-    from pathlib import Path
-
-    import bitcomm
-
-    root = str(Path(bitcomm.__file__).parent)
-    seen = []
-    # torch.nonzero's output size depends on the data, so on CUDA it waits for the device too.
-    for owner, name in [(torch.Tensor, n) for n in _SYNCS] + [(torch, "nonzero")]:
-        original = getattr(owner, name)
-
-        def spy(*a, _original=original, _name=name, **k):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(root) and not caller.endswith("_kernels.py"):
-                seen.append((_name, caller, sys._getframe(1).f_lineno))
-            return _original(*a, **k)
-
-        monkeypatch.setattr(owner, name, spy)
-    try:
-        fn()
-    finally:
-        monkeypatch.undo()
-    return seen
-
-
 @pytest.mark.parametrize("size", [2, 5])
 def test_fused_majorities_read_nothing_back_to_the_host(monkeypatch, size):
     from bitcomm.collectives import alltoall_majority, ring_majority
@@ -302,9 +268,9 @@ def test_fused_majorities_read_nothing_back_to_the_host(monkeypatch, size):
                              alltoall_majority(c, xs[c.rank], check=False)), size)
 
     with forced("triton"):
-        assert _host_reads(monkeypatch, job) == []
+        assert host_reads(monkeypatch, job) == []
     with forced("torch"):  # the unfused path checks every received payload on the host
-        assert len(_host_reads(monkeypatch, job)) >= 2 * (size - 1)
+        assert len(host_reads(monkeypatch, job)) >= 2 * (size - 1)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from bitcomm.codecs import sparse
 
-from conftest import unhex
+from conftest import host_reads, unhex
 
 
 def test_golden_worked_example():
@@ -129,3 +129,19 @@ def test_property_round_trip(case, fmt):
     assert idx.tolist() == [indices[i] for i in order]
     want = val[order] if fmt == "fp32" else val[order].half().float()
     assert torch.equal(got, want)
+
+
+def test_one_host_read_for_all_checks(monkeypatch):
+    """encode reads its checks back once (none for the mean); decode once more than the header.
+
+    On CUDA each read waits for the device, so these are the codec's synchronisations.
+    """
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    idx = torch.tensor([7, 3, 900, 41])
+    for fmt in ("fp32", "fp16", "mean"):
+        hits = host_reads(monkeypatch, lambda f=fmt: sparse.encode(idx, x[idx], 1000, f))
+        assert len(hits) == 1, (fmt, hits)
+    frame = sparse.encode(idx, x[idx], 1000, "fp32")
+    hits = host_reads(monkeypatch, lambda: sparse.decode_entries(frame))
+    sites = {(f.rsplit("/", 1)[-1], line) for _, f, line in hits}
+    assert len(sites) == 2 and any(f == "_frame.py" for f, _ in sites), hits  # header, rules

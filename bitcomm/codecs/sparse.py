@@ -110,17 +110,9 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int, fmt: str = "fp32
     device = val.device
     idx = idx.to(device=device, dtype=torch.int64)
     if k:
-        lo, hi = torch.aminmax(idx)
-        if int(lo.item()) < 0 or int(hi.item()) >= n:
-            bad = int(lo.item()) if int(lo.item()) < 0 else int(hi.item())
-            raise ValueError(f"expected indices in [0, {n}), got {bad}")
         idx, order = idx.sort()
         val = val[order]
-        if k > 1 and bool((idx[1:] == idx[:-1]).any()):
-            dup = int(idx[1:][idx[1:] == idx[:-1]][0].item())
-            raise ValueError(f"expected distinct indices, got {dup} more than once")
-        if not bool(torch.isfinite(val).all()):
-            raise ValueError("expected finite values, got NaN or inf")
+        _check_entries(idx, val, n, fp16=fmt == "fp16")
     parts = [
         _frame.host_bytes(HEADER.pack(n, k, FORMATS.index(fmt)), device),
         _frame.float_bytes(idx.to(_index_dtype(n))),
@@ -128,16 +120,36 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int, fmt: str = "fp32
     if fmt == "fp32":
         parts.append(_frame.float_bytes(val.to(torch.float32)))
     elif fmt == "fp16":
-        if k and float(val.abs().max().item()) > _FP16_MAX:
-            raise OverflowError(f"expected |values| <= {_FP16_MAX} for fp16, got "
-                                f"{float(val.abs().max().item())}")
         parts.append(_frame.float_bytes(val.to(torch.float16)))
     elif fmt == "qsgd":
         parts.append(qsgd.encode(val, bits, bucket, scale=scale, seed=seed, generator=generator))
     else:
-        mean = float(val.to(torch.float64).mean().item()) if k else 0.0
-        parts.append(_frame.host_bytes(struct.pack("<f", mean), device))
+        # Accumulated in float64, rounded once to float32, on the device: no host round trip.
+        mean = (val.to(torch.float64).mean() if k else torch.zeros((), dtype=torch.float64,
+                                                                   device=device))
+        parts.append(_frame.float_bytes(mean.to(torch.float32).reshape(1)))
     return torch.cat(parts)
+
+
+def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) -> None:
+    # Sorted indices and their values: every rule in one host read; the message, which needs
+    # more, is built only when a rule is broken.
+    rules = torch.stack([
+        idx[0], idx[-1], (idx[1:] == idx[:-1]).any().to(torch.int64),
+        (~torch.isfinite(val)).any().to(torch.int64),
+        (val.abs() > _FP16_MAX).any().to(torch.int64) if fp16 else idx[0] * 0,
+    ])
+    lo, hi, dup, nonfinite, too_big = rules.tolist()
+    if lo < 0 or hi >= n:
+        raise ValueError(f"expected indices in [0, {n}), got {lo if lo < 0 else hi}")
+    if dup:
+        first = int(idx[1:][idx[1:] == idx[:-1]][0].item())
+        raise ValueError(f"expected distinct indices, got {first} more than once")
+    if nonfinite:
+        raise ValueError("expected finite values, got NaN or inf")
+    if too_big:
+        raise OverflowError(f"expected |values| <= {_FP16_MAX} for fp16, got "
+                            f"{float(val.abs().max().item())}")
 
 
 def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
@@ -158,27 +170,34 @@ def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
     end = off + k * itype.itemsize
     _frame.need(buf, end, _CODEC, "indices")
     idx = _frame.from_bytes(buf[off:end], itype).to(torch.int64)
-    if k:
-        if int(idx[0].item()) < 0 or int(idx[-1].item()) >= n:
-            raise ValueError(f"corrupt {_CODEC} frame: expected indices in [0, {n}), got "
-                             f"{int(idx[0].item())}..{int(idx[-1].item())}")
-        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
-            raise ValueError(f"corrupt {_CODEC} frame: expected strictly increasing indices")
     off = end
+    val = None
     if fmt in ("fp32", "fp16"):
         vtype = torch.float32 if fmt == "fp32" else torch.float16
         end = off + k * vtype.itemsize
         _frame.need(buf, end, _CODEC, "values")
         val = _frame.from_bytes(buf[off:end], vtype).to(dtype)
-        if not bool(torch.isfinite(val).all()):
+    if k:
+        # Every rule in one host read.
+        rules = torch.stack([
+            idx[0], idx[-1], (idx[1:] <= idx[:-1]).any().to(torch.int64),
+            (~torch.isfinite(val)).any().to(torch.int64) if val is not None else idx[0] * 0,
+        ])
+        lo, hi, unordered, nonfinite = rules.tolist()
+        if lo < 0 or hi >= n:
+            raise ValueError(f"corrupt {_CODEC} frame: expected indices in [0, {n}), got "
+                             f"{lo}..{hi}")
+        if unordered:
+            raise ValueError(f"corrupt {_CODEC} frame: expected strictly increasing indices")
+        if nonfinite:
             raise ValueError(f"corrupt {_CODEC} frame: expected finite {fmt} values")
-    elif fmt == "qsgd":
+    if fmt == "qsgd":
         val, used = qsgd.decode(buf[off:], dtype=dtype)
         if val.numel() != k:
             raise ValueError(f"corrupt {_CODEC} frame: expected a qsgd block of k={k} values, "
                              f"got {val.numel()}")
         end = off + used
-    else:
+    elif fmt == "mean":
         end = off + 4
         (mean,) = _frame.read_struct(buf, off, struct.Struct("<f"), _CODEC, "mean")
         if not math.isfinite(mean):
