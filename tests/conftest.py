@@ -24,8 +24,8 @@ needs_interpreter = pytest.mark.skipif(
     not (_frame.has_triton() and INTERPRETED),
     reason="the Triton path runs on CPU tensors only under TRITON_INTERPRET=1 (on a GPU "
            "machine tests/test_cuda.py runs the kernels on CUDA tensors)")
-# The paths a codec can take on CPU tensors in this process.
-PATHS = ["numpy", "torch"] + (["triton"] if _frame.has_triton() and INTERPRETED else [])
+# The paths other than numpy that a codec can take on CPU tensors (triton: in the interpreter).
+OTHER_PATHS = ["torch", pytest.param("triton", marks=[needs_interpreter, pytest.mark.triton])]
 
 
 @contextlib.contextmanager
@@ -39,7 +39,7 @@ def forced(path):
         _frame.FORCE = old
 
 
-@pytest.fixture(params=["numpy", "torch", pytest.param("triton", marks=needs_interpreter)])
+@pytest.fixture(params=["numpy", *OTHER_PATHS])
 def path(request):
     """Run a test on the CPU fast path, the torch-only path and the Triton kernels."""
     with forced(request.param):

@@ -14,7 +14,7 @@ from bitcomm.codecs import _rng, bits, counts, qsgd, sign
 
 from conftest import AWKWARD, forced, host_reads, needs_interpreter
 
-pytestmark = needs_interpreter
+pytestmark = [needs_interpreter, pytest.mark.triton]
 triton = pytest.importorskip("triton", reason="triton (the dev extra) is not installed")
 tl = pytest.importorskip("triton.language")
 from bitcomm.codecs import _kernels  # noqa: E402  (imports triton)
