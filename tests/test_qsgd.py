@@ -37,7 +37,8 @@ def test_golden_worked_example(path):
 def test_round_trip_error_and_size(bits, bucket, path):
     s = (1 << (bits - 1)) - 1
     g = torch.Generator().manual_seed(bits * 1000 + bucket)
-    for n in AWKWARD + [70001, 300001]:
+    # The interpreter (path "triton") runs about a second per million elements.
+    for n in AWKWARD + ([70001] if path == "triton" else [70001, 300001]):
         x = torch.randn(n, generator=g)
         frame = qsgd.encode(x, bits, bucket, seed=n)
         assert frame.numel() == qsgd.encoded_size(n, bits, bucket)
