@@ -43,12 +43,14 @@ def test_sign_pack_and_unpack(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_scaled_sign(dtype):
-    x = torch.randn(1001, generator=torch.Generator().manual_seed(2)) * 3.3
-    for kind in sign.SCALES:
-        ref, got = _both(lambda kind=kind: sign.encode_scaled(x, kind))
-        assert torch.equal(ref, got)
-        ref, got = _both(lambda f=ref: sign.decode_scaled(f, dtype=dtype)[0])
-        assert torch.equal(ref, got)
+    # 70001 elements span 9 blocks of the scale's reduction kernel.
+    for n in (1, 1001, 70001):
+        x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3.3).to(dtype)
+        for kind in sign.SCALES:
+            ref, got = _both(lambda kind=kind, x=x: sign.encode_scaled(x, kind))
+            assert torch.equal(ref, got), (n, kind)
+            ref, got = _both(lambda f=ref: sign.decode_scaled(f, dtype=dtype)[0])
+            assert torch.equal(ref, got), (n, kind)
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 16])
@@ -164,7 +166,11 @@ def test_qsgd_decode_is_one_formula(nbits):
         for p in ("numpy", "torch", "triton"):
             with forced(p):
                 got = qsgd.decode(frame)[0].numpy()
+                narrow = {dt: qsgd.decode(frame, dtype=dt)[0]
+                          for dt in (torch.float16, torch.bfloat16, torch.float64)}
             assert np.array_equal(got.view(np.int32), want.view(np.int32)), (p, bucket)
+            for dt, values in narrow.items():  # the float32 values, rounded to nearest once
+                assert torch.equal(values, torch.from_numpy(want).to(dt)), (p, bucket, dt)
 
 
 # --- fused collective steps -------------------------------------------------------------------

@@ -6,7 +6,8 @@ memory speed: every input byte is read once, in wide tiles, and sizes arrive as 
 launch never waits for the device.
 
 * :func:`sign_pack` / :func:`sign_unpack`: a ``[BLOCK, 8]`` tile of elements per ``BLOCK`` bytes;
-  a byte is the sum of its eight shifted ``x >= 0`` bits.
+  a byte is the sum of its eight shifted ``x >= 0`` bits. :func:`partial_sums`: the float64
+  block sums behind a scaled frame's RMS or mean-abs scale.
 * :func:`planes_pack` / :func:`planes_unpack`: :mod:`bitcomm.codecs.bits` planes, all ``W``
   planes of a tile from one read of the values; with ``G > 1`` a value is a base-``(m + 1)`` group
   of ``G`` counts (:mod:`bitcomm.codecs.counts` radix), composed or split inside the kernel.
@@ -34,13 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["launch", "sign_pack", "sign_unpack", "planes_pack", "planes_unpack", "qsgd_codes",
-           "qsgd_values", "MAX_FUSED_BUCKET"]
+__all__ = ["launch", "sign_pack", "sign_unpack", "partial_sums", "planes_pack", "planes_unpack",
+           "qsgd_codes", "qsgd_values", "MAX_FUSED_BUCKET"]
 
 _BYTES = 1024  # bytes per program of the bit-packing kernels (8192 one-bit elements)
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
 _QSGD_TILE = 4096  # elements per program of the qsgd kernels
+_SUM_BLOCK = 8192  # elements per program of the scale reduction
 
 
 def _grid(total: int, per: int) -> tuple[int]:
@@ -116,11 +118,36 @@ def sign_unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float = 1.
     nbytes = buf.numel()
     if out is None:
         out = torch.empty(n, dtype=dtype, device=buf.device)
+    # +-scale rounded to the output dtype here, as torch rounds scale * (+-1): the kernel's
+    # store is then exact whatever rounding its conversion uses (the interpreter truncates
+    # float32 to bfloat16; compiled kernels round to nearest).
+    scale = float(torch.tensor(scale, dtype=torch.float32).to(out.dtype))
     grid = _grid(nbytes, _BYTES)
     flags = torch.zeros(grid[0], dtype=torch.int32, device=buf.device)
     if nbytes:
-        launch(_sign_unpack_kernel, grid, buf, out, float(scale), n, nbytes, flags, BLOCK=_BYTES)
+        launch(_sign_unpack_kernel, grid, buf, out, scale, n, nbytes, flags, BLOCK=_BYTES)
     return out, flags
+
+
+@triton.jit
+def _partial_sums_kernel(x_ptr, out_ptr, n, SQUARES: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float64)
+    tl.store(out_ptr + pid, tl.sum(x * x if SQUARES else tl.abs(x), axis=0))
+
+
+def partial_sums(x: torch.Tensor, squares: bool) -> torch.Tensor:
+    """Return float64 partial sums of ``x**2`` (or ``|x|``) over blocks of ``x``: one read of x.
+
+    The scale of a scaled sign frame is their sum; float64 keeps it the same float32 value
+    whatever the order of the additions (up to vanishingly rare rounding ties).
+    """
+    n = x.numel()
+    grid = _grid(n, _SUM_BLOCK)
+    out = torch.empty(grid[0], dtype=torch.float64, device=x.device)
+    launch(_partial_sums_kernel, grid, x, out, n, SQUARES=squares, BLOCK=_SUM_BLOCK)
+    return out
 
 
 # --- bit planes (bits, counts fixed and radix) ------------------------------------------------
@@ -288,8 +315,17 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
 
 
 @triton.jit
+def _bf16_bits(x):
+    # float32 -> bfloat16 rounded to nearest, ties to even, as torch does, on the bits (finite
+    # x): the interpreter's own conversion truncates.
+    u = x.to(tl.uint32, bitcast=True)
+    u += 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
 def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, BITS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, BF16: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     S: tl.constexpr = (1 << (BITS - 1)) - 1
     ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -300,7 +336,10 @@ def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, BITS: 
     step = tl.load(steps_ptr + idx // bucket, mask=idx < n, other=0.0)
     val = (code & S).to(tl.float32) * step
     val = tl.where((code >> (BITS - 1)) != 0, -val, val)
-    tl.store(out_ptr + idx, val.to(out_ptr.dtype.element_ty), mask=idx < n)
+    if BF16:  # out_ptr is an int16 view of the bfloat16 result
+        tl.store(out_ptr + idx, _bf16_bits(val), mask=idx < n)
+    else:
+        tl.store(out_ptr + idx, val.to(out_ptr.dtype.element_ty), mask=idx < n)
 
 
 def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torch.Tensor,
@@ -308,7 +347,9 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
     """Return ``sign * level * step[bucket]`` of ``n`` packed qsgd codes, as ``dtype``."""
     out = torch.empty(n, dtype=dtype, device=codes.device)
     nbytes = codes.numel()
+    bf16 = dtype == torch.bfloat16
     if n:
-        launch(_qsgd_values_kernel, _grid(nbytes, _BYTES), codes, steps, out, n, nbytes, bucket,
-               BITS=bits, BLOCK=_BYTES, enable_fp_fusion=False)
+        launch(_qsgd_values_kernel, _grid(nbytes, _BYTES), codes, steps,
+               out.view(torch.int16) if bf16 else out, n, nbytes, bucket, BITS=bits,
+               BLOCK=_BYTES, BF16=bf16, enable_fp_fusion=False)
     return out

@@ -205,13 +205,16 @@ def compute_scale(x: torch.Tensor, scale: str = "rms") -> float:
     n = v.numel()
     if n == 0:
         return 0.0
-    # float64 accumulation, converted a cache-sized chunk at a time (a whole float64 copy of
-    # x would cost more than the encoder); one device sync at the end.
-    acc = torch.zeros((), dtype=torch.float64, device=v.device)
-    for start in range(0, n, _CHUNK):
-        c = v[start : start + _CHUNK].to(torch.float64)
-        # not abs_(): for float64 input c is a view of the caller's tensor
-        acc += torch.dot(c, c) if scale == "rms" else c.abs().sum()
+    if _frame.use_triton(v):  # one read of x, float64 block sums in the kernel
+        acc = _frame.kernels().partial_sums(v.contiguous(), scale == "rms").sum()
+    else:
+        # float64 accumulation, converted a cache-sized chunk at a time (a whole float64 copy
+        # of x would cost more than the encoder); one device sync at the end.
+        acc = torch.zeros((), dtype=torch.float64, device=v.device)
+        for start in range(0, n, _CHUNK):
+            c = v[start : start + _CHUNK].to(torch.float64)
+            # not abs_(): for float64 input c is a view of the caller's tensor
+            acc += torch.dot(c, c) if scale == "rms" else c.abs().sum()
     total = float(acc.item())
     value = math.sqrt(total / n) if scale == "rms" else total / n
     value = float(np.float32(value))
