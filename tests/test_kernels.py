@@ -315,3 +315,10 @@ def test_fused_onebit_allreduce_matches_the_reference_over_calls(size):
             torch.testing.assert_close(fused.server_error, plain.server_error, rtol=1e-6,
                                        atol=1e-7)
             torch.testing.assert_close(fused.worker_error, werr[r], rtol=1e-5, atol=1e-6)
+
+
+def test_ring_steps_needs_the_triton_path():
+    from bitcomm.bench.collectives import ring_steps
+
+    with pytest.raises(RuntimeError, match="expected a CUDA device with triton installed"):
+        ring_steps(100, 2, device="cpu")

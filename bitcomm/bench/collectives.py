@@ -214,13 +214,12 @@ def ring_steps(n: int, size: int, *, device: str | torch.device = "cuda", repeat
     and the ``size`` unpacks of decisions into the +-1 result. Needs the Triton path (a CUDA
     device with triton; CPU tensors under ``TRITON_INTERPRET=1`` with the path forced).
     """
-    from bitcomm.collectives import _kernels  # imports triton
-
     device = torch.device(device)
     x = bench_input(seed, 0, n).to(device)
     if not _frame.use_triton(x):
         raise RuntimeError("ring_steps times the Triton kernels: expected a CUDA device with "
                            "triton installed")
+    from bitcomm.collectives import _kernels  # imports triton
     hbm = 4 * n / time_call(lambda: torch.sum(x), repeat, device)  # bytes per second
     unpack = _frame.kernels().sign_unpack
     lengths = [hi - lo for lo, hi in _common.bounds(n, size)]
