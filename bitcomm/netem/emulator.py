@@ -18,7 +18,7 @@ transfers cannot run much faster than the rate; the queue holds 500 ms of the ra
 Why a floor in bytes: what arrives at a slow link in one burst is a message, and messages have
 the same bytes whatever the scale, so a queue sized in seconds alone shrinks under them when the
 rates are scaled down. Measured on hetero-32 with 4M elements at 0.4 MB/s slow links (scale 50):
-with 0.5 s (200 KB) queues (commit 228d69e) the ring dropped 28 packets per call, hit 1.7
+with 0.5 s (200 KB) queues the ring dropped 28 packets per call, hit 1.7
 retransmission timeouts per call, and took 1.41x its bandwidth bound; with 400 KB (``queue: 1.0``
 there), 0 drops and 1.09x, as at 0.8 MB/s.
 
