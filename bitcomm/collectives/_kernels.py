@@ -30,6 +30,14 @@ _BYTES = 1024  # bytes per program and plane (8192 elements)
 
 
 @triton.jit
+def _majority(count, size, TIE_POSITIVE: tl.constexpr):
+    # 1 where more than half of the ranks vote +1; a tie decides by the tie rule.
+    if TIE_POSITIVE:
+        return (2 * count >= size).to(tl.int32)
+    return (2 * count > size).to(tl.int32)
+
+
+@triton.jit
 def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, W_IN: tl.constexpr,
                        W_OUT: tl.constexpr, DECIDE: tl.constexpr, TIE_POSITIVE: tl.constexpr,
                        WIDEN: tl.constexpr, BLOCK: tl.constexpr):
@@ -45,11 +53,7 @@ def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, W_IN: tl.constexpr
         byte = tl.load(recv_ptr + row * nb + ob, mask=ob < nb, other=0).to(tl.int32)
         count += ((byte[:, None] >> (7 - j)[None, :]) & 1) << (W_IN - 1 - row)
     if DECIDE:
-        # Majority: +1 when more than half of the ranks vote +1 (ties by the tie rule).
-        if TIE_POSITIVE:
-            count = (2 * count >= size).to(tl.int32)
-        else:
-            count = (2 * count > size).to(tl.int32)
+        count = _majority(count, size, TIE_POSITIVE)
     count = tl.where(live, count, 0)
     for row in tl.static_range(W_OUT):
         bit = (count >> (W_OUT - 1 - row)) & 1
@@ -90,11 +94,7 @@ def _vote_count_kernel(votes_ptr, out_ptr, n, nb, size, TIE_POSITIVE: tl.constex
     for r in range(size):
         byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
         count += (byte[:, None] >> (7 - j)[None, :]) & 1
-    if TIE_POSITIVE:
-        bit = (2 * count >= size).to(tl.int32)
-    else:
-        bit = (2 * count > size).to(tl.int32)
-    bit = tl.where(ob[:, None] * 8 + j[None, :] < n, bit, 0)
+    bit = tl.where(ob[:, None] * 8 + j[None, :] < n, _majority(count, size, TIE_POSITIVE), 0)
     out = tl.sum(bit << (7 - j)[None, :], axis=1)
     tl.store(out_ptr + ob, out.to(tl.uint8), mask=ob < nb)
 
