@@ -34,10 +34,13 @@ class TorchPacker:
 
 def main():
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['BITCOMM_STORE']}",
-                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=60))
+    # Import DeepSpeed before joining the group: two ranks importing it at once on 2 cores can
+    # take most of a minute, which would otherwise count against the group's timeout.
     import deepspeed.comm as ds_dist
     from deepspeed.runtime.comm.compressed import CompressedBackend
+
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['BITCOMM_STORE']}",
+                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=60))
 
     ds_dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     plain_all_gather = ds_dist.all_gather
