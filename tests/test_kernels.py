@@ -134,18 +134,23 @@ def test_qsgd_encode_across_stream_blocks():
 
 def test_qsgd_stream_past_two_to_the_32():
     """The kernel's hash equals _rng's stream at positions where the high word changes."""
-    for start in (0, (1 << 32) - (1 << 16), 1 << 32, (5 << 32) + (3 << 16)):
+    starts = [0, (1 << 31) - (1 << 16), (1 << 32) - (1 << 16), 1 << 32, (5 << 32) + (3 << 16)]
+    for start in starts:
+        # 32-bit positions take the kernel's int32 branch (elements below 2**31).
+        small = start < 1 << 31
         for key in (0, 12345, -7, 2**31 - 1):
-            pos = torch.arange(start, start + (1 << 16), dtype=torch.int64)
+            pos = torch.arange(start, start + (1 << 16),
+                               dtype=torch.int32 if small else torch.int64)
             out = torch.empty(1 << 16, dtype=torch.int32)
-            _stream_kernel[(1,)](pos, out, key & 0xFFFFFFFF, N=1 << 16)
+            signed = (key & 0xFFFFFFFF) - ((key & 0x80000000) << 1)  # the key as int32
+            _stream_kernel[(1,)](pos, out, signed, N=1 << 16, SMALL=small)
             assert torch.equal(out, _rng.random16(key, start, 1 << 16)), (start, key)
 
 
 @triton.jit
-def _stream_kernel(pos_ptr, out_ptr, key, N: tl.constexpr):
+def _stream_kernel(pos_ptr, out_ptr, key, N: tl.constexpr, SMALL: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(out_ptr + i, _kernels._random16(tl.load(pos_ptr + i), key))
+    tl.store(out_ptr + i, _kernels._random16(tl.load(pos_ptr + i), key, SMALL))
 
 
 @pytest.mark.parametrize("nbits", qsgd.BITS)

@@ -26,7 +26,21 @@ from bitcomm.codecs._kernels import launch
 
 __all__ = ["count_step", "vote_count", "sign_error", "weighted_votes", "scaled_signs"]
 
-_BYTES = 1024  # bytes per program and plane (8192 elements)
+TUNING: dict[str, tuple[int, int]] = {
+    # kernel: (bytes per program and plane, warps)
+    "count_step": (1024, 4),
+    "vote_count": (1024, 4),
+    "sign_error": (1024, 4),
+    "weighted_votes": (1024, 4),
+    "scaled_signs": (1024, 4),
+}
+"""Tile size and warps of each kernel's launch (any power of two is correct)."""
+
+
+def _launch(name: str, kernel, total: int, *args, **kwargs) -> None:
+    # One program per TUNING[name] bytes of the ``total`` bytes per plane.
+    block, warps = TUNING[name]
+    launch(kernel, (triton.cdiv(total, block),), *args, BLOCK=block, num_warps=warps, **kwargs)
 
 
 @triton.jit
@@ -78,10 +92,9 @@ def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out:
     nb = (n + 7) // 8
     out = torch.empty(w_out * nb, dtype=torch.uint8, device=x.device)
     if nb:
-        launch(_count_step_kernel, (triton.cdiv(nb, _BYTES),),
-               x if received is None else received, x, out, n, nb, max(decide, 1), W_IN=w_in,
-               W_OUT=w_out, DECIDE=bool(decide), TIE_POSITIVE=tie_positive,
-               WIDEN=x.element_size() == 2, BLOCK=_BYTES)
+        _launch("count_step", _count_step_kernel, nb, x if received is None else received, x,
+                out, n, nb, max(decide, 1), W_IN=w_in, W_OUT=w_out, DECIDE=bool(decide),
+                TIE_POSITIVE=tie_positive, WIDEN=x.element_size() == 2)
     return out
 
 
@@ -104,8 +117,8 @@ def vote_count(votes: torch.Tensor, n: int, *, tie_positive: bool = False) -> to
     size, nb = votes.shape
     out = torch.empty(nb, dtype=torch.uint8, device=votes.device)
     if nb:
-        launch(_vote_count_kernel, (triton.cdiv(nb, _BYTES),), votes, out, n, nb, size,
-               TIE_POSITIVE=tie_positive, BLOCK=_BYTES)
+        _launch("vote_count", _vote_count_kernel, nb, votes, out, n, nb, size,
+                TIE_POSITIVE=tie_positive)
     return out
 
 
@@ -136,8 +149,7 @@ def sign_error(buf: torch.Tensor, scale: torch.Tensor, error: torch.Tensor) -> t
     nb = buf.numel() // 8
     out = torch.empty(nb, dtype=torch.uint8, device=buf.device)
     if nb:
-        launch(_sign_error_kernel, (triton.cdiv(nb, _BYTES),), buf, scale, error, out, nb,
-               BLOCK=_BYTES)
+        _launch("sign_error", _sign_error_kernel, nb, buf, scale, error, out, nb)
     return out
 
 
@@ -163,8 +175,8 @@ def weighted_votes(votes: torch.Tensor, weights: torch.Tensor, error: torch.Tens
     size, nb = votes.shape
     out = torch.empty(nb * 8, dtype=torch.float32, device=votes.device)
     if nb:
-        launch(_weighted_votes_kernel, (triton.cdiv(nb, _BYTES),), votes, weights, error, out,
-               nb, size, BLOCK=_BYTES)
+        _launch("weighted_votes", _weighted_votes_kernel, nb, votes, weights, error, out, nb,
+                size)
     return out
 
 
@@ -185,6 +197,6 @@ def scaled_signs(packed: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     out = torch.empty(n, dtype=torch.float32, device=packed.device)
     nbytes = packed.numel()
     if n:
-        launch(_scaled_signs_kernel, (triton.cdiv(nbytes, _BYTES),), packed, scales, out, n,
-               nbytes, chunk, BLOCK=_BYTES)
+        _launch("scaled_signs", _scaled_signs_kernel, nbytes, packed, scales, out, n, nbytes,
+                chunk)
     return out
