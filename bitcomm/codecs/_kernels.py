@@ -336,15 +336,18 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, n, nbytes, nbuck
 
 
 def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.Tensor,
-               factors: torch.Tensor | None) -> torch.Tensor:
+               factors: torch.Tensor | None, *, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Return the packed qsgd codes of ``x``; with ``factors=None`` also write ``scales``.
 
     ``factors=None`` needs a power-of-two ``bucket <= MAX_FUSED_BUCKET`` (the bucket max is
     taken in the same pass); otherwise ``factors`` holds each bucket's ``s * 2**16 / scale``.
+    ``out`` (contiguous uint8, ``ceil(n * bits / 8)`` bytes) receives the codes.
     """
     n = x.numel()
     nbytes = (n * bits + 7) // 8
-    out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if n == 0:
         return out
     fused = factors is None

@@ -186,15 +186,23 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
     key = _rng.key_from(seed, generator)
     n = v.numel()
     path = _frame.backend(v)
+    header = _frame.host_bytes(HEADER.pack(n, bits, SCALES.index(scale), bucket), v.device)
+    if path == "triton":
+        # The kernel writes the codes into the frame itself: a copy of them would add up to
+        # half the traffic of reading x (8-bit codes) to a pass that is memory bound.
+        frame = torch.empty(encoded_size(n, bits, bucket), dtype=torch.uint8, device=v.device)
+        start = HEADER.size + 4 * (-(-n // bucket))
+        scales, _ = _encode_triton(v, bits, bucket, scale, key, frame[start:])
+        _check_scales(scales, bucket, n, scale)
+        frame[: HEADER.size] = header
+        frame[HEADER.size : start] = _frame.float_bytes(scales)
+        return frame
     if path == "numpy":
         scales, codes = _encode_cpu(v, bits, bucket, scale, key)
-    elif path == "triton":
-        scales, codes = _encode_triton(v, bits, bucket, scale, key)
     else:
         scales, codes = _encode_torch(v, bits, bucket, scale, key)
     _check_scales(scales, bucket, n, scale)  # once at the end: one device sync, not one a chunk
-    header = HEADER.pack(n, bits, SCALES.index(scale), bucket)
-    return torch.cat([_frame.host_bytes(header, v.device), _frame.float_bytes(scales), codes])
+    return torch.cat([header, _frame.float_bytes(scales), codes])
 
 
 def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
@@ -219,19 +227,20 @@ def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
     return scales, torch.from_numpy(codes)
 
 
-def _encode_triton(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode_triton(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     # One kernel pass over x (bitcomm.codecs._kernels); it computes what _encode_torch computes.
+    # ``out`` (ceil(n * bits / 8) bytes) receives the codes.
     kernels = _frame.kernels()
     n = v.numel()
     scales = torch.empty(-(-n // bucket), dtype=torch.float32, device=v.device)
     x = v.contiguous()
     if (scale == "max" and 8 <= bucket <= kernels.MAX_FUSED_BUCKET
             and bucket & (bucket - 1) == 0):
-        return scales, kernels.qsgd_codes(x, bits, bucket, key, scales, None)
+        return scales, kernels.qsgd_codes(x, bits, bucket, key, scales, None, out=out)
     _scales_into(scales, x.to(torch.float32), bucket, scale)
     factors = _factors(scales, (1 << (bits - 1)) - 1)
-    return scales, kernels.qsgd_codes(x, bits, bucket, key, scales, factors)
+    return scales, kernels.qsgd_codes(x, bits, bucket, key, scales, factors, out=out)
 
 
 def _factors(scales: torch.Tensor, s: int) -> torch.Tensor:
