@@ -16,6 +16,8 @@ from pathlib import Path
 import click
 import torch
 
+from bitcomm.collectives import registry
+
 __all__ = ["main", "Size"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -154,7 +156,7 @@ def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
 @click.option("--sizes", type=SizeList(), default="1M,8M", show_default=True,
               help="Comma-separated float32 element counts per rank.")
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True,
-              help="Timed repetitions (median per rank, max over ranks) after a warm-up.")
+              help="Timed calls after a warm-up (each call's slowest rank; median, min, max).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True,
@@ -186,8 +188,8 @@ def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat
     if comm.rank == 0:
         click.echo("# bitcomm bench collectives: "
                    + " ".join(f"{k}={v}" for k, v in config.items()))
-        click.echo("# algbw = 4n bytes / time (GB = 1e9), busbw = algbw * 2(N-1)/N; time = max "
-                   "over ranks of each rank's median")
+        click.echo("# algbw = 4n bytes / time (GB = 1e9), busbw = algbw * 2(N-1)/N; time = "
+                   "median over calls of each call's slowest rank (min, max in the JSON)")
         click.echo(f"{'size':>6} {'count':>10} {'collective':<20} {'time(ms)':>10} "
                    f"{'algbw':>8} {'busbw':>8} {'wire_bytes':>12} {'formula':>12} "
                    f"{'#wrong':>6} {'vs a2a':>7}")
@@ -280,7 +282,7 @@ def topo_show(name: str, scale: float | None, size: int) -> None:
     click.echo(t.describe())
     slow = t.slowest_link()
     click.echo(f"model at {_human(size)} elements (slowest link {slow.a}-{slow.b}):")
-    for alg in model.ALGORITHMS:
+    for alg in registry.EMULATED:
         p = model.predict(t, alg, size)
         worst = max(p.link_payload(slow.index, d) for d in (True, False))
         click.echo(f"  {alg:<20} {p.seconds:8.3f} s  {p.phases:4} phases  "
@@ -484,13 +486,12 @@ def compare(topology: str, size: int, repeat: int, scale: float | None, queue: f
     """Compare ALGORITHMS (e.g. ring-majority alltoall-majority) on one topology."""
     from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, EmulatorError, requirements
     from bitcomm.netem.experiment import Experiment, run_experiment
-    from bitcomm.netem.model import ALGORITHMS
     from bitcomm.netem.topology import TopologyError
 
-    bad = [a for a in algorithms if a not in ALGORITHMS]
+    bad = [a for a in algorithms if a not in registry.EMULATED]
     if bad:
         raise click.ClickException(f"unknown algorithms {bad}; expected some of "
-                                   f"{sorted(ALGORITHMS)}")
+                                   f"{list(registry.EMULATED)}")
     _topology(topology, scale)
     algs = list(algorithms)
     if "alltoall-majority" not in algs:

@@ -68,7 +68,7 @@ def test_topo_show_prints_links_and_the_model():
     assert result.exit_code == 0, result.output
     assert "topology chain-16: 16 ranks, 0 switches, 15 links, scale 1/125" in result.output
     assert "7 <-> 8" in result.output and "0.800 MB/s" in result.output
-    for alg in ("ring-majority", "alltoall-majority", "onebit-alltoall"):
+    for alg in ("ring-majority", "alltoall-majority", "onebit-allreduce"):
         assert alg in result.output
 
 

@@ -101,7 +101,7 @@ def test_addresses_are_unique_and_on_their_link():
 @pytest.mark.parametrize("algorithm, formula", [
     ("ring-majority", lambda n, s, r: ring_majority_bytes(n, s, r, check=False)),
     ("alltoall-majority", lambda n, s, r: alltoall_majority_bytes(n, s, r, check=False)),
-    ("onebit-alltoall", lambda n, s, r: onebit_allreduce_bytes(n, s, check=False)),
+    ("onebit-allreduce", lambda n, s, r: onebit_allreduce_bytes(n, s, check=False)),
 ])
 def test_traced_schedule_matches_the_byte_formulas(algorithm, formula):
     for size, n in ((4, 1000), (5, 4099)):

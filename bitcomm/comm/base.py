@@ -182,6 +182,17 @@ class Comm:
                 self.counters.received[j] += out[j].numel()
         return out
 
+    def allgather_floats(self, values: list[float] | tuple[float, ...]) -> list[list[float]]:
+        """Return every rank's ``values`` (the same count on every rank), as float64.
+
+        For small bookkeeping (timings, counts, digests) between ranks: one :meth:`allgatherv`
+        of ``8 * len(values)`` bytes, counted like any other exchange.
+        """
+        mine = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        nbytes = 8 * mine.numel()
+        got = self.allgatherv(mine.view(torch.uint8), [nbytes] * self.size)
+        return [t.cpu().clone().view(torch.float64).tolist() for t in got]
+
     def allreduce(self, x: torch.Tensor) -> torch.Tensor:
         """Return the elementwise sum of ``x`` over ranks through the transport's native op.
 

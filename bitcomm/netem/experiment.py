@@ -6,7 +6,7 @@ Schema (``experiments/*.yaml``)::
     description: free text             # optional
     topologies: [chain-16, chain-32]   # required: names in topology_configs/ (or .yaml paths)
     sizes: [1M, 4M]                    # required: float32 elements per rank (K, M suffixes)
-    algorithms: [ring-majority, alltoall-majority, onebit-alltoall]   # default: these three
+    algorithms: [ring-majority, alltoall-majority, onebit-allreduce]   # default: these three
     repeat: 3                          # timed calls per cell (median reported), after a warm-up
     scale: 250                         # optional: overrides every topology file's scale
     seed: 0                            # optional: seed of the inputs
@@ -37,6 +37,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from bitcomm.collectives import registry
 from bitcomm.netem import model as model_mod
 from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator, write_rankmap
 from bitcomm.netem.topology import Topology, TopologyError, find, load
@@ -56,7 +57,7 @@ A ring rank's sends run ahead of its neighbour's receives (it does not wait for 
 for a round trip each: measured on chain-32 at 4M elements, the wrap-around flow used about
 0.55 of the slow link's rate in the first half of the ring with the default and about 0.75 with
 64 MiB (interface counters sampled every 5 ms)."""
-DEFAULT_ALGORITHMS = ("ring-majority", "alltoall-majority", "onebit-alltoall")
+DEFAULT_ALGORITHMS = ("ring-majority", "alltoall-majority", "onebit-allreduce")
 CPU_BOUND = 0.75
 """A cell whose ``cpu_share`` exceeds this is reported as CPU-bound.
 
@@ -127,10 +128,10 @@ def load_experiment(path: str | Path) -> Experiment:
                      sizes=[_size(s, f"{path}: sizes[{i}]") for i, s in
                             enumerate(data["sizes"])])
     algorithms = data.get("algorithms", list(DEFAULT_ALGORITHMS))
-    bad = [a for a in algorithms if a not in model_mod.ALGORITHMS]
+    bad = [a for a in algorithms if a not in registry.EMULATED]
     if bad:
         raise TopologyError(f"{path}: unknown algorithms {bad}; expected some of "
-                            f"{sorted(model_mod.ALGORITHMS)}")
+                            f"{list(registry.EMULATED)}")
     exp.algorithms = list(algorithms)
     repeat = data.get("repeat", 3)
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:

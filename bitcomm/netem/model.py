@@ -37,15 +37,14 @@ includes MPI's own small per-message headers and any retransmissions).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
-from bitcomm import collectives as col
+from bitcomm.collectives import registry
 from bitcomm.comm.local import LocalComm, run_local
 from bitcomm.netem.topology import Topology
 
-__all__ = ["ALGORITHMS", "Prediction", "trace", "predict", "payload_from_counters", "FRAME",
+__all__ = ["Prediction", "trace", "predict", "payload_from_counters", "FRAME",
            "HEADER"]
 
 FRAME = 1514
@@ -54,42 +53,12 @@ HEADER = 66
 """Ethernet + IPv4 + TCP (with timestamps) header bytes of every frame."""
 
 
-def _ring(comm: LocalComm, x: torch.Tensor, check: bool = True) -> object:
-    return col.ring_majority(comm, x, check=check)
-
-
-def _ring_radix(comm: LocalComm, x: torch.Tensor, check: bool = True) -> object:
-    return col.ring_majority(comm, x, packing="radix", check=check)
-
-
-def _alltoall(comm: LocalComm, x: torch.Tensor, check: bool = True) -> object:
-    return col.alltoall_majority(comm, x, check=check)
-
-
-def _onebit(comm: LocalComm, x: torch.Tensor, check: bool = True) -> object:
-    return col.onebit_allreduce(comm, x, col.OneBitState(x.numel(), comm.size), check=check)
-
-
-ALGORITHMS: dict[str, Callable[..., object]] = {
-    "ring-majority": _ring,
-    "ring-majority-radix": _ring_radix,
-    "alltoall-majority": _alltoall,
-    "onebit-alltoall": _onebit,
-}
-"""The collectives the experiments compare, by the names the CLI uses.
-
-Each is ``fn(comm, x, check=True)``; experiments time them with ``check=False`` (see
-:func:`trace`)."""
-
-
 def trace(algorithm: str, n: int, size: int) -> list[list[tuple[int, int, int]]]:
     """Return the phases of ``algorithm`` on ``n`` float32 elements and ``size`` ranks.
 
     Each phase is a list of ``(src, dst, nbytes, blocking)`` messages.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"expected algorithm in {sorted(ALGORITHMS)}, got {algorithm!r}")
-    fn = ALGORITHMS[algorithm]
+    fn = registry.get(algorithm, emulated=True)
 
     def traced(comm: LocalComm) -> list[tuple[int, int]]:
         comm.trace = []
@@ -134,7 +103,7 @@ def predict(topo: Topology, algorithm: str, n: int, *, alpha: float = 0.0,
 
     Args:
         topo: the topology (rates already scaled).
-        algorithm: a name from :data:`ALGORITHMS`.
+        algorithm: a name from :data:`bitcomm.collectives.registry.EMULATED`.
         n: float32 elements per rank.
         alpha: fixed cost per message in seconds (software), added to each message's arrival.
         phases: a schedule from :func:`trace` to reuse (traced when omitted).

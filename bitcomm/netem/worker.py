@@ -24,29 +24,25 @@ import functools
 import json
 import statistics
 import sys
-import time
 
 import torch
 
-from bitcomm.bench.collectives import (
-    bench_input,
-    gather_floats,
-    majority_reference,
-    mismatches,
-)
+from bitcomm.collectives import registry
 from bitcomm.comm.mpi import MPIComm
 from bitcomm.netem.emulator import Emulator
-from bitcomm.netem.model import ALGORITHMS
 from bitcomm.netem.topology import load
 
+
 # Brute force over every rank's regenerated input: once per size, shared by the majorities.
-_majority = functools.lru_cache(maxsize=1)(majority_reference)
+@functools.lru_cache(maxsize=1)
+def _majority(seed: int, size: int, n: int) -> torch.Tensor | None:
+    return registry.get("ring-majority").reference(seed, size, n)
 
 
-def _wrong(comm: MPIComm, algorithm: str, out: torch.Tensor, seed: int, n: int) -> int:
+def _wrong(comm: MPIComm, spec: registry.Collective, out: torch.Tensor, seed: int, n: int) -> int:
     # Majorities against the brute-force count, the rest for byte-identity across ranks.
-    reference = _majority(seed, comm.size, n) if "majority" in algorithm else None
-    return mismatches(comm, out, reference)
+    reference = _majority(seed, comm.size, n) if spec.is_majority else None
+    return registry.mismatches(comm, out, reference)
 
 
 def _key(link: tuple[int, bool]) -> str:
@@ -92,30 +88,26 @@ def main(argv: list[str] | None = None) -> None:
     net = Emulator(topo, args.prefix)  # not brought up here: only used to read counters
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        x = bench_input(args.seed, comm.rank, n)
+        x = registry.standard_input(args.seed, comm.rank, n)
         for algorithm in args.algorithms.split(","):
-            fn = ALGORITHMS[algorithm]
+            spec = registry.get(algorithm)
             comm.barrier()
-            wrong = _wrong(comm, algorithm, fn(comm, x, check=True), args.seed, n)  # warm-up
+            wrong = _wrong(comm, spec, spec(comm, x, check=True), args.seed, n)  # warm-up
             comm.barrier()
             before = net.tx_counters() if comm.rank == 0 else None
             drops_before = net.drops() if comm.rank == 0 else None
             tcp_before = tcp_counters()
-            mine, cpu = [], []
-            for _ in range(args.repeat):
-                comm.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn(comm, x, check=False)
-                mine.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
+            local = registry.time_calls(
+                comm, lambda spec=spec, x=x: spec(comm, x, check=False), args.repeat)
             comm.barrier()
             after = net.tx_counters() if comm.rank == 0 else None
             drops_after = net.drops() if comm.rank == 0 else None
             tcp = [a - b for a, b in zip(tcp_counters(), tcp_before, strict=True)]
             # gathered after the counters are read, so the gathers are not counted
-            times = [max(gather_floats(comm, t)) for t in mine]
-            cpu_seconds = [sum(gather_floats(comm, c)) for c in cpu]
-            retrans, timeouts = (sum(gather_floats(comm, v)) / args.repeat for v in tcp)
+            timing = registry.combine(comm, local)
+            times, cpu_seconds = timing.seconds, timing.cpu_seconds
+            every = comm.allgather_floats(tcp)
+            retrans, timeouts = (sum(r[i] for r in every) / args.repeat for i in range(2))
             if comm.rank == 0:
                 per_call = {_key(k): [(after[k][0] - before[k][0]) / args.repeat,
                                       (after[k][1] - before[k][1]) / args.repeat]

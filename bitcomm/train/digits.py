@@ -26,7 +26,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bitcomm.bench.collectives import gather_floats
 from bitcomm.collectives import allreduce
 from bitcomm.comm.base import Comm
 from bitcomm.comm.launch import world
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     for method in cfg.methods:
         row = train(comm, method, cfg, data)
         # the parameters must be identical on every rank: compare a digest
-        every = gather_floats(comm, row["digest"])
+        every = [v[0] for v in comm.allgather_floats([row["digest"]])]
         row["identical_on_ranks"] = all(d == every[0] for d in every)
         row["transport"] = args.transport
         rows.append(row)

@@ -1,0 +1,221 @@
+"""The collectives that the benchmark, the emulated experiments, the model and the CLI run.
+
+A :class:`Collective` says how to call the collective on a rank's input, the bytes its documented
+formula says a rank sends, and how a result is checked: the majorities against an independent
+brute-force count of every rank's votes, the others for byte-identity across ranks (the promise
+every bitcomm collective makes). Adding a collective to the comparisons is one entry in
+:data:`COLLECTIVES`.
+
+The standard input of rank ``r`` is :func:`standard_input` (``randn(n)`` seeded by the seed and
+``r``), so any rank can regenerate every other rank's input for a reference.
+
+>>> from bitcomm.comm import run_local
+>>> ring = get("ring-majority")
+>>> out = run_local(lambda c: ring(c, standard_input(0, c.rank, 10)), 3)
+>>> torch.equal(out[0], ring.reference(0, 3, 10))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from bitcomm.codecs import sparse as sparse_codec
+from bitcomm.collectives import dense, majority, onebit, sparse
+from bitcomm.comm.base import Comm
+
+__all__ = ["Collective", "COLLECTIVES", "EMULATED", "get", "standard_input", "mismatches", "Timing",
+           "time_calls", "combine"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """How to run, account for and check one collective on float32 tensors of ``n`` elements.
+
+    Attributes:
+        name: the one name used by the CLI, the benchmark, experiment files and results.
+        summary: one line for listings.
+        run: ``run(comm, x, state, check)`` -> the result tensor (``state`` from
+            :meth:`new_state`, kept across calls, or ``None``).
+        wire_bytes: ``wire_bytes(n, size, rank, check)`` -> the bytes rank ``rank`` sends, by
+            the collective's documented formula.
+        is_majority: the result is the sign majority of the ranks' inputs (ties -> -1).
+        state: ``state(n, size, device)`` -> per-rank state for stateful collectives.
+        emulated: the network model can trace it and the emulated experiments compare it: its
+            messages have fixed sizes and are point-to-point (a native allreduce is not).
+
+    """
+
+    name: str
+    summary: str
+    run: Callable[[Comm, torch.Tensor, object, bool], torch.Tensor]
+    wire_bytes: Callable[[int, int, int, bool], int]
+    is_majority: bool = False
+    state: Callable[[int, int, torch.device | str], object] | None = None
+    emulated: bool = False
+
+    def new_state(self, n: int, size: int, device: torch.device | str = "cpu") -> object:
+        """Return a fresh per-rank state (``None`` for stateless collectives)."""
+        return None if self.state is None else self.state(n, size, device)
+
+    def __call__(self, comm: Comm, x: torch.Tensor, *, state: object = None,
+                 check: bool = True) -> torch.Tensor:
+        """Run on this rank; a stateful collective without ``state`` gets a fresh one."""
+        if state is None:
+            state = self.new_state(x.numel(), comm.size, x.device)
+        return self.run(comm, x, state, check)
+
+    def expected_bytes(self, n: int, size: int, rank: int, check: bool = True) -> int:
+        """Return the bytes rank ``rank`` sends in one call, by the documented formula."""
+        return self.wire_bytes(n, size, rank, check)
+
+    def reference(self, seed: int, size: int, n: int) -> torch.Tensor | None:
+        """Return the independent reference result for the standard inputs, or ``None``.
+
+        Majorities: a brute-force count of every rank's regenerated votes (ties give -1).
+        Others have no closed-form reference; their check is byte-identity across ranks.
+        """
+        if not self.is_majority:
+            return None
+        votes = torch.zeros(n, dtype=torch.int32)
+        for r in range(size):
+            votes += standard_input(seed, r, n) >= 0
+        return torch.where(2 * votes > size, 1.0, -1.0)
+
+
+def standard_input(seed: int, rank: int, n: int) -> torch.Tensor:
+    """Return rank ``rank``'s input: ``randn(n)`` (float32) seeded by ``(seed, rank)``."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed * 1000003 + rank))
+
+
+def _digest(t: torch.Tensor) -> torch.Tensor:
+    data = t.reshape(-1).contiguous().cpu().numpy().tobytes()
+    return torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8)
+
+
+def mismatches(comm: Comm, out: torch.Tensor, reference: torch.Tensor | None) -> int:
+    """Return, summed over ranks, the elements of ``out`` that differ from ``reference``.
+
+    Without a reference every rank compares a digest of ``out`` with rank 0's (all of ``out``
+    counts as wrong on a rank whose bytes differ). Every rank must call it.
+    """
+    if reference is not None:
+        local = int((out.cpu() != reference).sum().item())
+    else:
+        digest = _digest(out)
+        first = comm.allgatherv(digest, [digest.numel()] * comm.size)[0]
+        local = 0 if torch.equal(first, digest) else out.numel()
+    return int(sum(v[0] for v in comm.allgather_floats([local])))
+
+
+def _k(n: int) -> int:
+    return max(1, n // 100)  # the sparse collective keeps the top 1%
+
+
+COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
+    Collective(
+        "ring-majority", "sign majority over a ring, counts in ceil(log2(i+1)) bits",
+        lambda comm, x, state, check: majority.ring_majority(comm, x, check=check),
+        lambda n, size, rank, check: majority.ring_majority_bytes(n, size, rank, check=check),
+        is_majority=True, emulated=True),
+    Collective(
+        "ring-majority-radix", "ring-majority with counts in base-(i+1) groups",
+        lambda comm, x, state, check: majority.ring_majority(comm, x, packing="radix",
+                                                             check=check),
+        lambda n, size, rank, check: majority.ring_majority_bytes(n, size, rank,
+                                                                  packing="radix", check=check),
+        is_majority=True, emulated=True),
+    Collective(
+        "alltoall-majority", "sign majority by an all-to-all of 1-bit votes (1-bit Adam's path)",
+        lambda comm, x, state, check: majority.alltoall_majority(comm, x, check=check),
+        lambda n, size, rank, check: majority.alltoall_majority_bytes(n, size, rank,
+                                                                      check=check),
+        is_majority=True, emulated=True),
+    Collective(
+        "onebit-allreduce", "1-bit Adam's compressed allreduce with error feedback",
+        lambda comm, x, state, check: onebit.onebit_allreduce(comm, x, state, check=check),
+        lambda n, size, rank, check: onebit.onebit_allreduce_bytes(n, size, check=check),
+        state=lambda n, size, device: onebit.OneBitState(n, size, device), emulated=True),
+    Collective(
+        "sparse-allgather", "every rank's top 1% as fp32 (index, value) pairs to every rank",
+        lambda comm, x, state, check: sparse.sparse_allgather(comm, x, _k(x.numel()),
+                                                              check=check)[0],
+        lambda n, size, rank, check: sparse.sparse_allgather_bytes(
+            sparse_codec.encoded_size(n, _k(n), "fp32"), size, check=check)),
+    Collective(
+        "allreduce", "the dense float32 sum (the baseline)",
+        lambda comm, x, state, check: dense.allreduce(comm, x, check=check),
+        lambda n, size, rank, check: dense.allreduce_bytes(n, size, check=check)),
+)}
+"""Every collective the comparisons run, by name, in listing order."""
+
+
+EMULATED = tuple(name for name, c in COLLECTIVES.items() if c.emulated)
+"""Names of the collectives the model traces and the emulated experiments compare."""
+
+
+def get(name: str, *, emulated: bool = False) -> Collective:
+    """Return the collective called ``name``; ``ValueError`` naming the choices otherwise.
+
+    With ``emulated=True`` only the :data:`EMULATED` ones are accepted.
+    """
+    choices = EMULATED if emulated else tuple(COLLECTIVES)
+    if name not in choices:
+        raise ValueError(f"expected a collective in {list(choices)}, got {name!r}")
+    return COLLECTIVES[name]
+
+
+@dataclasses.dataclass
+class Timing:
+    """Per-call times of a collective over all ranks (nccl-tests' convention).
+
+    ``seconds[i]`` is call i's time on its slowest rank (a collective ends when the last rank
+    has its result); ``cpu_seconds[i]`` its CPU time summed over ranks. Statistics are over
+    calls.
+    """
+
+    seconds: list[float]
+    cpu_seconds: list[float]
+
+    @property
+    def median(self) -> float:
+        """Median over calls of the per-call time."""
+        return statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> tuple[float, float, float]:
+        """(min, median, max) over calls of the per-call time."""
+        return min(self.seconds), self.median, max(self.seconds)
+
+
+def time_calls(comm: Comm, fn: Callable[[], object], repeat: int) -> tuple[list[float],
+                                                                               list[float]]:
+    """Time ``repeat`` calls of ``fn`` on this rank, each started after a barrier.
+
+    The one timing loop of the collective benchmarks and experiments. Returns this rank's
+    (wall, CPU) seconds per call; :func:`combine` turns every rank's into a :class:`Timing`
+    (separately, so callers can read counters between the calls and the gathers).
+    """
+    wall, cpu = [], []
+    for _ in range(repeat):
+        comm.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
+
+
+def combine(comm: Comm, local: tuple[list[float], list[float]]) -> Timing:
+    """Return the :class:`Timing` of every rank's :func:`time_calls` (every rank calls it)."""
+    wall, cpu = local
+    every = comm.allgather_floats([*wall, *cpu])
+    k = len(wall)
+    return Timing([max(r[i] for r in every) for i in range(k)],
+                  [sum(r[k + i] for r in every) for i in range(k)])

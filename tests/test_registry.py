@@ -1,0 +1,90 @@
+"""The registry of collectives: calls, byte formulas, references and the one timing loop."""
+
+import pytest
+import torch
+
+from bitcomm.collectives import registry
+from bitcomm.comm import run_local
+
+
+@pytest.mark.parametrize("name", list(registry.COLLECTIVES))
+@pytest.mark.parametrize("size,n", [(1, 17), (3, 1001), (4, 4096)])
+def test_every_collective_sends_its_formula_and_agrees(name, size, n):
+    spec = registry.get(name)
+
+    def rank(c):
+        x = registry.standard_input(5, c.rank, n)
+        c.counters.reset()
+        out = spec(c, x)
+        return out, c.counters.total_sent, spec.expected_bytes(n, c.size, c.rank)
+
+    results = run_local(rank, size)
+    for out, sent, expected in results:
+        assert sent == expected
+        assert torch.equal(out.view(torch.uint8), results[0][0].view(torch.uint8))
+    if spec.is_majority:
+        # The majority written out here, not by the registry: +1 where more than half vote +1.
+        votes = sum((registry.standard_input(5, r, n) >= 0).int() for r in range(size))
+        assert torch.equal(results[0][0], torch.where(2 * votes > size, 1.0, -1.0))
+        assert torch.equal(spec.reference(5, size, n), results[0][0])
+    else:
+        assert spec.reference(5, size, n) is None
+
+
+def test_standard_input_depends_on_seed_and_rank():
+    a = registry.standard_input(1, 0, 64)
+    assert a.dtype == torch.float32 and a.shape == (64,)
+    assert torch.equal(a, registry.standard_input(1, 0, 64))
+    assert not torch.equal(a, registry.standard_input(1, 1, 64))
+    assert not torch.equal(a, registry.standard_input(2, 0, 64))
+
+
+def test_get_names_the_choices():
+    with pytest.raises(ValueError, match="ring-majority"):
+        registry.get("ring")
+    with pytest.raises(ValueError, match="expected a collective in"):
+        registry.get("allreduce", emulated=True)  # the native allreduce is not traceable
+    assert registry.get("onebit-allreduce", emulated=True).name == "onebit-allreduce"
+    assert set(registry.EMULATED) < set(registry.COLLECTIVES)
+
+
+def test_mismatches_counts_against_a_reference_and_across_ranks():
+    def rank(c):
+        good = torch.ones(10)
+        ref = registry.mismatches(c, good, torch.ones(10))
+        off = registry.mismatches(c, good, torch.cat([torch.ones(7), -torch.ones(3)]))
+        same = registry.mismatches(c, good, None)
+        differs = registry.mismatches(c, good * (2 if c.rank == 2 else 1), None)
+        return ref, off, same, differs
+
+    for ref, off, same, differs in run_local(rank, 3):
+        assert (ref, off, same) == (0, 9, 0)  # 3 wrong on each of 3 ranks
+        assert differs == 10  # only rank 2's bytes differ from rank 0's
+
+
+def test_allgather_floats_returns_every_rank_in_order():
+    out = run_local(lambda c: c.allgather_floats([c.rank + 0.5, -c.rank, 1e300]), 4)
+    expected = [[r + 0.5, -r, 1e300] for r in range(4)]
+    assert all(got == expected for got in out)
+
+
+def test_combine_takes_the_slowest_rank_per_call_and_sums_cpu():
+    def rank(c):
+        wall = [0.1 * (c.rank + 1), 0.5 if c.rank == 0 else 0.2]
+        return registry.combine(c, (wall, [1.0, 2.0]))
+
+    for timing in run_local(rank, 3):
+        assert timing.seconds == [pytest.approx(0.3), 0.5]
+        assert timing.cpu_seconds == [3.0, 6.0]
+        assert timing.spread == (pytest.approx(0.3), pytest.approx(0.4), 0.5)
+
+
+def test_time_calls_runs_each_call_after_a_barrier():
+    calls = []
+
+    def rank(c):
+        wall, cpu = registry.time_calls(c, lambda: calls.append(c.rank), 4)
+        return len(wall), len(cpu), all(t >= 0 for t in wall + cpu)
+
+    assert run_local(rank, 2) == [(4, 4, True)] * 2
+    assert sorted(calls) == [0] * 4 + [1] * 4
