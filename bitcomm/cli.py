@@ -8,7 +8,6 @@ import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -16,26 +15,24 @@ from pathlib import Path
 import click
 import torch
 
+from bitcomm import _sizes
+from bitcomm._sizes import human as _human
 from bitcomm.collectives import registry
+from bitcomm.comm.launch import TRANSPORTS
 
 __all__ = ["main", "Size"]
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
 class Size(click.ParamType):
-    """A size such as ``4096``, ``128K``, ``16M`` or ``1G`` (binary multiples)."""
+    """A size such as ``4096``, ``128K``, ``16M`` or ``1G`` (:mod:`bitcomm._sizes`)."""
 
     name = "size"
 
     def convert(self, value, param, ctx):
         """Parse ``value`` into an int, failing with a message that shows the accepted forms."""
-        if isinstance(value, int):
-            return value
-        match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", str(value), re.IGNORECASE)
-        if not match:
-            self.fail(f"expected a size like 4096, 128K, 16M or 1G, got {value!r}", param, ctx)
-        return int(match.group(1)) * _UNITS[match.group(2).upper()]
+        try:
+            return _sizes.parse(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 class SizeList(click.ParamType):
@@ -48,13 +45,6 @@ class SizeList(click.ParamType):
         if isinstance(value, (list, tuple)):
             return tuple(value)
         return tuple(Size().convert(part, param, ctx) for part in str(value).split(",") if part)
-
-
-def _human(n: int) -> str:
-    for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult}{unit}"
-    return str(n)
 
 
 @click.group()
@@ -152,7 +142,7 @@ def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
 @bench.command("collectives")
 @click.option("--ranks", type=click.IntRange(1), default=4, show_default=True,
               help="Processes to launch (ignored under an existing mpiexec/torchrun job).")
-@click.option("--transport", type=click.Choice(["mpi", "gloo"]), default="mpi", show_default=True)
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="mpi", show_default=True)
 @click.option("--sizes", type=SizeList(), default="1M,8M", show_default=True,
               help="Comma-separated float32 element counts per rank.")
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True,

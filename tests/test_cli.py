@@ -14,6 +14,17 @@ def test_size_parsing():
     assert Size().convert("1G", None, None) == 1 << 30
     assert Size().convert("4096", None, None) == 4096
     assert SizeList().convert("1K,2M", None, None) == (1024, 2 << 20)
+    assert Size().convert("16MiB", None, None) == 16 << 20
+
+
+@pytest.mark.parametrize("bad", [0, "0", "0K", True, -5, "1.5M", "12Q", ""])
+def test_sizes_are_positive_counts_in_one_grammar(bad):
+    from bitcomm import _sizes
+
+    with pytest.raises(ValueError, match="expected a size like 4096, 128K, 16M or 1G"):
+        _sizes.parse(bad)
+    assert [_sizes.human(v) for v in (1 << 30, 3 << 20, 5 << 10, 1000)] == ["1G", "3M", "5K",
+                                                                             "1000"]
 
 
 def test_bad_size_is_a_usage_error(tmp_path):
@@ -96,7 +107,7 @@ def test_experiment_files_validate(tmp_path):
         assert exp.sizes and exp.topologies
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [12Q]\n")
-    with pytest.raises(TopologyError, match=r"sizes\[0\]: expected a size like 65536"):
+    with pytest.raises(TopologyError, match=r"sizes\[0\]: expected a size like 4096, 128K"):
         load_experiment(bad)
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nqueue: 0\n")
     with pytest.raises(TopologyError, match="queue: expected a number of seconds > 0, got 0"):

@@ -25,8 +25,8 @@ from bitcomm.comm.base import Comm
 
 __all__ = ["sparse_allgather", "sparse_allgather_bytes", "FORMATS"]
 
-FORMATS = ("fp32", "fp16", "qsgd", "mean")
-"""Value formats of the frames."""
+FORMATS = sparse.FORMATS
+"""Value formats of the frames (:data:`bitcomm.codecs.sparse.FORMATS`)."""
 _LEN = struct.Struct("<q")
 
 

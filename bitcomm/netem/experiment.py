@@ -30,13 +30,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from bitcomm import _sizes
 from bitcomm.collectives import registry
 from bitcomm.netem import model as model_mod
 from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator, write_rankmap
@@ -67,7 +67,6 @@ slow links at 0.8 MB/s (2 cores): the 32-rank rings at 1M elements kept the core
 and ran 1.12-1.24x their model, the same rings at 4M 70-72% busy and 1.07-1.08x. Halving the
 rates (hetero-32 1M ring: 0.94 -> 0.68 busy, 1.24x -> 1.11x its model) is what the 32-rank
 topology files do; a larger ``scale`` is the remedy on a machine with fewer cores per rank."""
-_SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)\s*", re.IGNORECASE)
 
 
 @dataclasses.dataclass
@@ -89,12 +88,10 @@ class Experiment:
 
 
 def _size(value: object, where: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    m = _SIZE.fullmatch(str(value))
-    if not m or int(m.group(1)) == 0:
-        raise TopologyError(f"{where}: expected a size like 65536, 256K or 1M, got {value!r}")
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+    try:
+        return _sizes.parse(value)
+    except ValueError as e:
+        raise TopologyError(f"{where}: {e}") from None
 
 
 def _seconds(value: object, where: str) -> float:

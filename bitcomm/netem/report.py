@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bitcomm import _sizes
+
 __all__ = ["table", "markdown", "plots"]
 
 
@@ -24,7 +26,7 @@ def table(cells: list[dict]) -> str:
     for c in cells:
         speed = f"{c['speedup']:.2f}" if "speedup" in c else ""
         mspeed = f"{c['model_speedup']:.2f}" if "model_speedup" in c else ""
-        lines.append(f"{c['topology']:<11} {_human(c['n']):>6} {c['algorithm']:<20} "
+        lines.append(f"{c['topology']:<11} {_sizes.human(c['n']):>6} {c['algorithm']:<20} "
                      f"{c['seconds']:>8.3f} {c['model_seconds']:>8.3f} {speed:>7} {mspeed:>6} "
                      f"{_mb(c['slow_link_payload']):>8} {_mb(c['model_slow_link_payload']):>8} "
                      f"{c['time_vs_bound']:>8.2f} {100 * c['cpu_share']:>5.0f} "
@@ -41,7 +43,7 @@ def markdown(cells: list[dict]) -> str:
     head += ["ring speedup (model)", "slow-link MB ring / a2a (model)", "CPU busy (max)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for topo, n in keys:
-        row = [topo, _human(n)]
+        row = [topo, _sizes.human(n)]
         for a in algs:
             c = by.get((topo, n, a))
             row.append(f"{c['seconds']:.2f} ({c['model_seconds']:.2f})" if c else "")
@@ -137,10 +139,3 @@ def plots(cells: list[dict], out: Path) -> list[Path]:
 
 def _count(x: float | None) -> str:
     return "" if x is None else f"{x:.0f}"
-
-
-def _human(n: int) -> str:
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)

@@ -28,7 +28,7 @@ import torch
 
 from bitcomm.collectives import allreduce
 from bitcomm.comm.base import Comm
-from bitcomm.comm.launch import world
+from bitcomm.comm.launch import TRANSPORTS, world
 from bitcomm.train.onebit_adam import OneBitAdam
 from bitcomm.train.qsgd_sgd import QSGDSGD
 from bitcomm.train.rgc import RGC
@@ -92,7 +92,7 @@ class TrainConfig:
     eval_every: int = 25
     seed: int = 0
     workers: int = 4
-    transports: list[str] = dataclasses.field(default_factory=lambda: ["mpi", "gloo"])
+    transports: list[str] = dataclasses.field(default_factory=lambda: list(TRANSPORTS))
     name: str = "train-digits"
     description: str = ""
 
@@ -113,7 +113,7 @@ def load_config(path: str | os.PathLike) -> TrainConfig:
     bad = [m for m in cfg.methods if m not in METHODS]
     if bad:
         raise ValueError(f"{path}: unknown methods {bad}; expected some of {sorted(METHODS)}")
-    bad = [t for t in cfg.transports if t not in ("mpi", "gloo")]
+    bad = [t for t in cfg.transports if t not in TRANSPORTS]
     if bad:
         raise ValueError(f"{path}: unknown transports {bad}; expected mpi and/or gloo")
     for key in ("steps", "batch", "eval_every", "workers"):
@@ -281,7 +281,7 @@ def write_report(rows: list[dict], config: dict, out: os.PathLike) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Rank program: train every method and have rank 0 write one JSON row per method."""
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--transport", choices=("mpi", "gloo"), required=True)
+    ap.add_argument("--transport", choices=TRANSPORTS, required=True)
     ap.add_argument("--methods", required=True)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)

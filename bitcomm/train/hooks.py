@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from bitcomm.codecs import qsgd
 from bitcomm.collectives import (
     OneBitState,
     alltoall_majority,
@@ -75,8 +76,8 @@ class HookState:
         self.momentum = check_range("momentum", momentum, 0.0, 1.0)
         if collective not in ("ring", "alltoall"):
             raise ValueError(f"expected collective 'ring' or 'alltoall', got {collective!r}")
-        if bits not in (2, 4, 8):
-            raise ValueError(f"expected bits in (2, 4, 8), got {bits!r}")
+        if bits not in qsgd.BITS:
+            raise ValueError(f"expected bits in {qsgd.BITS}, got {bits!r}")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"expected bucket_size to be an int >= 1, got {bucket_size!r}")
         if method not in ("topk", "trimmed", "threshold"):

@@ -58,8 +58,8 @@ class QSGDSGD(ExtraState, torch.optim.Optimizer):
                  weight_decay: float = 0.0, *, bits: int = 4, bucket: int = qsgd.DEFAULT_BUCKET,
                  error_feedback: bool = False, seed: int = 0, check: bool = True):
         self.comm = check_comm(comm)
-        if bits not in (2, 4, 8):
-            raise ValueError(f"expected bits in (2, 4, 8), got {bits!r}")
+        if bits not in qsgd.BITS:
+            raise ValueError(f"expected bits in {qsgd.BITS}, got {bits!r}")
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
             raise ValueError(f"expected bucket to be an int >= 1, got {bucket!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:

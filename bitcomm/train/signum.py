@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bitcomm.collectives import alltoall_majority, ring_majority
+from bitcomm.collectives.majority import TIES
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     all_params,
@@ -57,8 +58,8 @@ class MajoritySignSGD(torch.optim.Optimizer):
         self.comm = check_comm(comm)
         if collective not in COLLECTIVES:
             raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
-        if tie not in ("negative", "positive"):
-            raise ValueError(f"expected tie 'negative' or 'positive', got {tie!r}")
+        if tie not in TIES:
+            raise ValueError(f"expected tie in {TIES}, got {tie!r}")
         defaults = {"lr": check_range("lr", lr, 0.0, lo_open=True),
                     "momentum": check_range("momentum", momentum, 0.0, 1.0),
                     "weight_decay": check_range("weight_decay", weight_decay, 0.0)}
