@@ -146,3 +146,14 @@ def test_scaled_encode_leaves_input_untouched(dtype):
     for kind in sign.SCALES:
         sign.encode_scaled(x, kind)
     assert torch.equal(x, before)
+
+
+def test_pack_mask_is_the_sign_convention(path):
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(3))
+    x[:4] = torch.tensor([0.0, -0.0, 1e-40, -1e-40])
+    payload = sign.pack_mask(x >= 0)
+    assert torch.equal(payload, sign.pack(x))
+    assert payload[0].item() >> 4 == 0b1110  # 0, -0 and 1e-40 are +1, -1e-40 is -1
+    assert torch.equal(sign.unpack_mask(payload, 1001), x >= 0)
+    with pytest.raises(TypeError, match="expected a bool tensor"):
+        sign.pack_mask((x >= 0).to(torch.uint8))

@@ -44,11 +44,13 @@ import struct
 import numpy as np
 import torch
 
-from bitcomm.codecs import _frame
+from bitcomm.codecs import _frame, bits
 
 __all__ = [
     "pack",
     "unpack",
+    "pack_mask",
+    "unpack_mask",
     "packed_size",
     "encode",
     "decode",
@@ -140,6 +142,23 @@ def unpack(payload: torch.Tensor, n: int, *, dtype: torch.dtype = torch.float32)
         raise ValueError(f"expected a {_CODEC} payload of {(n + 7) // 8} bytes for n={n}, "
                          f"got {buf.numel()}")
     return _unpack(buf, n, dtype, 1.0)
+
+
+def pack_mask(positive: torch.Tensor) -> torch.Tensor:
+    """Return the payload of signs already decided, ``True`` (+1) as bit 1.
+
+    The convention of :func:`pack`, which writes ``x >= 0``: ``pack_mask(x >= 0)`` equals
+    ``pack(x)`` for non-NaN ``x``. The collectives send decided signs this way (majority
+    decisions, 1-bit Adam's signs).
+    """
+    if not isinstance(positive, torch.Tensor) or positive.dtype != torch.bool:
+        raise TypeError(f"expected a bool tensor, got {getattr(positive, 'dtype', positive)!r}")
+    return bits.pack(positive.reshape(-1).to(torch.uint8), 1, check=False)
+
+
+def unpack_mask(payload: torch.Tensor, n: int) -> torch.Tensor:
+    """Return ``n`` signs of a payload as a bool tensor, ``True`` for +1 (see :func:`pack_mask`)."""
+    return bits.unpack(payload, n, 1).bool()
 
 
 def _check_dtype(dtype: object) -> None:

@@ -65,7 +65,7 @@ def _decide(total: torch.Tensor, size: int, tie: str) -> torch.Tensor:
 
 def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool) -> torch.Tensor:
     if packed:
-        return bits.pack(decided.to(torch.uint8), 1, check=False)
+        return sign.pack_mask(decided)
     out = decided.to(x.dtype).mul_(2).sub_(1)
     return out.reshape(x.shape)
 
@@ -129,11 +129,11 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
 
     mine = _decide(running, size, tie)
     keep(rank + 1, mine)
-    _ring_allgather(comm, bits.pack(mine.to(torch.uint8), 1, check=False), part, v, sends,
-                    lambda c, got, length: keep(c, bits.unpack(got, length, 1).bool()))
+    _ring_allgather(comm, sign.pack_mask(mine), part, v, sends,
+                    lambda c, got, length: keep(c, sign.unpack_mask(got, length)))
     Request.wait_all(sends)
     if decided is not None:
-        return bits.pack(decided.to(torch.uint8), 1, check=False)
+        return sign.pack_mask(decided)
     return out.reshape(x.shape)
 
 
@@ -158,7 +158,7 @@ def _ring_allgather(comm: Comm, forward: torch.Tensor, part, v: torch.Tensor,
         sends.append(comm.isend(forward, nxt))
         c = comm.rank + 1 - i
         length = part(v, c).numel()
-        forward = comm.recv(torch.empty(bits.packed_size(length, 1), dtype=torch.uint8,
+        forward = comm.recv(torch.empty(sign.packed_size(length), dtype=torch.uint8,
                                         device=v.device), prv)
         keep(c, forward, length)
 
@@ -222,9 +222,9 @@ def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
     chunks = _common.bounds(n, size)
     lengths = [hi - lo for lo, hi in chunks]
     sends = [sign.pack(v[lo:hi]) for lo, hi in chunks]
-    mine = bits.packed_size(lengths[rank], 1)
+    mine = sign.packed_size(lengths[rank])
     got = comm.alltoallv(sends, [mine] * size)
-    every_size = [bits.packed_size(length, 1) for length in lengths]
+    every_size = [sign.packed_size(length) for length in lengths]
     if _frame.use_triton(v):
         # One kernel sums the votes of every rank, decides and packs (no host sync).
         from bitcomm.collectives import _kernels
@@ -239,9 +239,9 @@ def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
     total = torch.zeros(lengths[rank], dtype=torch.int32, device=v.device)
     for payload in got:
         total += bits.unpack(payload, lengths[rank], 1, dtype=torch.int32)
-    decision = bits.pack(_decide(total, size, tie).to(torch.uint8), 1, check=False)
+    decision = sign.pack_mask(_decide(total, size, tie))
     every = comm.allgatherv(decision, every_size)
-    decided = torch.cat([bits.unpack(p, length, 1).bool()
+    decided = torch.cat([sign.unpack_mask(p, length)
                          for p, length in zip(every, lengths, strict=True)])
     return _finish(x, decided, packed)
 
@@ -255,13 +255,13 @@ def ring_majority_bytes(n: int, size: int, rank: int, *, packing: str = "fixed",
     lengths = [hi - lo for lo, hi in _common.bounds(n, size)]
     total = sum(counts.packed_size(lengths[(rank - i + 1) % size], i, packing)
                 for i in range(1, size))
-    total += sum(bits.packed_size(lengths[(rank + 2 - i) % size], 1) for i in range(1, size))
+    total += sum(sign.packed_size(lengths[(rank + 2 - i) % size]) for i in range(1, size))
     return total + _common.control_bytes(size, check)
 
 
 def alltoall_majority_bytes(n: int, size: int, rank: int, *, check: bool = True) -> int:
     """Return the bytes rank ``rank`` sends in :func:`alltoall_majority` of ``n`` elements."""
     lengths = [hi - lo for lo, hi in _common.bounds(n, size)]
-    total = sum(bits.packed_size(length, 1) for j, length in enumerate(lengths) if j != rank)
-    total += (size - 1) * bits.packed_size(lengths[rank], 1)
+    total = sum(sign.packed_size(length) for j, length in enumerate(lengths) if j != rank)
+    total += (size - 1) * sign.packed_size(lengths[rank])
     return total + _common.control_bytes(size, check)

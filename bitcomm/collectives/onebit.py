@@ -27,7 +27,7 @@ import math
 import numpy as np
 import torch
 
-from bitcomm.codecs import _frame, bits
+from bitcomm.codecs import _frame, sign
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm
 
@@ -123,22 +123,21 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     signs = buf.sign().add_(1).bool()
     state.worker_error.copy_(buf - worker_scale * _plus_minus(signs))
 
-    packed = [bits.pack(signs[j * chunk : (j + 1) * chunk].to(torch.uint8), 1, check=False)
-              for j in range(size)]
+    packed = [sign.pack_mask(signs[j * chunk : (j + 1) * chunk]) for j in range(size)]
     nbytes = chunk // 8
     got = comm.alltoallv(packed, [nbytes] * size)
     scales = _gather_scalar(comm, worker_scale)
-    received = torch.stack([_plus_minus(bits.unpack(p, chunk, 1).bool()) for p in got])
+    received = torch.stack([_plus_minus(sign.unpack_mask(p, chunk)) for p in got])
     compensated = received.mul_(scales.mul_(1 / size).unsqueeze(1)).sum(0)
     compensated.add_(state.server_error)
     server_scale = _rms(compensated)
     server_signs = compensated.sign().add_(1).bool()
     state.server_error.copy_(compensated - server_scale * _plus_minus(server_signs))
 
-    mine = bits.pack(server_signs.to(torch.uint8), 1, check=False)
+    mine = sign.pack_mask(server_signs)
     every = comm.allgatherv(mine, [nbytes] * size)
     server_scales = _gather_scalar(comm, server_scale)
-    out = torch.stack([_plus_minus(bits.unpack(p, chunk, 1).bool()) for p in every])
+    out = torch.stack([_plus_minus(sign.unpack_mask(p, chunk)) for p in every])
     out = out.mul_(server_scales.unsqueeze(1)).flatten()
     return out[: v.numel()].reshape(x.shape)
 
