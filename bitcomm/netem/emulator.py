@@ -346,10 +346,6 @@ class Emulator:
 
         return self._per_link(read)
 
-    def tx_bytes(self) -> dict[tuple[int, bool], int]:
-        """Return bytes sent so far on every link direction: ``{(index, a_to_b): bytes}``."""
-        return {k: v[0] for k, v in self.tx_counters().items()}
-
 
 def write_rankmap(emu: Emulator, directory: str | Path | None = None) -> Path:
     """Write the rank -> namespace map used by :mod:`bitcomm.netem.rankexec`; return its path."""

@@ -85,7 +85,6 @@ class Prediction:
     seconds: float
     phases: int
     payload: dict[tuple[int, bool], int]  # (link index, a_to_b) -> payload bytes
-    bottleneck: tuple[int, bool]  # the link direction that sets the most phase times
 
     def link_payload(self, link: int, a_to_b: bool) -> int:
         """Return the modelled payload bytes of one link direction."""
@@ -112,7 +111,6 @@ def predict(topo: Topology, algorithm: str, n: int, *, alpha: float = 0.0,
     phases = trace(algorithm, n, topo.nodes) if phases is None else phases
     routes: dict[tuple[int, int], list] = {}
     total: dict[tuple[int, bool], int] = {}
-    votes: dict[tuple[int, bool], int] = {}
     free: dict[tuple[int, bool], float] = {}  # link direction -> when it is next free
     received: dict[int, float] = {}  # rank -> when it finished receiving (previous phase)
     sent: dict[int, float] = {}  # rank -> when its previous send arrived
@@ -147,8 +145,4 @@ def predict(topo: Topology, algorithm: str, n: int, *, alpha: float = 0.0,
             received[dst] = max(t, received.get(dst, 0.0))
         for key, nbytes in load.items():
             total[key] = total.get(key, 0) + nbytes
-        if load:
-            worst = max(load, key=lambda k: load[k] / topo.links[k[0]].rate)
-            votes[worst] = votes.get(worst, 0) + 1
-    bottleneck = max(votes, key=votes.get) if votes else (0, True)
-    return Prediction(algorithm, n, seconds, len(phases), total, bottleneck)
+    return Prediction(algorithm, n, seconds, len(phases), total)
