@@ -10,12 +10,14 @@ from bitcomm.collectives import (
     allreduce_bytes,
     alltoall_majority,
     alltoall_majority_bytes,
+    alltoall_majority_packed,
     onebit_allreduce,
     onebit_allreduce_bytes,
     qsgd_allgather,
     qsgd_allgather_bytes,
     ring_majority,
     ring_majority_bytes,
+    ring_majority_packed,
     sparse_allgather,
     sparse_allgather_bytes,
 )
@@ -71,11 +73,14 @@ def test_majority_keeps_shape_dtype_and_packs():
     xs = [x.reshape(3, 4).double() for x in inputs(3, 12, seed=1)]
     out = run_local(lambda c: ring_majority(c, xs[c.rank]), 3)
     assert out[0].shape == (3, 4) and out[0].dtype == torch.float64
-    packed = run_local(lambda c: ring_majority(c, xs[c.rank], packed=True), 3)
+    packed = run_local(lambda c: ring_majority_packed(c, xs[c.rank]), 3)
     bits = torch.tensor([int(b) for byte in packed[0].tolist() for b in f"{byte:08b}"][:12],
                         dtype=torch.float64) * 2 - 1
     assert torch.equal(bits, out[0].reshape(-1))
     assert packed[0].numel() == 2
+    for fn in (alltoall_majority_packed, lambda c, x: ring_majority_packed(c, x,
+                                                                          packing="radix")):
+        assert all(torch.equal(p, packed[0]) for p in run_local(lambda c: fn(c, xs[c.rank]), 3))
 
 
 @pytest.mark.parametrize("size", [2, 3, 5, 8])

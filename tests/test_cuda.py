@@ -91,6 +91,7 @@ def test_collectives_on_cuda_tensors_match_cpu():
         alltoall_majority,
         onebit_allreduce,
         ring_majority,
+        ring_majority_packed,
         sparse_allgather,
     )
     from bitcomm.comm import run_local
@@ -104,7 +105,7 @@ def test_collectives_on_cuda_tensors_match_cpu():
         def fn(c):
             x = xs[c.rank].to(device)
             outs = [ring_majority(c, x), ring_majority(c, x, packing="radix"),
-                    alltoall_majority(c, x), ring_majority(c, x, packed=True),
+                    alltoall_majority(c, x), ring_majority_packed(c, x),
                     onebit_allreduce(c, x, states[c.rank]),
                     sparse_allgather(c, x, 100, fmt="qsgd", seed=1)[0], allreduce(c, x)]
             assert all(o.device.type == torch.device(device).type for o in outs)

@@ -1,7 +1,8 @@
 """Collectives written once against :class:`bitcomm.comm.base.Comm`.
 
 * :func:`ring_majority` / :func:`alltoall_majority`: majority vote of signs
-  (004_593a15e1fafc2f55.txt), ring with ceil(log2(i+1))-bit counts, or 1-bit Adam's all-to-all.
+  (004_593a15e1fafc2f55.txt), ring with ceil(log2(i+1))-bit counts, or 1-bit Adam's all-to-all;
+  the ``*_packed`` variants return the decisions as packed sign bits.
 * :func:`onebit_allreduce`: DeepSpeed's 1-bit Adam compressed allreduce with error feedback.
 * :func:`sparse_allgather`: RedSync / SparCML quantised sparse exchange.
 * :func:`qsgd_allgather`: every rank's whole tensor as one QSGD frame, averaged (SparCML).
@@ -15,8 +16,10 @@ from bitcomm.collectives.dense import allreduce, allreduce_bytes
 from bitcomm.collectives.majority import (
     alltoall_majority,
     alltoall_majority_bytes,
+    alltoall_majority_packed,
     ring_majority,
     ring_majority_bytes,
+    ring_majority_packed,
 )
 from bitcomm.collectives.onebit import (
     OneBitState,
@@ -32,8 +35,10 @@ __all__ = [
     "allreduce_bytes",
     "alltoall_majority",
     "alltoall_majority_bytes",
+    "alltoall_majority_packed",
     "ring_majority",
     "ring_majority_bytes",
+    "ring_majority_packed",
     "OneBitState",
     "onebit_allreduce",
     "onebit_allreduce_bytes",

@@ -43,8 +43,8 @@ from bitcomm.codecs import _frame, bits, counts, sign
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm, Request
 
-__all__ = ["ring_majority", "alltoall_majority", "ring_majority_bytes",
-           "alltoall_majority_bytes", "TIES"]
+__all__ = ["ring_majority", "ring_majority_packed", "alltoall_majority",
+           "alltoall_majority_packed", "ring_majority_bytes", "alltoall_majority_bytes", "TIES"]
 
 TIES = ("negative", "positive")
 """Tie rules for an even number of ranks: the paper's ``-1``, or ``+1``."""
@@ -71,8 +71,7 @@ def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool) -> torch.Tenso
 
 
 def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
-                  tie: str = "negative", check: bool = True, packed: bool = False
-                  ) -> torch.Tensor:
+                  tie: str = "negative", check: bool = True) -> torch.Tensor:
     """Return the elementwise majority of ``x >= 0`` over ranks, computed on a ring.
 
     Args:
@@ -82,12 +81,26 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
         tie: ``"negative"`` or ``"positive"``: the result where exactly half vote +1.
         check: agree on the input first (raises on every rank for bad input; see
             :mod:`bitcomm.collectives._common`).
-        packed: return the decisions as packed bits (MSB-first, 1 = +1) instead of +-1.
 
     Returns:
-        +-1 tensor like ``x`` (or ``ceil(K/8)`` packed bytes), identical on every rank.
+        +-1 tensor like ``x`` (its shape and dtype), identical on every rank.
 
     """
+    return _ring_majority(comm, x, packing, tie, check, packed=False)
+
+
+def ring_majority_packed(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
+                         tie: str = "negative", check: bool = True) -> torch.Tensor:
+    """Return :func:`ring_majority`'s decisions as :func:`bitcomm.codecs.sign.pack` bytes.
+
+    ``ceil(K / 8)`` uint8 (bit 1 = +1, MSB first), for callers that send or store the
+    decisions: no +-1 tensor is made. Same arguments, same wire bytes.
+    """
+    return _ring_majority(comm, x, packing, tie, check, packed=True)
+
+
+def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, check: bool,
+                   packed: bool) -> torch.Tensor:
     _check_options(tie, packing)
     v = _common.prepare(comm, x, check, "ring_majority")
     size, rank, n = comm.size, comm.rank, v.numel()
@@ -200,7 +213,7 @@ def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, packed: 
 
 
 def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
-                      check: bool = True, packed: bool = False) -> torch.Tensor:
+                      check: bool = True) -> torch.Tensor:
     """Return the same majority as :func:`ring_majority`, exchanged the 1-bit Adam way.
 
     Args:
@@ -208,12 +221,22 @@ def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
         x: floating-point tensor, the same number of elements on every rank.
         tie: ``"negative"`` or ``"positive"``.
         check: agree on the input first.
-        packed: return packed bits instead of +-1.
 
     Returns:
-        +-1 tensor like ``x`` (or packed bytes), identical on every rank.
+        +-1 tensor like ``x``, identical on every rank.
 
     """
+    return _alltoall_majority(comm, x, tie, check, packed=False)
+
+
+def alltoall_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
+                             check: bool = True) -> torch.Tensor:
+    """Return :func:`alltoall_majority`'s decisions as :func:`bitcomm.codecs.sign.pack` bytes."""
+    return _alltoall_majority(comm, x, tie, check, packed=True)
+
+
+def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, check: bool, packed: bool
+                       ) -> torch.Tensor:
     _check_options(tie)
     v = _common.prepare(comm, x, check, "alltoall_majority")
     size, rank, n = comm.size, comm.rank, v.numel()
