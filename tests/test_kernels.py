@@ -189,6 +189,7 @@ def test_fused_majorities_equal_the_numpy_path(size):
         alltoall_majority_bytes,
         ring_majority,
         ring_majority_bytes,
+        ring_majority_packed,
     )
     from bitcomm.comm import run_local
 
@@ -212,7 +213,7 @@ def test_fused_majorities_equal_the_numpy_path(size):
             c.counters.reset()
             a2a = alltoall_majority(c, x.half(), tie=tie)
             a2a_extra = c.counters.total_sent - alltoall_majority_bytes(n, size, c.rank)
-            packed = ring_majority(c, x.double(), tie=tie, packed=True)
+            packed = ring_majority_packed(c, x.double(), tie=tie)
             return ring, a2a, packed, ring_extra, a2a_extra
 
         ref = run_local(fn, size)
