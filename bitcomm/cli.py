@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 import torch
 
-from bitcomm import _sizes
+from bitcomm import _sizes, netem
 from bitcomm._sizes import human as _human
 from bitcomm.collectives import registry
 from bitcomm.comm.launch import TRANSPORTS
@@ -251,11 +251,10 @@ def topo() -> None:
 
 
 def _topology(name: str, scale: float | None):  # noqa: ANN202 - a Topology
-    from bitcomm.netem.topology import TopologyError, find, load
 
     try:
-        return find(name), load(find(name), scale=scale)
-    except TopologyError as e:
+        return netem.find(name), netem.load(netem.find(name), scale=scale)
+    except netem.TopologyError as e:
         raise click.ClickException(str(e)) from None
 
 
@@ -266,14 +265,12 @@ def _topology(name: str, scale: float | None):  # noqa: ANN202 - a Topology
               help="float32 elements for the model's per-algorithm summary.")
 def topo_show(name: str, scale: float | None, size: int) -> None:
     """Print a topology's links and the model's time and slow-link bytes per algorithm."""
-    from bitcomm.netem import model
-
     _, t = _topology(name, scale)
     click.echo(t.describe())
     slow = t.slowest_link()
     click.echo(f"model at {_human(size)} elements (slowest link {slow.a}-{slow.b}):")
     for alg in registry.EMULATED:
-        p = model.predict(t, alg, size)
+        p = netem.model.predict(t, alg, size)
         worst = max(p.link_payload(slow.index, d) for d in (True, False))
         click.echo(f"  {alg:<20} {p.seconds:8.3f} s  {p.phases:4} phases  "
                    f"{worst / 1e6:8.3f} MB on the slowest link")
@@ -284,13 +281,11 @@ def topo_show(name: str, scale: float | None, size: int) -> None:
 @click.option("--scale", type=float, default=None, help="Override the file's scale.")
 def topo_up(name: str, scale: float | None) -> None:
     """Build a topology and leave it up (remove it with `bitcomm topo down`)."""
-    from bitcomm.netem.emulator import Emulator, EmulatorError
-
     _, t = _topology(name, scale)
-    net = Emulator(t)
+    net = netem.Emulator(t)
     try:
         net.up()
-    except EmulatorError as e:
+    except netem.EmulatorError as e:
         net.down()
         raise click.ClickException(str(e)) from None
     click.echo(f"{t.name} is up with prefix {net.prefix}:")
@@ -308,14 +303,11 @@ def topo_up(name: str, scale: float | None) -> None:
               show_default=True, help="Directory for links-NAME.json/csv.")
 def topo_check(name: str, scale: float | None, seconds: float, out_dir: str) -> None:
     """Build a topology and measure every link with iperf3 against its configured rate."""
-    from bitcomm.netem.emulator import Emulator, EmulatorError
-    from bitcomm.netem.linkcheck import check_links
-
     _, t = _topology(name, scale)
     try:
-        with Emulator(t) as net:
-            rows = check_links(net, seconds, progress=click.echo)
-    except EmulatorError as e:
+        with netem.Emulator(t) as net:
+            rows = netem.check_links(net, seconds, progress=click.echo)
+    except netem.EmulatorError as e:
         raise click.ClickException(str(e)) from None
     worst = min(r["ratio"] for r in rows)
     click.echo(f"# lowest goodput / rate: {worst:.3f} (TCP payload is at most 0.956 of the line "
@@ -328,16 +320,15 @@ def topo_check(name: str, scale: float | None, seconds: float, out_dir: str) -> 
 @click.argument("prefix", default="bitcomm-")
 def topo_down(prefix: str) -> None:
     """Remove every namespace starting with PREFIX (default: all of bitcomm's)."""
-    from bitcomm.netem.emulator import PREFIX, EmulatorError, requirements, sweep
-
-    if not prefix.startswith(PREFIX):
-        raise click.ClickException(f"expected a prefix starting with {PREFIX!r}, got {prefix!r}")
-    missing = requirements()
+    if not prefix.startswith(netem.PREFIX):
+        raise click.ClickException(f"expected a prefix starting with {netem.PREFIX!r}, "
+                                   f"got {prefix!r}")
+    missing = netem.requirements()
     if missing:
         raise click.ClickException("removing namespaces needs " + "; ".join(missing))
     try:
-        gone = sweep(prefix)
-    except EmulatorError as e:
+        gone = netem.sweep(prefix)
+    except netem.EmulatorError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"removed {len(gone)} namespaces" + (": " + " ".join(gone) if gone else ""))
 
@@ -348,19 +339,17 @@ def run_group() -> None:
 
 
 def _finish_experiment(cells: list[dict], config: dict, out: Path) -> None:
-    from bitcomm.netem import report
-    from bitcomm.netem.experiment import CPU_BOUND
 
-    click.echo(report.table(cells))
-    busy = [c for c in cells if c["cpu_share"] > CPU_BOUND]
+    click.echo(netem.report.table(cells))
+    busy = [c for c in cells if c["cpu_share"] > netem.CPU_BOUND]
     if busy:
-        click.echo(f"# {len(busy)} cells kept the CPU over {CPU_BOUND:.0%} busy "
+        click.echo(f"# {len(busy)} cells kept the CPU over {netem.CPU_BOUND:.0%} busy "
                    f"({', '.join(sorted({c['topology'] for c in busy}))}): they measured this "
                    "machine's cores as much as the network; a larger --scale (slower links) "
                    "makes them network-bound", err=True)
     _save(out, "results", config, cells)
-    (out / "table.md").write_text(report.markdown(cells) + "\n")
-    for png in report.plots(cells, out):
+    (out / "table.md").write_text(netem.report.markdown(cells) + "\n")
+    for png in netem.report.plots(cells, out):
         click.echo(f"# wrote {png}")
     wrong = sum(c["wrong"] for c in cells)
     if wrong:
@@ -419,17 +408,13 @@ def _run_training(path: Path, out_dir: str | None) -> None:
 def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
                        sizes: tuple[int, ...] | None, scale: float | None) -> None:
     """Run experiments/NAME.yaml (default: the chain-16 comparison, a few minutes)."""
-    from bitcomm.netem.emulator import EmulatorError, requirements
-    from bitcomm.netem.experiment import load_experiment, run_experiment
-    from bitcomm.netem.topology import TopologyError
-
     path = Path(name) if name.endswith((".yaml", ".yml")) else Path("experiments") / f"{name}.yaml"
     if _is_training(path):
         _run_training(path, out_dir)
         return
     try:
-        exp = load_experiment(path)
-    except TopologyError as e:
+        exp = netem.load_experiment(path)
+    except netem.TopologyError as e:
         raise click.ClickException(str(e)) from None
     if repeat:
         exp.repeat = repeat
@@ -437,7 +422,7 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
         exp.sizes = list(sizes)
     if scale is not None:
         exp.scale = scale
-    missing = requirements()
+    missing = netem.requirements()
     if missing:
         raise click.ClickException("the network emulator needs " + "; ".join(missing))
     out = Path(out_dir or Path("results") / exp.name)
@@ -448,8 +433,8 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
                            "congestion": exp.congestion}
     click.echo(f"# bitcomm run experiment {exp.name}: " + exp.description.strip())
     try:
-        cells = run_experiment(exp, progress=click.echo)
-    except (EmulatorError, TopologyError, RuntimeError) as e:
+        cells = netem.run_experiment(exp, progress=click.echo)
+    except (netem.EmulatorError, netem.TopologyError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     _finish_experiment(cells, config, out)
 
@@ -474,10 +459,6 @@ def compare(topology: str, size: int, repeat: int, scale: float | None, queue: f
             window: float | None, congestion: str | None, out_dir: str | None,
             algorithms: tuple[str, ...]) -> None:
     """Compare ALGORITHMS (e.g. ring-majority alltoall-majority) on one topology."""
-    from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, EmulatorError, requirements
-    from bitcomm.netem.experiment import Experiment, run_experiment
-    from bitcomm.netem.topology import TopologyError
-
     bad = [a for a in algorithms if a not in registry.EMULATED]
     if bad:
         raise click.ClickException(f"unknown algorithms {bad}; expected some of "
@@ -486,18 +467,18 @@ def compare(topology: str, size: int, repeat: int, scale: float | None, queue: f
     algs = list(algorithms)
     if "alltoall-majority" not in algs:
         algs.append("alltoall-majority")  # the baseline speedups are measured against
-    missing = requirements()
+    missing = netem.requirements()
     if missing:
         raise click.ClickException("the network emulator needs " + "; ".join(missing))
-    exp = Experiment(name=f"compare-{topology}", topologies=[topology], sizes=[size],
-                     algorithms=algs, repeat=repeat, scale=scale,
-                     queue=QUEUE if queue is None else queue,
-                     window=WINDOW if window is None else window,
-                     congestion=CONGESTION if congestion is None else congestion)
+    exp = netem.Experiment(name=f"compare-{topology}", topologies=[topology], sizes=[size],
+                           algorithms=algs, repeat=repeat, scale=scale,
+                           queue=netem.QUEUE if queue is None else queue,
+                           window=netem.WINDOW if window is None else window,
+                           congestion=netem.CONGESTION if congestion is None else congestion)
     config = _machine() | dataclasses.asdict(exp)
     try:
-        cells = run_experiment(exp, progress=click.echo)
-    except (EmulatorError, TopologyError, RuntimeError) as e:
+        cells = netem.run_experiment(exp, progress=click.echo)
+    except (netem.EmulatorError, netem.TopologyError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     _finish_experiment(cells, config, Path(out_dir or Path("results") / exp.name))
 
