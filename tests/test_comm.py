@@ -1,5 +1,7 @@
 """Transport-level behaviour of the in-process Comm: isend, requests, counting, errors."""
 
+import os
+
 import pytest
 import torch
 
@@ -86,3 +88,26 @@ def test_launch_commands_for_each_transport(tmp_path):
         commands(0, "gloo", argv, tmp_path)
     with pytest.raises(ValueError, match="transport"):
         world("tcp")
+
+
+def test_run_job_streams_progress_and_reports_failures():
+    import sys
+    import time
+
+    from bitcomm.comm.launch import run_job
+
+    def job(code):
+        return ([sys.executable, "-c", code], dict(os.environ))
+
+    seen = []
+    run_job([job("print('  step 1'); print('quiet')"), job("print('  other rank')")],
+            timeout=60, what="ok job", progress=seen.append)
+    assert seen == ["  step 1"]  # progress lines of the first process only
+    with pytest.raises(RuntimeError, match=r"(?s)bad job failed \(exit status \[0, 3\]\).*boom"):
+        run_job([job("pass"), job("print('boom'); raise SystemExit(3)")], timeout=60,
+                what="bad job")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)slow job did not finish in 1 s.*started"):
+        run_job([job("print('started', flush=True); import time; time.sleep(60)")], timeout=1,
+                what="slow job")
+    assert time.monotonic() - t0 < 30  # killed, not waited for

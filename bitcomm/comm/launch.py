@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bitcomm.comm.base import Comm
 
-__all__ = ["TRANSPORTS", "commands", "world"]
+__all__ = ["TRANSPORTS", "commands", "mpiexec", "run_job", "world"]
 
 TRANSPORTS = ("mpi", "gloo")
 """Transport names :func:`commands` and :func:`world` accept."""
@@ -47,13 +51,75 @@ def commands(ranks: int, transport: str, argv: list[str], store_dir: str | os.Pa
         raise ValueError(f"expected ranks >= 1, got {ranks}")
     env = dict(os.environ)
     if transport == "mpi":
-        mpiexec = Path(sys.executable).with_name("mpiexec")
-        if not mpiexec.exists():
-            raise RuntimeError(f"expected mpiexec next to {sys.executable}; install the mpi "
-                               "extra (pip install 'bitcomm[mpi]')")
-        return [([str(mpiexec), "-n", str(ranks), argv[0], "-m", "mpi4py", *argv[1:]], env)]
+        return [([mpiexec(), "-n", str(ranks), argv[0], "-m", "mpi4py", *argv[1:]], env)]
     env.update(WORLD_SIZE=str(ranks), BITCOMM_STORE=str(Path(store_dir) / "store"))
     return [(list(argv), dict(env, RANK=str(r))) for r in range(ranks)]
+
+
+def mpiexec() -> str:
+    """Return the ``mpiexec`` next to this Python (the mpi extra's MPICH).
+
+    Raises:
+        RuntimeError: there is none.
+
+    """
+    path = Path(sys.executable).with_name("mpiexec")
+    if not path.exists():
+        raise RuntimeError(f"expected mpiexec next to {sys.executable}; install the mpi "
+                           "extra (pip install 'bitcomm[mpi]')")
+    return str(path)
+
+
+def run_job(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, what: str,
+            progress: Callable[[str], None] | None = None) -> None:
+    """Run the processes of one job to the end, within ``timeout`` seconds in all.
+
+    ``jobs`` are ``(command, environment)`` pairs (:func:`commands` makes them). Every process's
+    output is read as it comes (so none blocks on a full pipe); lines of the first process that
+    start with two spaces, the ranks' progress lines, go to ``progress``. The processes still
+    running when one fails to finish in time are killed, and so are all of them if this
+    function is interrupted.
+
+    Raises:
+        RuntimeError: a process exited with a non-zero status, or the job outlived
+            ``timeout``; the message names ``what`` and ends with the job's last 40 lines.
+
+    """
+    deadline = time.monotonic() + timeout
+    outputs: list[list[str]] = [[] for _ in jobs]
+    procs: list[subprocess.Popen] = []
+    threads = []
+
+    def drain(i: int, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            outputs[i].append(line)
+            if i == 0 and progress is not None and line.startswith("  "):
+                progress(line.rstrip())
+
+    late = False
+    try:
+        for i, (cmd, env) in enumerate(jobs):
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+            threads.append(threading.Thread(target=drain, args=(i, procs[-1]), daemon=True))
+            threads[-1].start()
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        late = True
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for t in threads:
+            t.join(timeout=10)
+    tail = "".join(line for out in outputs for line in out[-40:])
+    if late:
+        raise RuntimeError(f"{what} did not finish in {timeout:g} s (killed):\n{tail}")
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{what} failed (exit status {codes}):\n{tail}")
 
 
 def world(transport: str, *, timeout: float = 300.0) -> Comm:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from bitcomm import _sizes
 from bitcomm.collectives import registry
+from bitcomm.comm import launch
 from bitcomm.netem import model as model_mod
 from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator, write_rankmap
 from bitcomm.netem.topology import Topology, TopologyError, find, load
@@ -151,14 +151,6 @@ def load_experiment(path: str | Path) -> Experiment:
     return exp
 
 
-def _mpiexec() -> str:
-    path = Path(sys.executable).with_name("mpiexec")
-    if not path.exists():
-        raise TopologyError(f"expected mpiexec next to {sys.executable}; install the mpi extra "
-                            "(pip install 'bitcomm[mpi]')")
-    return str(path)
-
-
 def measure(topo_path: Path, topo: Topology, exp: Experiment,
             progress: Callable[[str], None] = print, timeout: float = 3600) -> list[dict]:
     """Build ``topo``, run every size and algorithm of ``exp`` on it, tear it down; return rows."""
@@ -166,8 +158,9 @@ def measure(topo_path: Path, topo: Topology, exp: Experiment,
             Emulator(topo, queue=exp.queue, window=exp.window, congestion=exp.congestion) as net:
         rankmap = write_rankmap(net, tmp)
         out = Path(tmp) / "rows.json"
-        cmd = [_mpiexec(), "-n", str(topo.nodes), sys.executable, "-m", "bitcomm.netem.rankexec",
-               str(rankmap), sys.executable, "-m", "mpi4py", "-m", "bitcomm.netem.worker",
+        cmd = [launch.mpiexec(), "-n", str(topo.nodes), sys.executable, "-m",
+               "bitcomm.netem.rankexec", str(rankmap), sys.executable, "-m", "mpi4py", "-m",
+               "bitcomm.netem.worker",
                "--topology", str(topo_path), "--prefix", net.prefix,
                "--sizes", ",".join(map(str, exp.sizes)), "--algorithms",
                ",".join(exp.algorithms), "--repeat", str(exp.repeat), "--seed", str(exp.seed),
@@ -175,22 +168,8 @@ def measure(topo_path: Path, topo: Topology, exp: Experiment,
         if exp.scale is not None:
             cmd += ["--scale", str(exp.scale)]
         env = dict(os.environ, **MPI_ENV, OMP_NUM_THREADS="1")
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) as proc:
-            lines = []
-            try:
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    lines.append(line)
-                    if line.startswith("  "):
-                        progress(line.rstrip())
-                proc.wait(timeout=timeout)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-        if proc.returncode:
-            raise RuntimeError(f"the MPI job on {topo.name} failed ({proc.returncode}):\n"
-                               + "".join(lines[-40:]))
+        launch.run_job([(cmd, env)], timeout=timeout, what=f"the MPI job on {topo.name}",
+                       progress=progress)
         return json.loads(out.read_text())
 
 

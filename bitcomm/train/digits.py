@@ -28,7 +28,7 @@ import torch
 
 from bitcomm.collectives import allreduce
 from bitcomm.comm.base import Comm
-from bitcomm.comm.launch import TRANSPORTS, world
+from bitcomm.comm.launch import TRANSPORTS, commands, run_job, world
 from bitcomm.train.onebit_adam import OneBitAdam
 from bitcomm.train.qsgd_sgd import QSGDSGD
 from bitcomm.train.rgc import RGC
@@ -189,12 +189,9 @@ def train(comm: Comm, method: str, cfg: TrainConfig,
 def launch(cfg: TrainConfig, transport: str, progress: Callable[[str], None] = print,
            timeout: float = 3600) -> list[dict]:
     """Run every method of ``cfg`` on ``cfg.workers`` processes over ``transport``; return rows."""
-    import subprocess
     import sys
     import tempfile
     from pathlib import Path
-
-    from bitcomm.comm.launch import commands
 
     with tempfile.TemporaryDirectory(prefix="bitcomm-digits-") as tmp:
         out = Path(tmp) / "rows.json"
@@ -202,24 +199,9 @@ def launch(cfg: TrainConfig, transport: str, progress: Callable[[str], None] = p
                 "--methods", ",".join(cfg.methods), "--steps", str(cfg.steps), "--batch",
                 str(cfg.batch), "--eval-every", str(cfg.eval_every), "--seed", str(cfg.seed),
                 "--out", str(out)]
-        jobs = commands(cfg.workers, transport, args, tmp)
-        procs = [subprocess.Popen(c, env=dict(e, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for c, e in jobs]
-        lines: list[str] = []
-        try:
-            for i, proc in enumerate(procs):
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    lines.append(line)
-                    if i == 0 and line.startswith("  "):
-                        progress(line.rstrip())
-                proc.wait(timeout=timeout)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"the {transport} training job failed:\n" + "".join(lines[-40:]))
+        jobs = [(c, dict(e, OMP_NUM_THREADS="1"))
+                for c, e in commands(cfg.workers, transport, args, tmp)]
+        run_job(jobs, timeout=timeout, what=f"the {transport} training job", progress=progress)
         return json.loads(out.read_text())
 
 
