@@ -218,3 +218,10 @@ def test_finished_experiment_warns_about_cpu_bound_cells(tmp_path, capsys):
     assert "1 cells kept the CPU over 75% busy (t)" in finish(3.2)
     assert "busy" not in finish(1.0)
     assert (tmp_path / "results.json").exists() and (tmp_path / "table.md").exists()
+
+
+def test_direction_keys_name_the_link_and_its_direction():
+    from bitcomm.netem.topology import direction_key
+
+    assert (direction_key(3, True), direction_key(3, False), direction_key(12, True)) == (
+        "3:ab", "3:ba", "12:ab")

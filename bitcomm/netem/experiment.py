@@ -40,7 +40,7 @@ from bitcomm.collectives import registry
 from bitcomm.comm import launch
 from bitcomm.netem import model as model_mod
 from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator, write_rankmap
-from bitcomm.netem.topology import Topology, TopologyError, find, load
+from bitcomm.netem.topology import Topology, TopologyError, direction_key, find, load
 
 __all__ = ["Experiment", "load_experiment", "run_experiment", "analyse", "cores", "MPI_ENV",
            "DEFAULT_ALGORITHMS", "CPU_BOUND"]
@@ -192,8 +192,8 @@ def analyse(topo: Topology, rows: list[dict], alpha: float = 0.0,
     for row in rows:
         pred = model_mod.predict(topo, row["algorithm"], row["n"], alpha=alpha)
         measured = {}
-        for forward, tag in ((True, "ab"), (False, "ba")):
-            nbytes, packets = row["link_bytes"][f"{slow.index}:{tag}"]
+        for forward in (True, False):
+            nbytes, packets = row["link_bytes"][direction_key(slow.index, forward)]
             measured[forward] = model_mod.payload_from_counters(nbytes, packets)
         busier = max((True, False), key=lambda d: pred.link_payload(slow.index, d))
         modelled = pred.link_payload(slow.index, busier)
@@ -213,8 +213,8 @@ def analyse(topo: Topology, rows: list[dict], alpha: float = 0.0,
             # losses, per call: what the shapers dropped (all links / the slowest link's two
             # directions) and what TCP resent and timed out on, over all ranks
             "drops": sum(row.get("drops", {}).values()),
-            "slow_link_drops": sum(row.get("drops", {}).get(f"{slow.index}:{tag}", 0)
-                                   for tag in ("ab", "ba")),
+            "slow_link_drops": sum(row.get("drops", {}).get(direction_key(slow.index, d), 0)
+                                   for d in (True, False)),
             "tcp_retrans": row.get("tcp_retrans"), "tcp_timeouts": row.get("tcp_timeouts"),
         })
     by = {(c["n"], c["algorithm"]): c for c in cells}

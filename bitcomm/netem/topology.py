@@ -34,7 +34,13 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["Link", "Topology", "load", "parse_rate", "parse_delay", "TopologyError"]
+__all__ = ["Link", "Topology", "load", "parse_rate", "parse_delay", "TopologyError",
+           "direction_key"]
+
+
+def direction_key(index: int, a_to_b: bool) -> str:
+    """Return the key of one link direction in result files: ``"3:ab"`` (a to b) or ``"3:ba"``."""
+    return f"{index}:{'ab' if a_to_b else 'ba'}"
 
 
 class TopologyError(ValueError):

@@ -30,7 +30,7 @@ import torch
 from bitcomm.collectives import registry
 from bitcomm.comm.mpi import MPIComm
 from bitcomm.netem.emulator import Emulator
-from bitcomm.netem.topology import load
+from bitcomm.netem.topology import direction_key, load
 
 
 # Brute force over every rank's regenerated input: once per size, shared by the majorities.
@@ -43,11 +43,6 @@ def _wrong(comm: MPIComm, spec: registry.Collective, out: torch.Tensor, seed: in
     # Majorities against the brute-force count, the rest for byte-identity across ranks.
     reference = _majority(seed, comm.size, n) if spec.is_majority else None
     return registry.mismatches(comm, out, reference)
-
-
-def _key(link: tuple[int, bool]) -> str:
-    # JSON keys of per-link-direction values: "<link index>:ab" or ":ba"
-    return f"{link[0]}:{'ab' if link[1] else 'ba'}"
 
 
 def tcp_counters() -> tuple[int, int]:
@@ -109,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             every = comm.allgather_floats(tcp)
             retrans, timeouts = (sum(r[i] for r in every) / args.repeat for i in range(2))
             if comm.rank == 0:
-                per_call = {_key(k): [(after[k][0] - before[k][0]) / args.repeat,
+                per_call = {direction_key(*k): [(after[k][0] - before[k][0]) / args.repeat,
                                       (after[k][1] - before[k][1]) / args.repeat]
                             for k in after}
                 row = {"topology": topo.name, "ranks": comm.size, "n": n,
@@ -117,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                        "seconds": statistics.median(times), "wrong": wrong,
                        "cpu_seconds": statistics.median(cpu_seconds),
                        "link_bytes": per_call,
-                       "drops": {_key(k): (drops_after[k] - drops_before[k]) / args.repeat
+                       "drops": {direction_key(*k): (drops_after[k] - drops_before[k]) / args.repeat
                                  for k in drops_after},
                        "tcp_retrans": retrans, "tcp_timeouts": timeouts}
                 rows.append(row)
