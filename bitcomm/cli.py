@@ -368,8 +368,8 @@ def _is_training(path: Path) -> bool:
 
 
 def _run_training(path: Path, out_dir: str | None) -> None:
-    """Run a ``kind: train`` experiment (bitcomm.train.digits) over each of its transports."""
-    from bitcomm.train import digits
+    """Run a ``kind: train`` experiment (bitcomm.experiments.digits) over its transports."""
+    from bitcomm.experiments import digits
 
     try:
         cfg = digits.load_config(path)

@@ -95,9 +95,9 @@ def test_unknown_topology_and_experiment_are_clear_errors():
 
 
 def test_experiment_files_validate(tmp_path):
+    from bitcomm.experiments import digits
     from bitcomm.netem.experiment import load_experiment
     from bitcomm.netem.topology import TopologyError
-    from bitcomm.train import digits
 
     for path in sorted(Path("experiments").glob("*.yaml")):
         if "kind: train" in path.read_text():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bitcomm.comm import run_local
-from bitcomm.train import digits
+from bitcomm.experiments import digits
 
 
 def test_split_is_fixed_by_seed_and_standardised():
