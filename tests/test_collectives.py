@@ -116,7 +116,7 @@ def test_wire_bytes_equal_the_formulas(size, check):
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 8])
 def test_ring_bytes_match_the_paper(size):
-    # 004_593a15e1fafc2f55.txt, Section 3: K/N counts at ceil(log2(i+1)) bits at step i, then
+    # All-Reducible signSGD, Section 3: K/N counts at ceil(log2(i+1)) bits at step i, then
     # N-1 one-bit chunks; in bits, for K a multiple of 8N.
     k = 8 * size * 25
     paper_bits = k // size * sum(math.ceil(math.log2(i + 1)) for i in range(1, size))

@@ -1,6 +1,6 @@
 """Counts in ``[0, m]``: the running +1 tallies of the ring-majority allreduce.
 
-004_593a15e1fafc2f55.txt, Section 3: at step ``i`` of the ring reduce-scatter a count is at most
+All-Reducible signSGD, Section 3: at step ``i`` of the ring reduce-scatter a count is at most
 ``i``, so it needs only ``ceil(log2(i + 1))`` bits. Two packings:
 
 ``packing="fixed"`` (the paper's): every count in ``w = ceil(log2(m + 1))`` bits

@@ -1,6 +1,6 @@
 """QSGD: unbiased stochastic quantisation in buckets, 2, 4 or 8 bits per element.
 
-003_d4ff896956a00db6.txt, Section 6 (SparCML's use of QSGD, Alistarh et al. 2017): the vector is
+SparCML, Section 6 (its use of QSGD, Alistarh et al. 2017): the vector is
 cut into buckets of ``B`` consecutive elements, each quantised independently against one
 full-precision scale. With ``bits`` per element, one bit is the sign and ``bits - 1`` bits are a
 level in ``0..s`` with ``s = 2**(bits - 1) - 1`` (1, 7 or 127 levels). For ``y = |x| / scale * s``

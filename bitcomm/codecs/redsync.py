@@ -1,6 +1,6 @@
 """RedSync's sign-uniform mean: k same-signed elements sent as indices plus one fp32 mean.
 
-000_10f5b8196955b2ac.txt, Section 5.2.3: "By setting the values of all elements of the same sign
+RedSync, Section 5.2.3: "By setting the values of all elements of the same sign
 in the communication-set to their mean, we can halve the communication bandwidth requirement by
 transmitting only one floating-point number instead of k." The communication set is the k
 largest positive elements (``side="top"``) or the k most negative (``side="bottom"``); RedSync

@@ -1,6 +1,6 @@
 """Communication-set selectors: which k elements of a residual to send.
 
-Three methods from RedSync (000_10f5b8196955b2ac.txt, Section 5.2), all taking non-negative
+Three methods from RedSync (Section 5.2), all taking non-negative
 *scores* (``|x|`` for top-k by magnitude, ``x.clamp(min=0)`` for the k largest positive values)
 and returning int64 indices in ascending order:
 

@@ -4,7 +4,7 @@ Convention
 ----------
 Bit 1 means ``x >= 0``: ``+0.0``, ``-0.0`` and positive values encode as 1 (+1), negative values
 as 0 (-1). This is ``numpy.packbits(x >= 0)`` and DeepSpeed 1-bit Adam's
-``x.sign().add_(1).bool()`` (sign(0) = +1); 004_593a15e1fafc2f55.txt, Section 3 votes +1 the same
+``x.sign().add_(1).bool()`` (sign(0) = +1); All-Reducible signSGD (Section 3) votes +1 the same
 way. ``+inf`` encodes as 1 and ``-inf`` as 0. NaN has no sign: ``NaN >= 0`` is false, so it
 encodes as 0 (-1) like numpy, without a check (a full pass over the data would cost as much as
 the encoder); the scaled frame raises ``ValueError`` instead, because its scale becomes

@@ -1,8 +1,8 @@
 """Sparse frames: (index, value) pairs of a dense vector, for the sparse allgather collectives.
 
-One self-describing frame per rank (RedSync 000_10f5b8196955b2ac.txt, Section 5.3: "the packaged
+One self-describing frame per rank (RedSync, Section 5.3: "the packaged
 message should include an initial element, which indicates the length"; SparCML
-003_d4ff896956a00db6.txt adds quantised values). Frames from several ranks can be concatenated and
+SparCML adds quantised values). Frames from several ranks can be concatenated and
 read back one after another, since each decoder reports the bytes it consumed.
 
 Wire format

@@ -1,7 +1,7 @@
 """Collectives written once against :class:`bitcomm.comm.base.Comm`.
 
 * :func:`ring_majority` / :func:`alltoall_majority`: majority vote of signs
-  (004_593a15e1fafc2f55.txt), ring with ceil(log2(i+1))-bit counts, or 1-bit Adam's all-to-all;
+  (All-Reducible signSGD), ring with ceil(log2(i+1))-bit counts, or 1-bit Adam's all-to-all;
   the ``*_packed`` variants return the decisions as packed sign bits.
 * :func:`onebit_allreduce`: DeepSpeed's 1-bit Adam compressed allreduce with error feedback.
 * :func:`sparse_allgather`: RedSync / SparCML quantised sparse exchange.

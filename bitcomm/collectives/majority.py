@@ -1,11 +1,11 @@
-"""Majority vote of signs over ranks: the ring of 004_593a15e1fafc2f55.txt and its all-to-all twin.
+"""Majority vote of signs over ranks: the ring of All-Reducible signSGD and its all-to-all twin.
 
 Both return, on every rank, ``+1`` where more than half of the ranks hold ``x >= 0`` (the sign
 codec's convention; ties ``2 * count == size`` give ``-1``, the paper's "else negative" rule, or
 ``+1`` with ``tie="positive"``), as a tensor of ``x``'s dtype, shape and device. The vector is cut
 into ``size`` chunks ``[K*c//N, K*(c+1)//N)`` (any K, also K < N).
 
-ring_majority (004_593a15e1fafc2f55.txt, Section 3)
+ring_majority (All-Reducible signSGD, Section 3)
     Reduce-scatter: at step ``i = 1 .. N-1`` rank ``r`` sends to ``r + 1`` the running +1 counts
     of chunk ``(r - i + 1) mod N``, a count over ``i`` ranks, packed by
     :mod:`bitcomm.codecs.counts` in ``ceil(log2(i + 1))`` bits (or radix), and adds its own
@@ -58,7 +58,7 @@ def _check_options(tie: object, packing: object = "fixed") -> None:
 
 
 def _decide(total: torch.Tensor, size: int, tie: str) -> torch.Tensor:
-    # 004_593a15e1fafc2f55.txt, Section 3: +1 when the count exceeds N/2, else -1.
+    # All-Reducible signSGD, Section 3: +1 when the count exceeds N/2, else -1.
     twice = total * 2
     return (twice > size) | (twice == size) if tie == "positive" else twice > size
 
@@ -123,7 +123,7 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, check: b
     sends: list[Request] = []
     running = votes(rank)  # step 1 sends this rank's own votes: counts over 1 rank
     for i in range(1, size):
-        # 004_593a15e1fafc2f55.txt, Section 3: counts over i ranks need ceil(log2(i+1)) bits.
+        # All-Reducible signSGD, Section 3: counts over i ranks need ceil(log2(i+1)) bits.
         sends.append(comm.isend(counts.pack(running, i, packing, check=False), nxt))
         c = rank - i
         length = part(v, c).numel()

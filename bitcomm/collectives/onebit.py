@@ -1,7 +1,7 @@
 """1-bit Adam's compressed allreduce, with DeepSpeed's semantics.
 
 Same algorithm and arithmetic as ``CompressedBackend.compressed_allreduce`` in DeepSpeed 0.17.x
-(``deepspeed/runtime/comm/``), the all-to-all scheme 004_593a15e1fafc2f55.txt compares against:
+(``deepspeed/runtime/comm/``), the all-to-all scheme All-Reducible signSGD compares against:
 
 1. pad ``x`` with zeros to the state's length ``P`` (a multiple of ``8 * N``) and add the
    worker error; worker scale ``= ||buf||_2 / sqrt(P)``; worker error ``= buf - scale * sign``

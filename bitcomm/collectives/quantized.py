@@ -1,6 +1,6 @@
 """Dense QSGD exchange: every rank's whole tensor as one qsgd frame, averaged everywhere.
 
-The data-parallel QSGD step of SparCML (003_d4ff896956a00db6.txt, Section 6): each rank
+The data-parallel QSGD step of SparCML (Section 6): each rank
 quantises its full gradient stochastically (:mod:`bitcomm.codecs.qsgd`, 2/4/8 bits, one fp32
 scale per bucket) and the frames, all the same length, go to every rank in one ``allgatherv``;
 each rank decodes them and adds them in rank order (bit-identical sums), then divides by ``N``.

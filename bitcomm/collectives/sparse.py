@@ -1,4 +1,4 @@
-"""Quantised sparse allgather (RedSync 000_10f5b8196955b2ac.txt, SparCML 003_d4ff896956a00db6.txt).
+"""Quantised sparse allgather (RedSync, SparCML).
 
 Each rank selects ``k`` elements of ``x`` (selectors of :mod:`bitcomm.codecs.select`), encodes
 them as one :mod:`bitcomm.codecs.sparse` frame (fp32, fp16, qsgd 2/4/8-bit values, or RedSync's

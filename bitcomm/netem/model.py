@@ -11,7 +11,7 @@ model and the emulated run cannot drift apart.
 Bytes: every message is routed along :meth:`Topology.route_links` and its bytes added to each
 link direction it crosses.
 
-Time, as a dataflow over the phases (RedSync 000_10f5b8196955b2ac.txt, Appendix B's alpha-beta
+Time, as a dataflow over the phases (RedSync, Appendix B's alpha-beta
 costs, with per-link rather than per-node bandwidth and with the ranks not in lock-step):
 
 * rank r's phase-k message is *ready* when r has received its phase k - 1 message, and, for a

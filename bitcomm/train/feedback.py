@@ -2,7 +2,7 @@
 
 For each tensor ``key`` a residual ``e`` (zero at first) is kept; a step compresses
 ``c = g + e`` instead of ``g``, and afterwards ``e = c - sent``, where ``sent`` is ``c`` as the
-receivers decode it. Nothing is lost, only delayed (RedSync 000_10f5b8196955b2ac.txt, Alg. 4's
+receivers decode it. Nothing is lost, only delayed (RedSync, Alg. 4's
 residual accumulation; the same idea as 1-bit Adam's worker error).
 
 Example::

@@ -7,7 +7,7 @@ Two stages, switched at ``freeze_step``:
 2. Compression (later steps): ``v`` is frozen; each worker updates ``m`` with its *local*
    gradient, and the momentum is averaged through
    :func:`~bitcomm.collectives.onebit_allreduce` (1-bit signs with a worker and a server error,
-   004_593a15e1fafc2f55.txt's all-to-all baseline).
+   All-Reducible signSGD's all-to-all baseline).
 
 Every step: ``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``. Like DeepSpeed's optimizer,
 there is no bias correction (DeepSpeed accepts ``bias_correction`` and does not use it). All

@@ -1,4 +1,4 @@
-"""QSGDSGD: data-parallel SGD on QSGD-quantised gradients (SparCML 003_d4ff896956a00db6.txt, 6).
+"""QSGDSGD: data-parallel SGD on QSGD-quantised gradients (SparCML, Section 6).
 
 Each step every worker flattens its gradients (plus ``weight_decay * p``) into one vector,
 optionally adds its error-feedback residual (:class:`~bitcomm.train.feedback.ErrorFeedback`),

@@ -1,4 +1,4 @@
-"""RGC: residual gradient compression SGD, RedSync's Algorithm 4 (000_10f5b8196955b2ac.txt, App. A).
+"""RGC: residual gradient compression SGD, RedSync's Algorithm 4 (Appendix A).
 
 For every parameter larger than ``compress_threshold`` elements, each worker keeps a residual
 ``V`` and a momentum ``U`` (zero at first) and per step, with ``G = grad + weight_decay * w``::

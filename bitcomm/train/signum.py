@@ -3,7 +3,7 @@
 Each worker keeps a momentum ``m = beta * m + (1 - beta) * g`` (plain signSGD for ``beta = 0``)
 and votes with the sign of ``m`` (``m >= 0`` votes +1); every parameter then moves by
 ``-lr * majority``. The vote runs on all parameters at once, flattened into one vector, through
-:func:`~bitcomm.collectives.ring_majority` (004_593a15e1fafc2f55.txt, Section 3: counts in
+:func:`~bitcomm.collectives.ring_majority` (All-Reducible signSGD, Section 3: counts in
 ``ceil(log2(i+1))`` bits around a ring) or 1-bit Adam's all-to-all
 (:func:`~bitcomm.collectives.alltoall_majority`). Both give the same majority, so the choice
 changes only the bytes and who talks to whom. Weight decay is added to the gradient
