@@ -357,22 +357,12 @@ def _finish_experiment(cells: list[dict], config: dict, out: Path) -> None:
         sys.exit(1)
 
 
-def _is_training(path: Path) -> bool:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return False  # load_experiment reports it
-    return isinstance(data, dict) and data.get("kind") == "train"
-
-
-def _run_training(path: Path, out_dir: str | None) -> None:
+def _run_training(data: dict, path: Path, out_dir: str | None) -> None:
     """Run a ``kind: train`` experiment (bitcomm.experiments.digits) over its transports."""
     from bitcomm.experiments import digits
 
     try:
-        cfg = digits.load_config(path)
+        cfg = digits.config_from(data, path)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     out = Path(out_dir or Path("results") / cfg.name)
@@ -409,11 +399,12 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
                        sizes: tuple[int, ...] | None, scale: float | None) -> None:
     """Run experiments/NAME.yaml (default: the chain-16 comparison, a few minutes)."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else Path("experiments") / f"{name}.yaml"
-    if _is_training(path):
-        _run_training(path, out_dir)
-        return
     try:
-        exp = netem.load_experiment(path)
+        data = netem.read_file(path)  # read once; its kind says which harness runs it
+        if isinstance(data, dict) and data.get("kind") == "train":
+            _run_training(data, path, out_dir)
+            return
+        exp = netem.experiment_from(data, path)
     except netem.TopologyError as e:
         raise click.ClickException(str(e)) from None
     if repeat:

@@ -94,6 +94,14 @@ def test_unknown_topology_and_experiment_are_clear_errors():
     assert result.exit_code == 1 and "unknown algorithms ['warp-drive']" in result.output
 
 
+def test_broken_experiment_yaml_is_a_clear_error(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("name: [unclosed\n")
+    result = CliRunner().invoke(main, ["run", "experiment", str(bad)])
+    assert result.exit_code == 1 and f"{bad}: not valid YAML" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_experiment_files_validate(tmp_path):
     from bitcomm.experiments import digits
     from bitcomm.netem.experiment import load_experiment

@@ -16,7 +16,14 @@ from bitcomm.netem.emulator import (
     requirements,
     sweep,
 )
-from bitcomm.netem.experiment import CPU_BOUND, Experiment, load_experiment, run_experiment
+from bitcomm.netem.experiment import (
+    CPU_BOUND,
+    Experiment,
+    experiment_from,
+    load_experiment,
+    read_file,
+    run_experiment,
+)
 from bitcomm.netem.linkcheck import check_links
 from bitcomm.netem.topology import Topology, TopologyError, find, load
 
@@ -34,6 +41,8 @@ __all__ = [
     "CPU_BOUND",
     "Experiment",
     "load_experiment",
+    "read_file",
+    "experiment_from",
     "run_experiment",
     "check_links",
     "Topology",

@@ -42,8 +42,8 @@ from bitcomm.netem import model as model_mod
 from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator, write_rankmap
 from bitcomm.netem.topology import Topology, TopologyError, direction_key, find, load
 
-__all__ = ["Experiment", "load_experiment", "run_experiment", "analyse", "cores", "MPI_ENV",
-           "DEFAULT_ALGORITHMS", "CPU_BOUND"]
+__all__ = ["Experiment", "read_file", "load_experiment", "experiment_from", "run_experiment",
+           "analyse", "cores", "MPI_ENV", "DEFAULT_ALGORITHMS", "CPU_BOUND"]
 
 MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_NOLOCAL": "1", "FI_PROVIDER": "tcp",
            "FI_TCP_MAX_SAVED_SIZE": str(64 << 20)}
@@ -100,14 +100,26 @@ def _seconds(value: object, where: str) -> float:
     return float(value)
 
 
-def load_experiment(path: str | Path) -> Experiment:
-    """Load and validate ``experiments/NAME.yaml`` (or a path)."""
+def read_file(path: str | Path) -> object:
+    """Return the parsed YAML of an experiment file; ``TopologyError`` if it cannot be read."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise TopologyError(f"{path}: no such experiment file")
-    data = yaml.safe_load(path.read_text())
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise TopologyError(f"{path}: not valid YAML: {e}") from None
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Load and validate ``experiments/NAME.yaml`` (or a path)."""
+    return experiment_from(read_file(path), path)
+
+
+def experiment_from(data: object, path: str | Path) -> Experiment:
+    """Validate an experiment file's parsed ``data`` (``path`` names it in errors)."""
     if not isinstance(data, dict):
         raise TopologyError(f"{path}: expected a mapping at the top level")
     fields = {f.name for f in dataclasses.fields(Experiment)}

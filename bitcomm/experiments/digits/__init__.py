@@ -21,10 +21,11 @@ from bitcomm.experiments.digits.config import (
     METHODS,
     DenseAllreduce,
     TrainConfig,
+    config_from,
     load_config,
 )
 from bitcomm.experiments.digits.report import summarise, write_report
 from bitcomm.experiments.digits.run import launch, load_digits_split, train
 
-__all__ = ["METHODS", "BASELINES", "DenseAllreduce", "TrainConfig", "load_config",
+__all__ = ["METHODS", "BASELINES", "DenseAllreduce", "TrainConfig", "load_config", "config_from",
            "load_digits_split", "train", "launch", "summarise", "write_report"]

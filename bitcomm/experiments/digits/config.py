@@ -22,7 +22,7 @@ from bitcomm.train.qsgd_sgd import QSGDSGD
 from bitcomm.train.rgc import RGC
 from bitcomm.train.signum import MajoritySignSGD
 
-__all__ = ["METHODS", "BASELINES", "DenseAllreduce", "TrainConfig", "load_config"]
+__all__ = ["METHODS", "BASELINES", "DenseAllreduce", "TrainConfig", "load_config", "config_from"]
 
 
 class DenseAllreduce:
@@ -88,7 +88,12 @@ def load_config(path: str | os.PathLike) -> TrainConfig:
     """Load and check a ``kind: train`` experiment file."""
     import yaml
 
-    data = yaml.safe_load(open(path).read())
+    with open(path) as fh:
+        return config_from(yaml.safe_load(fh.read()), path)
+
+
+def config_from(data: object, path: str | os.PathLike) -> TrainConfig:
+    """Check a ``kind: train`` experiment file's parsed ``data`` (``path`` names it in errors)."""
     if not isinstance(data, dict) or data.get("kind") != "train":
         raise ValueError(f"{path}: expected a mapping with kind: train")
     data = {k: v for k, v in data.items() if k != "kind"}
