@@ -125,7 +125,7 @@ def test_ring_majority_over_the_chain_is_exact_and_crosses_the_links():
     exp = Experiment("ci", [str(CHAIN)], [1 << 16], ["ring-majority", "alltoall-majority"],
                      repeat=2)
     before = set(namespaces())
-    rows = measure(CHAIN, topo, exp, progress=lambda line: None)
+    rows = measure(topo, exp, progress=lambda line: None)
     assert set(namespaces()) == before  # torn down
     cells = analyse(topo, rows)
     assert [c["wrong"] for c in cells] == [0, 0]  # brute-force majority on every rank

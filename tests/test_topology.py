@@ -225,3 +225,26 @@ def test_direction_keys_name_the_link_and_its_direction():
 
     assert (direction_key(3, True), direction_key(3, False), direction_key(12, True)) == (
         "3:ab", "3:ba", "12:ab")
+
+
+def test_worker_spec_holds_what_a_rank_needs_as_plain_data():
+    import json
+
+    from bitcomm.netem.emulator import Emulator
+    from bitcomm.netem.experiment import Experiment, worker_spec
+
+    topo = load("topology_configs/chain-16.yaml")
+    net = Emulator(topo, "bitcomm-spec-")  # names only: nothing is built
+    exp = Experiment("x", ["chain-16"], [1024, 4096], ["ring-majority"], repeat=2, seed=7)
+    spec = worker_spec(topo, net, exp, Path("/tmp/rows.json"))
+    assert json.loads(json.dumps(spec)) == spec
+    assert (spec["ranks"], spec["sizes"], spec["algorithms"], spec["repeat"], spec["seed"]) == (
+        16, [1024, 4096], ["ring-majority"], 2, 7)
+    assert len(set(spec["namespaces"])) == 16
+    assert all(ns.startswith("bitcomm-spec-") for ns in spec["namespaces"])
+    # every link direction once, read at its sending end: link.a's namespace sends a -> b
+    assert sorted((s[0], s[1]) for s in spec["senders"]) == sorted(
+        (link.index, d) for link in topo.links for d in (True, False))
+    for index, a_to_b, ns, _ in spec["senders"]:
+        link = topo.links[index]
+        assert ns == net.ns(link.a if a_to_b else link.b)

@@ -47,14 +47,14 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from bitcomm.netem.topology import Link, Topology
 
-__all__ = ["Emulator", "sweep", "requirements", "PREFIX", "QUEUE", "WINDOW", "CONGESTION",
-           "EmulatorError"]
+__all__ = ["Emulator", "Sender", "tx_counters", "drops", "sweep", "requirements", "PREFIX",
+           "QUEUE", "WINDOW", "CONGESTION", "EmulatorError"]
 
 PREFIX = "bitcomm-"
 """Every namespace bitcomm creates starts with this."""
@@ -312,44 +312,60 @@ class Emulator:
         """Start ``args`` inside rank ``rank``'s namespace."""
         return subprocess.Popen(["ip", "netns", "exec", self.ns(rank), *args], **kwargs)
 
-    def _per_link(self, read: Callable[[str], dict[str, object]]) -> dict:
-        """Map ``read(namespace) -> {device: value}`` onto ``{(link index, a_to_b): value}``.
+    def senders(self) -> list[Sender]:
+        """Return every link direction's sending end, where its counters are read.
 
-        A link direction's value is its sending end's: the device in ``link.a``'s namespace
-        for a -> b, in ``link.b``'s for b -> a.
+        The device in ``link.a``'s namespace sends a -> b, the one in ``link.b``'s b -> a.
+        Plain data, so a process that did not build the network can read the counters.
         """
-        per_ns = {self.ns(v): read(self.ns(v)) for v in self.topo.vertices()}
-        return {(link.index, forward): per_ns[self.ns(end)][self.dev(link)]
+        return [Sender(link.index, forward, self.ns(end), self.dev(link))
                 for link in self.topo.links
-                for forward, end in ((True, link.a), (False, link.b))}
+                for forward, end in ((True, link.a), (False, link.b))]
 
     def tx_counters(self) -> dict[tuple[int, bool], tuple[int, int]]:
         """Return ``{(link index, a_to_b): (bytes, packets)}`` sent so far on every direction."""
-        def read(ns: str) -> dict[str, object]:
-            stats = json.loads(_run(["ip", "-j", "-s", "-n", ns, "link", "show"]))
-            return {s["ifname"]: (s["stats64"]["tx"]["bytes"], s["stats64"]["tx"]["packets"])
-                    for s in stats}
-
-        return self._per_link(read)
+        return tx_counters(self.senders())
 
     def drops(self) -> dict[tuple[int, bool], int]:
-        """Return ``{(link index, a_to_b): packets}`` the shapers dropped so far (queue full).
-
-        A link direction's drops are those of every qdisc on the sending veth end (tbf, and
-        netem when the link has a delay).
-        """
-        def read(ns: str) -> dict[str, object]:
-            per_dev: dict[str, int] = {}
-            for q in json.loads(_run(["tc", "-j", "-s", "-n", ns, "qdisc", "show"])):
-                per_dev[q["dev"]] = per_dev.get(q["dev"], 0) + q.get("drops", 0)
-            return per_dev
-
-        return self._per_link(read)
+        """Return ``{(link index, a_to_b): packets}`` the shapers dropped so far (queue full)."""
+        return drops(self.senders())
 
 
-def write_rankmap(emu: Emulator, directory: str | Path | None = None) -> Path:
-    """Write the rank -> namespace map used by :mod:`bitcomm.netem.rankexec`; return its path."""
-    d = Path(directory or tempfile.mkdtemp(prefix="bitcomm-"))
-    path = d / "namespaces.json"
-    path.write_text(json.dumps([emu.ns(r) for r in range(emu.topo.nodes)]))
-    return path
+class Sender(NamedTuple):
+    """The sending end of one link direction: where its counters live."""
+
+    link: int
+    a_to_b: bool
+    namespace: str
+    device: str
+
+
+def _per_direction(senders: list[Sender], read: Callable[[str], dict[str, object]]) -> dict:
+    # read(namespace) -> {device: value}, once per namespace, mapped onto link directions
+    per_ns = {ns: read(ns) for ns in dict.fromkeys(s.namespace for s in senders)}
+    return {(s.link, s.a_to_b): per_ns[s.namespace][s.device] for s in senders}
+
+
+def tx_counters(senders: list[Sender]) -> dict[tuple[int, bool], tuple[int, int]]:
+    """Return ``{(link index, a_to_b): (bytes, packets)}`` sent so far by each sender."""
+    def read(ns: str) -> dict[str, object]:
+        stats = json.loads(_run(["ip", "-j", "-s", "-n", ns, "link", "show"]))
+        return {s["ifname"]: (s["stats64"]["tx"]["bytes"], s["stats64"]["tx"]["packets"])
+                for s in stats}
+
+    return _per_direction(senders, read)
+
+
+def drops(senders: list[Sender]) -> dict[tuple[int, bool], int]:
+    """Return ``{(link index, a_to_b): packets}`` each sender's shapers dropped so far.
+
+    A link direction's drops are those of every qdisc on the sending veth end (tbf, and netem
+    when the link has a delay).
+    """
+    def read(ns: str) -> dict[str, object]:
+        per_dev: dict[str, int] = {}
+        for q in json.loads(_run(["tc", "-j", "-s", "-n", ns, "qdisc", "show"])):
+            per_dev[q["dev"]] = per_dev.get(q["dev"], 0) + q.get("drops", 0)
+        return per_dev
+
+    return _per_direction(senders, read)

@@ -39,7 +39,7 @@ from bitcomm import _sizes
 from bitcomm.collectives import registry
 from bitcomm.comm import launch
 from bitcomm.netem import model as model_mod
-from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator, write_rankmap
+from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator
 from bitcomm.netem.topology import Topology, TopologyError, direction_key, find, load
 
 __all__ = ["Experiment", "read_file", "load_experiment", "experiment_from", "run_experiment",
@@ -163,22 +163,32 @@ def experiment_from(data: object, path: str | Path) -> Experiment:
     return exp
 
 
-def measure(topo_path: Path, topo: Topology, exp: Experiment,
+def worker_spec(topo: Topology, net: Emulator, exp: Experiment, out: Path) -> dict:
+    """Return the spec every rank of a measurement reads (written once by the parent).
+
+    The plan (sizes, algorithms, repeat, seed, output file) for :mod:`bitcomm.netem.worker`,
+    each rank's namespace for :mod:`bitcomm.netem.rankexec`, and the sending end of every link
+    direction, where rank 0 reads the counters: no rank re-reads the topology or rebuilds the
+    emulator's names.
+    """
+    return {"topology": topo.name, "ranks": topo.nodes,
+            "namespaces": [net.ns(r) for r in range(topo.nodes)],
+            "senders": [list(s) for s in net.senders()],
+            "sizes": list(exp.sizes), "algorithms": list(exp.algorithms),
+            "repeat": exp.repeat, "seed": exp.seed, "out": str(out)}
+
+
+def measure(topo: Topology, exp: Experiment,
             progress: Callable[[str], None] = print, timeout: float = 3600) -> list[dict]:
     """Build ``topo``, run every size and algorithm of ``exp`` on it, tear it down; return rows."""
     with tempfile.TemporaryDirectory(prefix="bitcomm-exp-") as tmp, \
             Emulator(topo, queue=exp.queue, window=exp.window, congestion=exp.congestion) as net:
-        rankmap = write_rankmap(net, tmp)
         out = Path(tmp) / "rows.json"
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps(worker_spec(topo, net, exp, out)))
         cmd = [launch.mpiexec(), "-n", str(topo.nodes), sys.executable, "-m",
-               "bitcomm.netem.rankexec", str(rankmap), sys.executable, "-m", "mpi4py", "-m",
-               "bitcomm.netem.worker",
-               "--topology", str(topo_path), "--prefix", net.prefix,
-               "--sizes", ",".join(map(str, exp.sizes)), "--algorithms",
-               ",".join(exp.algorithms), "--repeat", str(exp.repeat), "--seed", str(exp.seed),
-               "--out", str(out)]
-        if exp.scale is not None:
-            cmd += ["--scale", str(exp.scale)]
+               "bitcomm.netem.rankexec", str(spec), sys.executable, "-m", "mpi4py", "-m",
+               "bitcomm.netem.worker", str(spec)]
         env = dict(os.environ, **MPI_ENV, OMP_NUM_THREADS="1")
         launch.run_job([(cmd, env)], timeout=timeout, what=f"the MPI job on {topo.name}",
                        progress=progress)
@@ -247,6 +257,6 @@ def run_experiment(exp: Experiment, progress: Callable[[str], None] = print) -> 
         topo = load(path, scale=exp.scale)
         progress(f"# {topo.name}: {topo.nodes} ranks, slowest link "
                  f"{topo.slowest_link().rate / 1e6:.3f} MB/s (scale 1/{topo.scale:g})")
-        rows = measure(path, topo, exp, progress)
+        rows = measure(topo, exp, progress)
         cells.extend(analyse(topo, rows, exp.alpha))
     return cells

@@ -29,8 +29,8 @@ import torch
 
 from bitcomm.collectives import registry
 from bitcomm.comm.mpi import MPIComm
-from bitcomm.netem.emulator import Emulator
-from bitcomm.netem.topology import direction_key, load
+from bitcomm.netem.emulator import Sender, drops, tx_counters
+from bitcomm.netem.topology import direction_key
 
 
 # Brute force over every rank's regenerated input: once per size, shared by the majorities.
@@ -62,66 +62,61 @@ def tcp_counters() -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Measure the requested algorithms and sizes; rank 0 writes ``--out``."""
+    """Measure what the spec file names (``python -m bitcomm.netem.worker SPEC.json``)."""
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--topology", required=True)
-    ap.add_argument("--scale", type=float, default=None)
-    ap.add_argument("--prefix", required=True)
-    ap.add_argument("--sizes", required=True, help="comma-separated element counts")
-    ap.add_argument("--algorithms", required=True)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+    ap.add_argument("spec", help="the JSON spec of bitcomm.netem.experiment.worker_spec")
+    with open(ap.parse_args(argv).spec) as fh:
+        plan = json.load(fh)
+    senders = [Sender(*s) for s in plan["senders"]]
+    topology, repeat, seed = plan["topology"], plan["repeat"], plan["seed"]
     # Pairwise exchanges: the pattern the model predicts. Test-and-sleep waits: 16-32 ranks
     # share 2 cores, and MPICH's busy-polling waiters (its progress throttle did not help)
     # would take the CPU from the ranks that have packing to do.
     comm = MPIComm(native=False, poll_interval=2e-3)
-    topo = load(args.topology, scale=args.scale)
-    if comm.size != topo.nodes:
-        raise SystemExit(f"expected {topo.nodes} ranks for {topo.name}, got {comm.size}")
-    net = Emulator(topo, args.prefix)  # not brought up here: only used to read counters
+    if comm.size != plan["ranks"]:
+        raise SystemExit(f"expected {plan['ranks']} ranks for {topology}, "
+                         f"got {comm.size}")
     rows = []
-    for n in (int(s) for s in args.sizes.split(",")):
-        x = registry.standard_input(args.seed, comm.rank, n)
-        for algorithm in args.algorithms.split(","):
+    for n in plan["sizes"]:
+        x = registry.standard_input(seed, comm.rank, n)
+        for algorithm in plan["algorithms"]:
             spec = registry.get(algorithm)
             comm.barrier()
-            wrong = _wrong(comm, spec, spec(comm, x, check=True), args.seed, n)  # warm-up
+            wrong = _wrong(comm, spec, spec(comm, x, check=True), seed, n)  # warm-up
             comm.barrier()
-            before = net.tx_counters() if comm.rank == 0 else None
-            drops_before = net.drops() if comm.rank == 0 else None
+            before = tx_counters(senders) if comm.rank == 0 else None
+            drops_before = drops(senders) if comm.rank == 0 else None
             tcp_before = tcp_counters()
             local = registry.time_calls(
-                comm, lambda spec=spec, x=x: spec(comm, x, check=False), args.repeat)
+                comm, lambda spec=spec, x=x: spec(comm, x, check=False), repeat)
             comm.barrier()
-            after = net.tx_counters() if comm.rank == 0 else None
-            drops_after = net.drops() if comm.rank == 0 else None
+            after = tx_counters(senders) if comm.rank == 0 else None
+            drops_after = drops(senders) if comm.rank == 0 else None
             tcp = [a - b for a, b in zip(tcp_counters(), tcp_before, strict=True)]
             # gathered after the counters are read, so the gathers are not counted
             timing = registry.combine(comm, local)
             times, cpu_seconds = timing.seconds, timing.cpu_seconds
             every = comm.allgather_floats(tcp)
-            retrans, timeouts = (sum(r[i] for r in every) / args.repeat for i in range(2))
+            retrans, timeouts = (sum(r[i] for r in every) / repeat for i in range(2))
             if comm.rank == 0:
-                per_call = {direction_key(*k): [(after[k][0] - before[k][0]) / args.repeat,
-                                      (after[k][1] - before[k][1]) / args.repeat]
+                per_call = {direction_key(*k): [(after[k][0] - before[k][0]) / repeat,
+                                      (after[k][1] - before[k][1]) / repeat]
                             for k in after}
-                row = {"topology": topo.name, "ranks": comm.size, "n": n,
+                row = {"topology": topology, "ranks": comm.size, "n": n,
                        "algorithm": algorithm, "times": times,
                        "seconds": statistics.median(times), "wrong": wrong,
                        "cpu_seconds": statistics.median(cpu_seconds),
                        "link_bytes": per_call,
-                       "drops": {direction_key(*k): (drops_after[k] - drops_before[k]) / args.repeat
+                       "drops": {direction_key(*k): (drops_after[k] - drops_before[k]) / repeat
                                  for k in drops_after},
                        "tcp_retrans": retrans, "tcp_timeouts": timeouts}
                 rows.append(row)
-                print(f"  {topo.name} n={n} {algorithm}: {row['seconds']:.3f} s, "
+                print(f"  {topology} n={n} {algorithm}: {row['seconds']:.3f} s, "
                       f"cpu {row['cpu_seconds']:.2f} s over all ranks, "
                       f"{retrans:.0f} TCP segments resent per call (#wrong {wrong})",
                       flush=True)
     if comm.rank == 0:
-        with open(args.out, "w") as fh:
+        with open(plan["out"], "w") as fh:
             json.dump(rows, fh)
     comm.barrier()
     sys.stdout.flush()
