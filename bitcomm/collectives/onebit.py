@@ -13,6 +13,13 @@ Same algorithm and arithmetic as ``CompressedBackend.compressed_allreduce`` in D
 4. allgather of the packed server signs and the server scales; chunk ``j`` of the output is
    ``server_scale_j * sign_j``; the padding is cut off and ``x``'s shape restored.
 
+The signs go on the wire in the sign codec's convention (:func:`bitcomm.codecs.sign.pack_mask`),
+but the scaled sign is DeepSpeed's, not :func:`bitcomm.codecs.sign.encode_scaled`'s: a float32
+norm that stays on the device (no host synchronisation per step) over the padded length, and
+NaN votes +1 (``NaN + 1`` is truthy), so the arithmetic matches DeepSpeed's bit for bit.
+``encode_scaled`` makes a self-describing frame with a float64-accumulated scale and refuses
+NaN.
+
 Bytes sent per rank (:func:`onebit_allreduce_bytes`), with ``N`` ranks and ``P`` padded elements::
 
     2 * (N - 1) * P / (8 * N)   signs, phase 1 and 2
