@@ -108,11 +108,11 @@ def _machine(device: str = "cpu") -> dict:
             "cpus": os.cpu_count(), "machine": platform.machine(),
             "python": platform.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if device == "cuda":
-        from bitcomm.codecs import _frame
+        from bitcomm.codecs import backend
 
         info["gpu"] = torch.cuda.get_device_name().replace(" ", "_")
-        info["path"] = _frame.backend(torch.empty(0, device="cuda"))
-        if _frame.has_triton():
+        info["path"] = backend(torch.empty(0, device="cuda"))
+        if info["path"] == "triton":
             import triton
 
             info["triton"] = triton.__version__

@@ -157,3 +157,13 @@ def test_pack_mask_is_the_sign_convention(path):
     assert torch.equal(sign.unpack_mask(payload, 1001), x >= 0)
     with pytest.raises(TypeError, match="expected a bool tensor"):
         sign.pack_mask((x >= 0).to(torch.uint8))
+
+
+def test_backend_names_the_path_a_tensor_takes():
+    from bitcomm.codecs import backend
+
+    with forced("numpy"):
+        assert backend(torch.zeros(1)) == "numpy"  # CPU tensors take the numpy fast path
+        assert backend(torch.zeros(1, device="meta")) == "torch"  # other devices: torch ops
+    with forced("torch"):
+        assert backend(torch.zeros(1)) == "torch"

@@ -11,9 +11,12 @@ One module per codec, each documenting its wire format with a worked example:
 * :mod:`~bitcomm.codecs.select`: top-k, trimmed top-k and threshold binary search selectors.
 
 Every ``decode`` returns ``(result, bytes_consumed)`` (the convention of Python's ``codecs``
-module), so frames can be read back to back from one buffer.
+module), so frames can be read back to back from one buffer. :func:`backend` says which
+implementation a tensor gets (numpy on the CPU, Triton kernels on CUDA, torch ops otherwise);
+all three write the same bytes.
 """
 
 from bitcomm.codecs import bits, counts, qsgd, redsync, select, sign, sparse
+from bitcomm.codecs._frame import backend
 
-__all__ = ["bits", "counts", "qsgd", "redsync", "select", "sign", "sparse"]
+__all__ = ["backend", "bits", "counts", "qsgd", "redsync", "select", "sign", "sparse"]
