@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     # would take the CPU from the ranks that have packing to do.
     comm = MPIComm(native=False, poll_interval=2e-3)
     if comm.size != plan["ranks"]:
-        raise SystemExit(f"expected {plan['ranks']} ranks for {topology}, "
-                         f"got {comm.size}")
+        raise SystemExit(f"expected {plan['ranks']} ranks for {topology}, got {comm.size}")
     rows = []
     for n in plan["sizes"]:
         x = registry.standard_input(seed, comm.rank, n)
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             retrans, timeouts = (sum(r[i] for r in every) / repeat for i in range(2))
             if comm.rank == 0:
                 per_call = {direction_key(*k): [(after[k][0] - before[k][0]) / repeat,
-                                      (after[k][1] - before[k][1]) / repeat]
+                                                (after[k][1] - before[k][1]) / repeat]
                             for k in after}
                 row = {"topology": topology, "ranks": comm.size, "n": n,
                        "algorithm": algorithm, "times": times,
