@@ -24,7 +24,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def write_report(rows: list[dict], config: dict, out: os.PathLike) -> list[str]:
     """Write results.json, results.csv, table.md and accuracy.png under ``out``; return paths."""
-    import matplotlib  # the plots extra's; imported only when a report is written
+    import matplotlib  # heavy to import: only when a report is written
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
