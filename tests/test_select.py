@@ -67,3 +67,22 @@ def test_bad_input():
         select.trimmed_topk(torch.ones(3), 1, eps=0)
     with pytest.raises(TypeError, match="no options"):
         select.select(torch.ones(3), 1, "topk", eps=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_fine_eps_finishes_in_a_bounded_number_of_passes():
+    """Tiny eps once looped forever (threshold) or for 1/eps passes (trimmed)."""
+    scores = torch.rand(1000, generator=torch.Generator().manual_seed(4))
+    expect = torch.topk(scores, 900).indices.sort().values
+    assert torch.equal(select.trimmed_topk(scores, 900, eps=1e-9), expect)
+    got = select.threshold_search(scores, 50, eps=1e-11)
+    assert 50 <= got.numel() <= 100
+    assert torch.equal(got, torch.topk(scores, got.numel()).indices.sort().values)
+    for fn in (select.trimmed_topk, select.threshold_search):
+        with pytest.raises(ValueError, match=r"eps >= 1e-12"):
+            fn(scores, 50, eps=1e-20)
+    from bitcomm.codecs import redsync
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(redsync.encode(x, 10, "top", "trimmed", eps=1e-9),
+                       redsync.encode(x, 10, "top", "topk"))

@@ -11,7 +11,9 @@ and returning int64 indices in ascending order:
   lower it in steps of ``eps * (max - mean)`` until at least k scores exceed it, then run the exact
   top-k on those survivors only. Exactly ``min(k, n)`` indices, the same set as :func:`topk`.
   The paper's loop condition reads ``while nnz > k``; its text (and termination) need
-  ``while nnz < k``, which is what this does.
+  ``while nnz < k``. The first step that keeps k scores is found by bisection over the steps
+  (the count only grows as the threshold falls, and any step that keeps k gives the same top-k),
+  so a fine ``eps`` costs ``log2(1 / eps)`` passes over the scores, not ``1 / eps``.
 * :func:`threshold_search` (Algorithm 3): binary search of ``ratio`` in [0, 1] for a threshold
   ``mean + ratio * (max - mean)`` that between k and 2k scores exceed, stopping when the interval
   is narrower than ``eps``. Avoids any sort, returns *at least* k indices (at most 2k when the
@@ -19,18 +21,35 @@ and returning int64 indices in ascending order:
   the wrong bound when ``k/2 < nnz <= k``; here ``nnz < k`` lowers the upper bound and
   ``nnz > 2k`` raises the lower bound. When fewer than k scores exceed the mean (k is a large
   fraction of n, outside the paper's regime), it falls back to :func:`topk`.
+
+Both refuse ``eps`` below :data:`MIN_EPS`: finer steps than that cannot change which float32
+scores exceed the threshold, and a bisection below double precision's resolution never ends.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from bitcomm.codecs import _frame
 
-__all__ = ["topk", "trimmed_topk", "threshold_search", "select", "METHODS"]
+__all__ = ["topk", "trimmed_topk", "threshold_search", "select", "METHODS", "MIN_EPS"]
 
 METHODS = ("topk", "trimmed", "threshold")
 """Selector names accepted by :func:`select`."""
+MIN_EPS = 1e-12
+"""The finest ``eps`` the threshold selectors accept."""
+
+
+def _check_eps(eps: object, upper_open: bool) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"expected eps to be a number, got {type(eps).__name__}")
+    top_ok = eps < 1 if upper_open else eps <= 1
+    if not (MIN_EPS <= eps and top_ok):
+        bound = "< 1" if upper_open else "<= 1"
+        raise ValueError(f"expected eps >= {MIN_EPS:g} and {bound}, got {eps}")
+    return float(eps)
 
 
 def _prepare(scores: torch.Tensor, k: int, check: bool) -> tuple[torch.Tensor, int]:
@@ -88,20 +107,31 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
 
     """
     s, k = _prepare(scores, k, check)
-    if not 0 < eps <= 1:
-        raise ValueError(f"expected 0 < eps <= 1, got {eps}")
+    eps = _check_eps(eps, upper_open=False)
     if k == 0 or k >= s.numel():
         return _exact(s, k)
     mean, top = _mean_max(s)
-    step = 1
-    while True:
-        ratio = 1.0 - eps * step
-        if ratio < 0:  # below the mean: the survivors would be most of the tensor anyway
-            return _exact(s, k)
-        keep = torch.nonzero(s > mean + ratio * (top - mean)).reshape(-1)
-        if keep.numel() >= k:
-            return keep[_exact(s[keep], k)]
-        step += 1
+
+    def threshold(step: int) -> float:
+        return mean + (1.0 - eps * step) * (top - mean)
+
+    def kept(step: int) -> int:
+        return int((s > threshold(step)).sum().item())
+
+    # Steps 1..last keep the threshold at or above the mean; below it the survivors would be
+    # most of the tensor anyway, so the exact top-k runs on all of it.
+    last = math.floor(1 / eps)
+    if last < 1 or kept(last) < k:
+        return _exact(s, k)
+    lo, hi = 0, last  # kept(lo) < k (step 0 is the max itself), kept(hi) >= k
+    while hi - lo > 1:  # at most log2(1 / eps) + 1 passes
+        mid = (lo + hi) // 2
+        if kept(mid) >= k:
+            hi = mid
+        else:
+            lo = mid
+    keep = torch.nonzero(s > threshold(hi)).reshape(-1)
+    return keep[_exact(s[keep], k)]
 
 
 def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: bool = True
@@ -116,15 +146,16 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
 
     """
     s, k = _prepare(scores, k, check)
-    if not 0 < eps < 1:
-        raise ValueError(f"expected 0 < eps < 1, got {eps}")
+    eps = _check_eps(eps, upper_open=True)
     if k == 0 or k >= s.numel():
         return _exact(s, k)
     mean, top = _mean_max(s)
     if int((s > mean).sum().item()) < k:
         return _exact(s, k)
     lo, hi = 0.0, 1.0  # invariant: at least k scores exceed the threshold at ratio lo
-    while hi - lo > eps:
+    for _ in range(math.ceil(math.log2(1 / eps)) + 1):  # each round halves hi - lo
+        if hi - lo <= eps:
+            break
         mid = lo + (hi - lo) / 2
         nnz = int((s > mean + mid * (top - mean)).sum().item())
         if k <= nnz <= 2 * k:
