@@ -253,6 +253,19 @@ def test_bad_input_raises_on_every_rank(name):
     out = run_local(with_nan, 4, return_exceptions=True, timeout=10)
     assert all(isinstance(e, ValueError) and "NaN or inf on rank(s) [2]" in str(e) for e in out)
 
+    def beyond_float32(c):
+        # finite in float64, inf once cast to the float32 the value collectives compute in
+        x = torch.ones(8, dtype=torch.float64)
+        if c.rank == 1:
+            x[5] = 1e300
+        return fn(c, x)
+    out = run_local(beyond_float32, 3, return_exceptions=True, timeout=10)
+    if name in ("ring", "alltoall"):  # only signs are used: 1e300 votes +1
+        assert all(torch.equal(o, torch.ones(8, dtype=torch.float64)) for o in out), out
+    else:
+        assert all(isinstance(e, ValueError) and "float32's range on rank(s) [1]" in str(e)
+                   for e in out), out
+
     def uneven(c):
         return fn(c, torch.ones(8 + (c.rank == 1)))
     out = run_local(uneven, 3, return_exceptions=True, timeout=10)

@@ -78,6 +78,9 @@ def test_bad_input():
         sparse.encode(torch.tensor([1]), torch.tensor([1.0, 2.0]), 4)
     with pytest.raises(ValueError, match="finite values"):
         sparse.encode(torch.tensor([1]), torch.tensor([float("nan")]), 4)
+    for fmt in ("fp32", "mean"):  # finite in float64, inf on the wire's float32
+        with pytest.raises(ValueError, match="finite values"):
+            sparse.encode(torch.tensor([1]), torch.tensor([1e300], dtype=torch.float64), 4, fmt)
     with pytest.raises(OverflowError, match="fp16"):
         sparse.encode(torch.tensor([1]), torch.tensor([1e5]), 4, "fp16")
     with pytest.raises(ValueError, match="values in"):

@@ -136,7 +136,9 @@ def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) 
     # more, is built only when a rule is broken.
     rules = torch.stack([
         idx[0], idx[-1], (idx[1:] == idx[:-1]).any().to(torch.int64),
-        (~torch.isfinite(val)).any().to(torch.int64),
+        # on the wire's float32 (or smaller): a float64 beyond float32's range would become inf
+        (~torch.isfinite(val.to(torch.float32) if val.dtype == torch.float64 else val)).any()
+        .to(torch.int64),
         (val.abs() > _FP16_MAX).any().to(torch.int64) if fp16 else idx[0] * 0,
     ])
     lo, hi, dup, nonfinite, too_big = rules.tolist()
@@ -146,7 +148,8 @@ def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) 
         first = int(idx[1:][idx[1:] == idx[:-1]][0].item())
         raise ValueError(f"expected distinct indices, got {first} more than once")
     if nonfinite:
-        raise ValueError("expected finite values, got NaN or inf")
+        raise ValueError("expected finite values, got NaN, inf or a float64 beyond float32's "
+                         "range")
     if too_big:
         raise OverflowError(f"expected |values| <= {_FP16_MAX} for fp16, got "
                             f"{float(val.abs().max().item())}")

@@ -17,7 +17,7 @@ __all__ = ["allreduce", "allreduce_bytes"]
 
 def allreduce(comm: Comm, x: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Return the float32 sum of ``x`` over ranks (shape of ``x``)."""
-    v = _common.prepare(comm, x, check, "allreduce")
+    v = _common.prepare(comm, x, check, "allreduce", float32=True)
     if comm.size == 1:
         return v.to(torch.float32, copy=True).reshape(x.shape)
     return comm.allreduce(v.to(torch.float32)).reshape(x.shape)

@@ -114,7 +114,7 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     """
     if not isinstance(state, OneBitState):
         raise TypeError(f"expected state to be a OneBitState, got {type(state).__name__}")
-    v = _common.prepare(comm, x, check, "onebit_allreduce")
+    v = _common.prepare(comm, x, check, "onebit_allreduce", float32=True)
     if v.numel() != state.numel or state.size != comm.size:
         raise ValueError(f"expected a state for numel={v.numel()}, size={comm.size}, got "
                          f"numel={state.numel}, size={state.size}")

@@ -43,7 +43,7 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
         check: agree on the input first (raises on every rank for bad input).
 
     """
-    v = _common.prepare(comm, x, check, "qsgd_allgather")
+    v = _common.prepare(comm, x, check, "qsgd_allgather", float32=True)
     frame = qsgd.encode(v, bits, bucket, seed=None if seed is None else seed + comm.rank)
     frames = comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1 else [frame]
     total = torch.zeros(v.numel(), dtype=torch.float32, device=v.device)

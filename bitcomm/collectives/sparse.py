@@ -59,7 +59,7 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: str = "fp32",
         raise ValueError(f"expected method in {select.METHODS}, got {method!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"expected k to be an int >= 0, got {k!r}")
-    v = _common.prepare(comm, x, check, "sparse_allgather")
+    v = _common.prepare(comm, x, check, "sparse_allgather", float32=True)
     n = v.numel()
     if k > n:
         raise ValueError(f"expected k <= {n} elements, got k={k}")
