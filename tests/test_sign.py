@@ -167,3 +167,10 @@ def test_backend_names_the_path_a_tensor_takes():
         assert backend(torch.zeros(1, device="meta")) == "torch"  # other devices: torch ops
     with forced("torch"):
         assert backend(torch.zeros(1)) == "torch"
+
+
+def test_layouts_and_devices_without_data_are_type_errors():
+    with pytest.raises(TypeError, match="dense"):
+        sign.encode(torch.tensor([1.0, -2.0]).to_sparse())
+    with pytest.raises(TypeError, match="meta"):
+        sign.encode(torch.ones(3, device="meta"))

@@ -148,3 +148,22 @@ def test_one_host_read_for_all_checks(monkeypatch):
     hits = host_reads(monkeypatch, lambda: sparse.decode_entries(frame))
     sites = {(f.rsplit("/", 1)[-1], line) for _, f, line in hits}
     assert len(sites) == 2 and any(f == "_frame.py" for f, _ in sites), hits  # header, rules
+
+
+def test_wrong_inputs_get_the_documented_exception_types():
+    with pytest.raises(OverflowError, match=r"n < 2\*\*63"):
+        sparse.encode(torch.tensor([1]), torch.tensor([1.0]), 2**63)
+    coo = torch.tensor([0.0, 2.0]).to_sparse()
+    with pytest.raises(TypeError, match="dense"):
+        sparse.encode(torch.tensor([1]), coo, 4)
+    with pytest.raises(TypeError, match="meta"):
+        sparse.encode(torch.tensor([1]), torch.ones(1, device="meta"), 4)
+
+
+def test_a_mean_frame_without_entries_must_say_zero():
+    frame = sparse.encode(torch.tensor([], dtype=torch.int64), torch.tensor([]), 4, "mean")
+    assert sparse.decode(frame)[0].tolist() == [0.0] * 4
+    bad = frame.clone()
+    bad[-4:] = torch.tensor([0, 0, 0x80, 0x3F], dtype=torch.uint8)  # mean 1.0 with k = 0
+    with pytest.raises(ValueError, match="k = 0 .* mean 0"):
+        sparse.decode(bad)

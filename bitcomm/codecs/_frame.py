@@ -77,30 +77,44 @@ def raise_if(flags: torch.Tensor, fallback) -> None:
         raise AssertionError("a kernel flagged a payload that the torch path accepted")
 
 
-def check_float(x: object, name: str = "x") -> torch.Tensor:
-    """Return ``x`` flattened if it is a floating-point tensor, else raise ``TypeError``."""
+def _check_tensor(x: object, name: str) -> None:
+    # A codec reads the elements: sparse layouts and tensors without storage (the meta device)
+    # have none to read, which torch would report as RuntimeError or NotImplementedError.
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected {name} to be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"expected {name} to be a dense tensor, got layout {x.layout}")
+    if x.device.type == "meta":
+        raise TypeError(f"expected {name} to hold data, got a tensor on the meta device")
+
+
+def check_float(x: object, name: str = "x") -> torch.Tensor:
+    """Return ``x`` flattened if it is a dense floating-point tensor, else raise ``TypeError``."""
+    _check_tensor(x, name)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"expected {name} to be a floating-point tensor, got dtype {x.dtype}")
     return x.detach().reshape(-1)
 
 
 def check_int(x: object, name: str = "x") -> torch.Tensor:
-    """Return ``x`` flattened if it is an integer tensor, else raise ``TypeError``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected {name} to be a torch.Tensor, got {type(x).__name__}")
+    """Return ``x`` flattened if it is a dense integer tensor, else raise ``TypeError``."""
+    _check_tensor(x, name)
     if x.dtype not in _INT_DTYPES:
         raise TypeError(f"expected {name} to be an integer tensor, got dtype {x.dtype}")
     return x.detach().reshape(-1)
 
 
 def check_count(value: object, name: str) -> int:
-    """Return ``value`` as a non-negative ``int`` or raise ``TypeError``/``ValueError``."""
+    """Return ``value`` as an ``int`` in [0, 2**63), or raise ``TypeError``/``ValueError``.
+
+    ``OverflowError`` above: counts travel in int64 header fields.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"expected {name} to be an int, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"expected {name} >= 0, got {value}")
+    if value >= 2**63:
+        raise OverflowError(f"expected {name} < 2**63 (an int64 header field), got {value}")
     return int(value)
 
 

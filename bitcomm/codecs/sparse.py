@@ -205,6 +205,9 @@ def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
         (mean,) = _frame.read_struct(buf, off, struct.Struct("<f"), _CODEC, "mean")
         if not math.isfinite(mean):
             raise ValueError(f"corrupt {_CODEC} frame: expected a finite mean, got {mean}")
+        if k == 0 and mean != 0:  # the encoder writes 0: one frame per content, none other
+            raise ValueError(f"corrupt {_CODEC} frame: expected k = 0 to come with mean 0, "
+                             f"got {mean}")
         val = torch.full((k,), mean, dtype=dtype, device=buf.device)
     return idx, val, n, end
 
