@@ -153,3 +153,19 @@ def test_run_experiment_dispatches_training_files(tmp_path):
     bad.write_text("kind: train\nmethods: [nope]\n")
     result = CliRunner().invoke(main, ["run", "experiment", str(bad)])
     assert result.exit_code != 0 and "unknown methods" in result.output
+
+
+@pytest.mark.parametrize("name", ["../../escape", "/tmp/abs", ".hidden", "a/b", "", "x" * 65])
+def test_experiment_names_stay_inside_the_results_directory(tmp_path, name):
+    from bitcomm.experiments import digits
+    from bitcomm.netem.experiment import load_experiment
+    from bitcomm.netem.topology import TopologyError
+
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(f"name: {name!r}\ntopologies: [chain-16]\nsizes: [1M]\n")
+    with pytest.raises(TopologyError, match="name: expected 1-64 letters"):
+        load_experiment(exp)
+    train = tmp_path / "train.yaml"
+    train.write_text(f"kind: train\nname: {name!r}\n")
+    with pytest.raises(ValueError, match="name: expected 1-64 letters"):
+        digits.load_config(train)

@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from bitcomm import _sizes
+from bitcomm import _names, _sizes
 from bitcomm.collectives import registry
 from bitcomm.comm import launch
 from bitcomm.netem import model as model_mod
@@ -133,7 +133,11 @@ def experiment_from(data: object, path: str | Path) -> Experiment:
         raise TopologyError(f"{path}: expected topologies to be a non-empty list")
     if not isinstance(data["sizes"], list) or not data["sizes"]:
         raise TopologyError(f"{path}: expected sizes to be a non-empty list")
-    exp = Experiment(name=str(data["name"]), topologies=[str(t) for t in data["topologies"]],
+    try:
+        name = _names.check(data["name"], f"{path}: name")
+    except ValueError as e:
+        raise TopologyError(str(e)) from None
+    exp = Experiment(name=name, topologies=[str(t) for t in data["topologies"]],
                      sizes=[_size(s, f"{path}: sizes[{i}]") for i, s in
                             enumerate(data["sizes"])])
     algorithms = data.get("algorithms", list(DEFAULT_ALGORITHMS))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from bitcomm import _names
 from bitcomm.collectives import allreduce
 from bitcomm.comm.base import Comm
 from bitcomm.comm.launch import TRANSPORTS
@@ -102,6 +103,7 @@ def config_from(data: object, path: str | os.PathLike) -> TrainConfig:
     if extra:
         raise ValueError(f"{path}: unknown keys {extra}; expected some of {sorted(fields)}")
     cfg = TrainConfig(**data)
+    _names.check(cfg.name, f"{path}: name")
     bad = [m for m in cfg.methods if m not in METHODS]
     if bad:
         raise ValueError(f"{path}: unknown methods {bad}; expected some of {sorted(METHODS)}")
