@@ -57,8 +57,8 @@ TUNING: dict[str, tuple[int, int]] = {
     "qsgd_codes": (4096, 4),
     "qsgd_values": (1024, 4),
 }
-"""Tile size and warps of each kernel's launch (``bitcomm bench codecs --device cuda`` measures
-them; any power of two is correct, the tests run the kernels at the smallest sizes too)."""
+"""Tile size and warps of each kernel's launch (``bitcomm bench codecs --device cuda`` shows
+their effect; any power of two is correct, the tests run the kernels at the smallest sizes too)."""
 
 
 def _grid(total: int, per: int) -> tuple[int]:
