@@ -82,7 +82,7 @@ def run_job(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, wha
 
     Raises:
         RuntimeError: a process exited with a non-zero status, or the job outlived
-            ``timeout``; the message names ``what`` and ends with the job's last 40 lines.
+            ``timeout``; the message names ``what`` and ends with each process's last 40 lines.
 
     """
     deadline = time.monotonic() + timeout
