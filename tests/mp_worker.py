@@ -83,9 +83,8 @@ def check(comm):
         same_everywhere(comm, out)
         assert torch.allclose(out, sum(xs), atol=1e-5) and sent == allreduce_bytes(n, size)
         k = min(n, 9)
-        for fmt in ("fp32", "qsgd", "mean"):
-            (dense, _), sent = counted(comm, lambda f=fmt: sparse_allgather(
-                comm, x, k, fmt=f, seed=5))
+        for fmt in ("fp32", sparse.Qsgd(seed=5), "mean"):
+            (dense, _), sent = counted(comm, lambda f=fmt: sparse_allgather(comm, x, k, fmt=f))
             same_everywhere(comm, dense)
             if fmt != "mean":
                 assert sent == sparse_allgather_bytes(sparse.encoded_size(n, k, fmt), size)
@@ -149,7 +148,7 @@ def check_cuda(comm):
         out = allreduce(comm, x)
         assert out.device == device
         assert torch.allclose(out.cpu(), sum(xs), atol=1e-5)
-        dense, _ = sparse_allgather(comm, x, min(n, 9), fmt="qsgd", seed=5)
+        dense, _ = sparse_allgather(comm, x, min(n, 9), fmt=sparse.Qsgd(seed=5))
         assert dense.device == device
         same_everywhere(comm, dense.cpu())
 

@@ -107,9 +107,9 @@ def test_wire_bytes_equal_the_formulas(size, check):
                                    c.counters)[1], size)
         assert all(c.total_sent == onebit_allreduce_bytes(n, size, check=check) for c in got)
         k = min(n, 5)
-        got = run_local(lambda c: (sparse_allgather(c, xs[c.rank], k, fmt="qsgd", seed=1,
+        got = run_local(lambda c: (sparse_allgather(c, xs[c.rank], k, fmt=sparse.Qsgd(seed=1),
                                                     check=check), c.counters)[1], size)
-        frame = sparse.encoded_size(n, k, "qsgd", bits=4)
+        frame = sparse.encoded_size(n, k, "qsgd")
         assert all(c.total_sent == sparse_allgather_bytes(frame, size, check=check)
                    for c in got)
 
@@ -158,9 +158,11 @@ def test_sparse_allgather_sums_top_k(fmt):
 def test_sparse_allgather_sum_of_what_was_sent(fmt):
     size, n, k = 3, 5000, 100
     xs = inputs(size, n, seed=9, zeros=False)
-    for side in ("top", "bottom"):
-        out = run_local(lambda c, s=side: sparse_allgather(c, xs[c.rank], k, fmt=fmt, side=s,
-                                                           seed=3), size)
+    sides = ("top", "bottom") if fmt == "mean" else (None,)
+    form = sparse.Qsgd(seed=3) if fmt == "qsgd" else fmt
+    for side in sides:
+        out = run_local(lambda c, s=side: sparse_allgather(c, xs[c.rank], k, fmt=form, side=s),
+                        size)
         expect = torch.zeros(n)
         for _, (idx, vals) in out:
             expect.index_add_(0, idx.long(), vals)
@@ -171,6 +173,20 @@ def test_sparse_allgather_sum_of_what_was_sent(fmt):
                 sel = x[idx.long()]
                 assert bool((sel > 0).all()) if side == "top" else bool((sel < 0).all())
                 assert torch.allclose(vals, sel.mean().expand_as(vals))
+
+
+def test_sparse_allgather_takes_qsgd_settings_as_its_value_format():
+    size, n, k = 3, 500, 20
+    xs = inputs(size, n, seed=12, zeros=False)
+    fmt = sparse.Qsgd(bits=8, bucket=16, seed=40)
+    out = run_local(lambda c: sparse_allgather(c, xs[c.rank], k, fmt=fmt), size)
+    for r, (_, (idx, vals)) in enumerate(out):
+        # rank r draws its own stream from seed + r, so ranks' rounding errors are independent
+        expect, _ = qsgd.decode(qsgd.encode(xs[r][idx], 8, 16, seed=40 + r))
+        assert torch.equal(vals, expect)
+    # a side chooses which signed tail a mean frame sends: meaningless for other formats
+    with pytest.raises(ValueError, match="side"):
+        run_local(lambda c: sparse_allgather(c, xs[c.rank], k, side="bottom"), 1)
 
 
 def onebit_reference(xs, worker_errors, server_errors):
@@ -328,7 +344,7 @@ def test_torch_only_codec_path_gives_the_same_results():
     def fn(c):
         x = xs[c.rank]
         return [ring_majority(c, x), ring_majority(c, x, packing="radix"),
-                alltoall_majority(c, x), sparse_allgather(c, x, 100, fmt="qsgd", seed=1)[0],
+                alltoall_majority(c, x), sparse_allgather(c, x, 100, fmt=sparse.Qsgd(seed=1))[0],
                 onebit_allreduce(c, x, OneBitState(n, size))]
     fast = run_local(fn, size)
     with forced("torch"):

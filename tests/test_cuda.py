@@ -107,7 +107,7 @@ def test_collectives_on_cuda_tensors_match_cpu():
             outs = [ring_majority(c, x), ring_majority(c, x, packing="radix"),
                     alltoall_majority(c, x), ring_majority_packed(c, x),
                     onebit_allreduce(c, x, states[c.rank]),
-                    sparse_allgather(c, x, 100, fmt="qsgd", seed=1)[0], allreduce(c, x)]
+                    sparse_allgather(c, x, 100, fmt=sparse.Qsgd(seed=1))[0], allreduce(c, x)]
             assert all(o.device.type == torch.device(device).type for o in outs)
             return [o.cpu() for o in outs]
         return run_local(fn, size)[0]

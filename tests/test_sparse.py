@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bitcomm.codecs import sparse
+from bitcomm.codecs import qsgd, sparse
 
 from conftest import host_reads, unhex
 
@@ -25,7 +25,7 @@ def test_round_trip_and_size(fmt):
         val = torch.randn(k, generator=g)
         if fmt == "mean":
             val = val.abs() + 0.1
-        frame = sparse.encode(idx, val, n, fmt, seed=1)
+        frame = sparse.encode(idx, val, n, sparse.Qsgd(seed=1) if fmt == "qsgd" else fmt)
         assert frame.numel() == sparse.encoded_size(n, k, fmt)
         dense, used = sparse.decode(frame)
         assert used == frame.numel() and dense.numel() == n
@@ -83,7 +83,7 @@ def test_bad_input():
             sparse.encode(torch.tensor([1]), torch.tensor([1e300], dtype=torch.float64), 4, fmt)
     with pytest.raises(OverflowError, match="fp16"):
         sparse.encode(torch.tensor([1]), torch.tensor([1e5]), 4, "fp16")
-    with pytest.raises(ValueError, match="values in"):
+    with pytest.raises(ValueError, match="fmt in"):
         sparse.encode(torch.tensor([1]), torch.tensor([1.0]), 4, "bf16")
     with pytest.raises(TypeError, match="integer tensor"):
         sparse.encode(torch.tensor([1.0]), torch.tensor([1.0]), 4)
@@ -167,3 +167,27 @@ def test_a_mean_frame_without_entries_must_say_zero():
     bad[-4:] = torch.tensor([0, 0, 0x80, 0x3F], dtype=torch.uint8)  # mean 1.0 with k = 0
     with pytest.raises(ValueError, match="k = 0 .* mean 0"):
         sparse.decode(bad)
+
+
+def test_qsgd_settings_travel_as_one_value_format():
+    # qsgd's options belong to the qsgd value format, not to every call of the sparse codec
+    idx, val, n = torch.tensor([7, 1, 4]), torch.tensor([0.5, -2.0, 1.25]), 10
+    fmt = sparse.Qsgd(bits=2, bucket=8, scale="l2", seed=9)
+    frame = sparse.encode(idx, val, n, fmt)
+    inner = qsgd.encode(torch.tensor([-2.0, 1.25, 0.5]), 2, 8, scale="l2", seed=9)
+    assert frame[17 + 3 * 4:].tolist() == inner.tolist()  # values in index order
+    assert frame.numel() == sparse.encoded_size(n, 3, fmt) == 17 + 12 + inner.numel()
+    # the name "qsgd" is the default settings
+    assert sparse.encoded_size(n, 3, "qsgd") == sparse.encoded_size(n, 3, sparse.Qsgd())
+    with pytest.raises(ValueError, match="bits"):
+        sparse.Qsgd(bits=3)
+    with pytest.raises(ValueError, match="bucket"):
+        sparse.Qsgd(bucket=0)
+    with pytest.raises(ValueError, match="scale"):
+        sparse.Qsgd(scale="mean")
+    with pytest.raises(TypeError, match="seed"):
+        sparse.Qsgd(seed=1.5)
+    with pytest.raises(TypeError):  # no qsgd options on the sparse codec's own signature
+        sparse.encode(idx, val, n, "qsgd", bits=2)
+    with pytest.raises(ValueError, match="fmt"):
+        sparse.encode(idx, val, n, object())

@@ -56,7 +56,8 @@ import torch
 
 from bitcomm.codecs import _frame, _rng
 
-__all__ = ["encode", "decode", "encoded_size", "HEADER", "BITS", "SCALES", "DEFAULT_BUCKET"]
+__all__ = ["encode", "decode", "encoded_size", "check_config", "HEADER", "BITS", "SCALES",
+           "DEFAULT_BUCKET"]
 
 HEADER = struct.Struct("<qBBI")
 """Frame header: n (int64), bits (uint8), scale kind (uint8), bucket (uint32); 14 bytes."""
@@ -70,7 +71,13 @@ _CODEC = "qsgd"
 _CHUNK = 1 << 18  # elements quantised per pass, to stay in cache
 
 
-def _check_config(bits: object, bucket: object, scale: object) -> tuple[int, int, str]:
+def check_config(bits: object, bucket: object, scale: object) -> tuple[int, int, str]:
+    """Return ``(bits, bucket, scale)`` as plain values, or raise naming the bad one.
+
+    ``TypeError`` for a non-int ``bits`` or ``bucket``, ``ValueError`` for ``bits`` outside
+    :data:`BITS`, a bucket outside ``[1, 2**32 - 1]`` (its header field is a uint32) or a scale
+    outside :data:`SCALES`.
+    """
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
         raise TypeError(f"expected bits to be an int, got {type(bits).__name__}")
     if bits not in BITS:
@@ -87,7 +94,7 @@ def _check_config(bits: object, bucket: object, scale: object) -> tuple[int, int
 def encoded_size(n: int, bits: int = 4, bucket: int = DEFAULT_BUCKET) -> int:
     """Return the exact frame size: 14 + 4 * ceil(n / bucket) + ceil(n * bits / 8) bytes."""
     n = _frame.check_count(n, "n")
-    bits, bucket, _ = _check_config(bits, bucket, "max")
+    bits, bucket, _ = check_config(bits, bucket, "max")
     return HEADER.size + 4 * (-(-n // bucket)) + (n * bits + 7) // 8
 
 
@@ -182,7 +189,7 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
 
     """
     v = _frame.check_float(x)
-    bits, bucket, scale = _check_config(bits, bucket, scale)
+    bits, bucket, scale = check_config(bits, bucket, scale)
     key = _rng.key_from(seed, generator)
     n = v.numel()
     path = _frame.backend(v)

@@ -20,6 +20,9 @@ Wire format
                                mean: one float32 LE, the value of every entry (RedSync's
                                sign-uniform mean, 5.2.3)
 
+qsgd's settings (bits, bucket, scale, seed) travel as the value format :class:`Qsgd`, not as
+options of every call; the qsgd block's own header records bits, bucket and scale.
+
 The encoder sorts the entries by index (the canonical order, which also makes frames identical
 across devices); duplicate or out-of-range indices raise ``ValueError``. Non-finite values raise
 ``ValueError``; values too large for fp16 raise ``OverflowError``.
@@ -33,6 +36,7 @@ Worked example: ``encode(torch.tensor([5, 2]), torch.tensor([1.0, -2.0]), n=8)``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 
@@ -40,7 +44,8 @@ import torch
 
 from bitcomm.codecs import _frame, qsgd
 
-__all__ = ["encode", "decode", "decode_entries", "encoded_size", "HEADER", "FORMATS"]
+__all__ = ["encode", "decode", "decode_entries", "encoded_size", "value_format", "Qsgd",
+           "ValueFormat", "HEADER", "FORMATS"]
 
 HEADER = struct.Struct("<qqB")
 """Frame header: n (int64), k (int64), value format (uint8); 17 bytes."""
@@ -55,46 +60,76 @@ def _index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 1 << 31 else torch.int64
 
 
-def _check_format(values: object) -> str:
-    if values not in FORMATS:
-        raise ValueError(f"expected values in {FORMATS}, got {values!r}")
-    return str(values)
+@dataclasses.dataclass(frozen=True)
+class Qsgd:
+    """The ``qsgd`` value format with its settings (see :mod:`bitcomm.codecs.qsgd`).
 
+    The name ``"qsgd"`` means ``Qsgd()``. The settings are checked when the object is made, so a
+    bad one fails before anything is selected, encoded or sent.
 
-def encoded_size(n: int, k: int, values: str = "fp32", *, bits: int = 4,
-                 bucket: int = qsgd.DEFAULT_BUCKET) -> int:
-    """Return the exact frame size in bytes for ``k`` entries of an ``n``-vector.
+    Attributes:
+        bits: 2, 4 or 8 bits per value.
+        bucket: values per fp32 scale.
+        scale: ``"max"`` or ``"l2"``.
+        seed: int making the rounding reproducible; ``None`` draws the stream key from torch's
+            default generator (one draw per frame).
 
-    ``bits`` and ``bucket`` matter only for ``values="qsgd"``.
     """
+
+    bits: int = 4
+    bucket: int = qsgd.DEFAULT_BUCKET
+    scale: str = "max"
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        qsgd.check_config(self.bits, self.bucket, self.scale)
+        if self.seed is not None and (isinstance(self.seed, bool)
+                                      or not isinstance(self.seed, int)):
+            raise TypeError(f"expected seed to be an int or None, got "
+                            f"{type(self.seed).__name__}")
+
+
+ValueFormat = str | Qsgd
+"""A value format: a name in :data:`FORMATS`, or a :class:`Qsgd` with settings."""
+
+
+def value_format(fmt: object) -> str | Qsgd:
+    """Return ``fmt`` as ``"fp32"``, ``"fp16"``, ``"mean"`` or a :class:`Qsgd`; raise otherwise.
+
+    ``ValueError`` names the choices for anything that is neither a name in :data:`FORMATS` nor
+    a :class:`Qsgd`.
+    """
+    if isinstance(fmt, Qsgd):
+        return fmt
+    if isinstance(fmt, str) and fmt in FORMATS:
+        return Qsgd() if fmt == "qsgd" else fmt
+    raise ValueError(f"expected fmt in {FORMATS} or a sparse.Qsgd, got {fmt!r}")
+
+
+def encoded_size(n: int, k: int, fmt: ValueFormat = "fp32") -> int:
+    """Return the exact frame size in bytes for ``k`` entries of an ``n``-vector."""
     n = _frame.check_count(n, "n")
     k = _frame.check_count(k, "k")
-    fmt = _check_format(values)
+    fmt = value_format(fmt)
     size = HEADER.size + k * _index_dtype(n).itemsize
+    if isinstance(fmt, Qsgd):
+        return size + qsgd.encoded_size(k, fmt.bits, fmt.bucket)
     if fmt == "fp32":
         return size + 4 * k
     if fmt == "fp16":
         return size + 2 * k
-    if fmt == "qsgd":
-        return size + qsgd.encoded_size(k, bits, bucket)
     return size + 4
 
 
-def encode(indices: torch.Tensor, values: torch.Tensor, n: int, fmt: str = "fp32", *,
-           bits: int = 4, bucket: int = qsgd.DEFAULT_BUCKET, scale: str = "max",
-           seed: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
+           fmt: ValueFormat = "fp32") -> torch.Tensor:
     """Encode entries ``(indices[i], values[i])`` of an ``n``-vector as one sparse frame.
 
     Args:
         indices: integer tensor of k distinct positions in ``[0, n)``, any order.
         values: float tensor of k values (for ``fmt="mean"``, their mean is what is sent).
         n: the dense length.
-        fmt: ``"fp32"``, ``"fp16"``, ``"qsgd"`` or ``"mean"``.
-        bits: qsgd bits per value (``fmt="qsgd"`` only, as are the next four).
-        bucket: qsgd bucket size.
-        scale: qsgd scale kind.
-        seed: qsgd seed.
-        generator: qsgd generator.
+        fmt: ``"fp32"``, ``"fp16"``, ``"mean"``, ``"qsgd"`` or a :class:`Qsgd` with settings.
 
     Returns:
         uint8 frame on ``values``' device, :func:`encoded_size` bytes long.
@@ -103,7 +138,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int, fmt: str = "fp32
     idx = _frame.check_int(indices, "indices")
     val = _frame.check_float(values, "values")
     n = _frame.check_count(n, "n")
-    fmt = _check_format(fmt)
+    fmt = value_format(fmt)
     k = idx.numel()
     if val.numel() != k:
         raise ValueError(f"expected as many values as indices ({k}), got {val.numel()}")
@@ -113,16 +148,17 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int, fmt: str = "fp32
         idx, order = idx.sort()
         val = val[order]
         _check_entries(idx, val, n, fp16=fmt == "fp16")
+    code = FORMATS.index("qsgd" if isinstance(fmt, Qsgd) else fmt)
     parts = [
-        _frame.host_bytes(HEADER.pack(n, k, FORMATS.index(fmt)), device),
+        _frame.host_bytes(HEADER.pack(n, k, code), device),
         _frame.float_bytes(idx.to(_index_dtype(n))),
     ]
-    if fmt == "fp32":
+    if isinstance(fmt, Qsgd):
+        parts.append(qsgd.encode(val, fmt.bits, fmt.bucket, scale=fmt.scale, seed=fmt.seed))
+    elif fmt == "fp32":
         parts.append(_frame.float_bytes(val.to(torch.float32)))
     elif fmt == "fp16":
         parts.append(_frame.float_bytes(val.to(torch.float16)))
-    elif fmt == "qsgd":
-        parts.append(qsgd.encode(val, bits, bucket, scale=scale, seed=seed, generator=generator))
     else:
         # Accumulated in float64, rounded once to float32, on the device: no host round trip.
         mean = (val.to(torch.float64).mean() if k else torch.zeros((), dtype=torch.float64,

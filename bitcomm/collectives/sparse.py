@@ -10,16 +10,17 @@ Bytes sent by a rank whose frame has ``F`` bytes (:func:`sparse_allgather_bytes`
 
     (N - 1) * (8 + F)  + 16 * (N - 1) with check
 
-with ``F = sparse.encoded_size(n, k, fmt, ...)`` (for ``fmt="mean"`` the k actually selected).
+with ``F = sparse.encoded_size(n, k, fmt)`` (for ``fmt="mean"`` the k actually selected).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import torch
 
-from bitcomm.codecs import qsgd, redsync, select, sparse
+from bitcomm.codecs import redsync, select, sparse
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm
 
@@ -30,22 +31,22 @@ FORMATS = sparse.FORMATS
 _LEN = struct.Struct("<q")
 
 
-def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: str = "fp32",
-                     method: str = "topk", side: str = "top", bits: int = 4,
-                     bucket: int = qsgd.DEFAULT_BUCKET, seed: int | None = None,
-                     check: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFormat = "fp32",
+                     method: str = "topk", side: str | None = None, check: bool = True
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Sum every rank's k selected elements into a dense tensor.
 
     Args:
         comm: the transport.
         x: float tensor, the same number of elements on every rank.
         k: elements each rank selects (by ``|x|``, or the signed side for ``fmt="mean"``).
-        fmt: value format: ``"fp32"``, ``"fp16"``, ``"qsgd"`` or ``"mean"`` (sign-uniform mean).
+        fmt: value format: ``"fp32"``, ``"fp16"``, ``"mean"`` (sign-uniform mean), ``"qsgd"``,
+            or a :class:`bitcomm.codecs.sparse.Qsgd` with its settings. With a qsgd seed ``s``,
+            rank ``r`` rounds with seed ``s + r``, so the ranks' rounding errors are
+            independent.
         method: selector: ``"topk"``, ``"trimmed"`` or ``"threshold"``.
-        side: ``"top"`` or ``"bottom"`` for ``fmt="mean"`` (RedSync alternates them).
-        bits: qsgd bits (``fmt="qsgd"``).
-        bucket: qsgd bucket (``fmt="qsgd"``).
-        seed: qsgd seed; rank ``r`` uses ``seed + r`` so ranks draw independent streams.
+        side: ``"top"`` (default) or ``"bottom"``: the signed tail a ``fmt="mean"`` frame
+            sends (RedSync alternates them); other formats select by ``|x|`` and take none.
         check: agree on the input first (raises on every rank for bad input).
 
     Returns:
@@ -53,22 +54,26 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: str = "fp32",
         entries this rank sent as the receivers decode them, for residual bookkeeping.
 
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"expected fmt in {FORMATS}, got {fmt!r}")
+    fmt = sparse.value_format(fmt)
     if method not in select.METHODS:
         raise ValueError(f"expected method in {select.METHODS}, got {method!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"expected k to be an int >= 0, got {k!r}")
+    if side is not None and fmt != "mean":
+        raise ValueError(f"side applies to fmt='mean' only, got side={side!r} with fmt={fmt!r}")
+    if side is not None and side not in redsync.SIDES:
+        raise ValueError(f"expected side in {redsync.SIDES}, got {side!r}")
     v = _common.prepare(comm, x, check, "sparse_allgather", float32=True)
     n = v.numel()
     if k > n:
         raise ValueError(f"expected k <= {n} elements, got k={k}")
     if fmt == "mean":
-        frame = redsync.encode(v, k, side, method)
+        frame = redsync.encode(v, k, side or "top", method)
     else:
         idx = select.select(v.abs(), k, method, check=False)
-        rank_seed = None if seed is None else seed + comm.rank
-        frame = sparse.encode(idx, v[idx], n, fmt, bits=bits, bucket=bucket, seed=rank_seed)
+        if isinstance(fmt, sparse.Qsgd) and fmt.seed is not None:
+            fmt = dataclasses.replace(fmt, seed=fmt.seed + comm.rank)
+        frame = sparse.encode(idx, v[idx], n, fmt)
     if comm.size > 1:
         mine = torch.frombuffer(bytearray(_LEN.pack(frame.numel())), dtype=torch.uint8)
         lengths = [_LEN.unpack(bytes(t.cpu().tolist()))[0]
