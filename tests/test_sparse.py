@@ -169,6 +169,18 @@ def test_a_mean_frame_without_entries_must_say_zero():
         sparse.decode(bad)
 
 
+def test_a_mean_of_zero_is_written_one_way():
+    # The mean accumulates from +0, so the encoder writes +0 for values that are all +-0; a frame
+    # with -0 would be a second frame for the same content, and is refused.
+    for k in (0, 2):
+        frame = sparse.encode(torch.arange(k), torch.tensor([-0.0] * k), 4, "mean")
+        assert frame[-4:].tolist() == [0, 0, 0, 0]
+        bad = frame.clone()
+        bad[-1] = 0x80
+        with pytest.raises(ValueError, match="mean"):
+            sparse.decode(bad)
+
+
 def test_qsgd_settings_travel_as_one_value_format():
     # qsgd's options belong to the qsgd value format, not to every call of the sparse codec
     idx, val, n = torch.tensor([7, 1, 4]), torch.tensor([0.5, -2.0, 1.25]), 10

@@ -133,7 +133,7 @@ def _cases(x: torch.Tensor, n: int, seed: int):
 
     yield "sign", (lambda: sign.pack(x)), (lambda f: sign.unpack(f, n)), sign_check
     yield ("sign-scaled", (lambda: sign.encode_scaled(x)),
-           (lambda f: sign.decode_scaled(f)[0]),
+           (lambda f: sign.decode_scaled(f, n=n)[0]),
            lambda out: int((torch.sign(out) != ref_sign).sum()))
     for m in (1, 3, 7, 15):
         c = torch.randint(0, m + 1, (n,), generator=gen, dtype=torch.uint8).to(device)
@@ -152,15 +152,15 @@ def _cases(x: torch.Tensor, n: int, seed: int):
             return int(((out - x).abs() > bound).sum())
 
         yield (f"qsgd-{b}", (lambda b=b: qsgd.encode(x, b, seed=seed)),
-               (lambda f: qsgd.decode(f)[0]), qcheck)
+               (lambda f: qsgd.decode(f, n=n)[0]), qcheck)
     k = max(1, n // 100)
     yield ("redsync-1%", (lambda: redsync.encode(x, k, "top", "trimmed")),
-           (lambda f: redsync.decode(f)[0]),
+           (lambda f: redsync.decode(f, n=n)[0]),
            lambda out: int(((out > 0).sum() != k)))
     idx = torch.topk(x.abs(), k).indices
     vals = x[idx]
     yield ("sparse-fp32-1%", (lambda: sparse.encode(idx, vals, n)),
-           (lambda f: sparse.decode(f)[0]),
+           (lambda f: sparse.decode(f, n=n)[0]),
            lambda out: int((out[idx] != vals).sum()))
 
 

@@ -14,9 +14,15 @@ Every ``decode`` returns ``(result, bytes_consumed)`` (the convention of Python'
 module), so frames can be read back to back from one buffer. :func:`backend` says which
 implementation a tensor gets (numpy on the CPU, Triton kernels on CUDA, torch ops otherwise);
 all three write the same bytes.
+
+Decoders allocate only what their frame can justify: every ``decode`` takes an optional ``n``,
+the length the caller expects (a header that says otherwise is a ``ValueError``), and without
+one refuses a header length above ``max(MIN_DECODE_LIMIT, MAX_ELEMENTS_PER_BYTE * frame
+bytes)``, which only outputs that no payload backs can reach.
 """
 
 from bitcomm.codecs import bits, counts, qsgd, redsync, select, sign, sparse
-from bitcomm.codecs._frame import backend
+from bitcomm.codecs._frame import MAX_ELEMENTS_PER_BYTE, MIN_DECODE_LIMIT, backend
 
-__all__ = ["backend", "bits", "counts", "qsgd", "redsync", "select", "sign", "sparse"]
+__all__ = ["backend", "MAX_ELEMENTS_PER_BYTE", "MIN_DECODE_LIMIT", "bits", "counts", "qsgd",
+           "redsync", "select", "sign", "sparse"]

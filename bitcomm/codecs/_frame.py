@@ -118,6 +118,37 @@ def check_count(value: object, name: str) -> int:
     return int(value)
 
 
+MIN_DECODE_LIMIT = 1 << 16
+"""Elements any frame may decode to without the caller stating a length."""
+MAX_ELEMENTS_PER_BYTE = 4096
+"""Beyond :data:`MIN_DECODE_LIMIT`, elements a decoder may produce per byte of its frame when the
+caller states no length. A payload byte holds at most 8 elements (1-bit signs), so only outputs
+that no payload backs (zero counts, the zeros of a densified sparse frame) can reach it: a sparse
+frame of 8-byte entries stands for densities down to 1/512 of its length, and a caller that
+expects a sparser one passes ``n``."""
+
+
+def check_length(n: int, frame_bytes: int, expected: object, codec: str,
+                 field: str = "n") -> None:
+    """Raise unless a header's element count ``n`` may be allocated.
+
+    With ``expected`` (callers that know the length, such as the collectives) ``n`` must equal
+    it; without, ``n`` may be at most ``max(MIN_DECODE_LIMIT, MAX_ELEMENTS_PER_BYTE *
+    frame_bytes)``, so a corrupt or hostile header cannot make a tiny frame allocate gigabytes.
+    ``ValueError`` names the field; a non-int ``expected`` is a ``TypeError``.
+    """
+    if expected is not None:
+        if check_count(expected, field) != n:
+            raise ValueError(f"corrupt {codec} frame: expected {field}={expected}, got "
+                             f"{field}={n}")
+        return
+    limit = max(MIN_DECODE_LIMIT, MAX_ELEMENTS_PER_BYTE * frame_bytes)
+    if n > limit:
+        raise ValueError(f"{codec} frame: header {field}={n} is more than a {frame_bytes}-byte "
+                         f"frame can justify ({limit} elements); pass {field}= with the "
+                         f"length you expect to accept it")
+
+
 def as_buffer(buf: object, name: str = "frame") -> torch.Tensor:
     """Return ``buf`` as a contiguous 1-D uint8 tensor (bytes-like objects are copied to CPU)."""
     if isinstance(buf, (bytes, bytearray, memoryview)):

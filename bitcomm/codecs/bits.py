@@ -193,16 +193,21 @@ def encode(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([header, payload])
 
 
-def decode(frame: torch.Tensor, *, dtype: torch.dtype | None = None
+def decode(frame: torch.Tensor, *, dtype: torch.dtype | None = None, n: int | None = None
            ) -> tuple[torch.Tensor, int]:
     """Decode one frame from the start of ``frame``; return ``(values, bytes_consumed)``.
 
     Bytes after the frame are left alone, so frames can be read back to back.
+
+    ``n``: the length the caller expects, checked against the header (``ValueError``); without
+    it the header's length is bounded as :mod:`bitcomm.codecs` says.
     """
     buf = _frame.as_buffer(frame)
+    expected = n
     n, width = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
     if n < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
+    _frame.check_length(n, buf.numel(), expected, _CODEC)
     if not 1 <= width <= MAX_WIDTH:
         raise ValueError(f"corrupt {_CODEC} frame: expected width in 1..{MAX_WIDTH}, got {width}")
     end = HEADER.size + width * ((n + 7) // 8)

@@ -250,13 +250,22 @@ def encode(x: torch.Tensor, m: int, packing: str = "fixed") -> torch.Tensor:
     return torch.cat([_frame.host_bytes(header, v.device), payload])
 
 
-def decode(frame: torch.Tensor, *, dtype: torch.dtype | None = None
+def decode(frame: torch.Tensor, *, dtype: torch.dtype | None = None, n: int | None = None
            ) -> tuple[torch.Tensor, int]:
-    """Decode one counts frame; return ``(counts, bytes_consumed)``."""
+    """Decode one counts frame; return ``(counts, bytes_consumed)``.
+
+    A frame with ``m = 0`` has no payload, so only the bound on its length keeps a corrupt
+    header from allocating gigabytes of zeros.
+
+    ``n``: the length the caller expects, checked against the header (``ValueError``); without
+    it the header's length is bounded as :mod:`bitcomm.codecs` says.
+    """
     buf = _frame.as_buffer(frame)
+    expected = n
     n, m, code = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
     if n < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
+    _frame.check_length(n, buf.numel(), expected, _CODEC)
     if code >= len(PACKINGS):
         raise ValueError(f"corrupt {_CODEC} frame: expected packing code 0 or 1, got {code}")
     packing = PACKINGS[code]

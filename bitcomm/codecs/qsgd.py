@@ -319,17 +319,23 @@ def _encode_torch(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
 
 
 
-def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
+def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32, n: int | None = None
            ) -> tuple[torch.Tensor, int]:
     """Decode one qsgd frame to ``sign * (level * step)``; return ``(values, consumed)``.
 
     ``step = scale / s`` is one correctly rounded float32 division per bucket and each value
-    one float32 product, so every device decodes a frame to the same bits.
+    one float32 product, so every device decodes a frame to the same bits. The bucket size
+    never sizes an allocation (a frame may legally have one bucket of 2**32 - 1 elements).
+
+    ``n``: the length the caller expects, checked against the header (``ValueError``); without
+    it the header's length is bounded as :mod:`bitcomm.codecs` says.
     """
     buf = _frame.as_buffer(frame)
+    expected = n
     n, bits, scale_code, bucket = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
     if n < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
+    _frame.check_length(n, buf.numel(), expected, _CODEC)
     if bits not in BITS:
         raise ValueError(f"corrupt {_CODEC} frame: expected bits in {BITS}, got {bits}")
     if scale_code >= len(SCALES):
@@ -354,11 +360,12 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
     codes = _unpack_codes(codes, n, bits)
     level = (codes & s).to(torch.float32)
     neg = (codes >> (bits - 1)).bool()
-    if n % bucket == 0:
-        out = level.view(nb, bucket).mul_(step.unsqueeze(1)).view(-1)
-    else:
-        out = level.mul_(step.repeat_interleave(bucket)[:n])
-    out = torch.where(neg, -out, out)
+    full = n // bucket
+    if full:
+        level[: full * bucket].view(full, bucket).mul_(step[:full].unsqueeze(1))
+    if full < nb:  # the last, partial bucket
+        level[full * bucket :].mul_(step[full])
+    out = torch.where(neg, -level, level)
     return out.to(dtype), end
 
 

@@ -199,13 +199,19 @@ def encode(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([header, pack(v)])
 
 
-def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
+def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32, n: int | None = None
            ) -> tuple[torch.Tensor, int]:
-    """Decode one sign frame to +1/-1 values; return ``(values, bytes_consumed)``."""
+    """Decode one sign frame to +1/-1 values; return ``(values, bytes_consumed)``.
+
+    ``n``: the length the caller expects, checked against the header (``ValueError``); without
+    it the header's length is bounded as :mod:`bitcomm.codecs` says.
+    """
     buf = _frame.as_buffer(frame)
+    expected = n
     (n,) = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
     if n < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
+    _frame.check_length(n, buf.numel(), expected, _CODEC)
     end = HEADER.size + (n + 7) // 8
     _frame.need(buf, end, _CODEC, "payload")
     return unpack(buf[HEADER.size:end], n, dtype=dtype), end
@@ -256,13 +262,19 @@ def encode_scaled(x: torch.Tensor, scale: str = "rms") -> torch.Tensor:
     return torch.cat([header, pack(v)])
 
 
-def decode_scaled(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
-                  ) -> tuple[torch.Tensor, int]:
-    """Decode a scaled-sign frame to ``scale * (+1/-1)``; return ``(values, bytes_consumed)``."""
+def decode_scaled(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32,
+                  n: int | None = None) -> tuple[torch.Tensor, int]:
+    """Decode a scaled-sign frame to ``scale * (+1/-1)``; return ``(values, bytes_consumed)``.
+
+    ``n``: the length the caller expects, checked against the header (``ValueError``); without
+    it the header's length is bounded as :mod:`bitcomm.codecs` says.
+    """
     buf = _frame.as_buffer(frame)
+    expected = n
     n, s = _frame.read_struct(buf, 0, SCALED_HEADER, _CODEC, "header")
     if n < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
+    _frame.check_length(n, buf.numel(), expected, _CODEC)
     if not math.isfinite(s) or s < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected a finite scale >= 0, got {s}")
     end = SCALED_HEADER.size + (n + 7) // 8

@@ -191,13 +191,20 @@ def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) 
                             f"{float(val.abs().max().item())}")
 
 
-def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
-                   ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Decode one sparse frame to ``(indices, values, n, bytes_consumed)`` without densifying."""
+def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32,
+                   n: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Decode one sparse frame to ``(indices, values, n, bytes_consumed)`` without densifying.
+
+    Allocates only the k entries the frame carries, so any dense length is accepted; ``n``, the
+    length the caller expects, is checked against the header (``ValueError``).
+    """
     buf = _frame.as_buffer(frame)
+    expected = n
     n, k, code = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
     if n < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
+    if expected is not None:
+        _frame.check_length(n, buf.numel(), expected, _CODEC)
     if not 0 <= k <= n:
         raise ValueError(f"corrupt {_CODEC} frame: expected 0 <= k <= n={n}, got k={k}")
     if code >= len(FORMATS):
@@ -244,28 +251,40 @@ def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32
         if k == 0 and mean != 0:  # the encoder writes 0: one frame per content, none other
             raise ValueError(f"corrupt {_CODEC} frame: expected k = 0 to come with mean 0, "
                              f"got {mean}")
+        if mean == 0 and math.copysign(1.0, mean) < 0:  # the mean accumulates from +0
+            raise ValueError(f"corrupt {_CODEC} frame: expected a zero mean to be +0, got -0")
         val = torch.full((k,), mean, dtype=dtype, device=buf.device)
     return idx, val, n, end
 
 
 def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
-           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
+           dtype: torch.dtype = torch.float32, n: int | None = None
+           ) -> tuple[torch.Tensor, int]:
     """Decode one sparse frame into a dense vector; return ``(dense, bytes_consumed)``.
 
     Args:
         frame: buffer starting with a sparse frame.
-        out: optional 1-D float tensor of length n to *add* the entries into (returned).
+        out: optional 1-D float tensor of length n to *add* the entries into (returned); its
+            length is the one expected.
         dtype: dtype of a freshly allocated result when ``out`` is not given.
+        n: the dense length the caller expects (``ValueError`` if the header says otherwise).
+            Without ``n`` or ``out``, the header's length is bounded as :mod:`bitcomm.codecs`
+            says: the zeros of a dense vector are backed by no payload.
 
     """
-    idx, val, n, end = decode_entries(frame, dtype=dtype if out is None else out.dtype)
+    buf = _frame.as_buffer(frame)
+    header_n = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")[0]
+    if out is not None:
+        _frame.check_float(out, "out")
+        if out.dim() != 1 or out.numel() != header_n:
+            raise ValueError(f"expected out to be 1-D of length {header_n} (the frame's n), "
+                             f"got shape {tuple(out.shape)}")
+    if header_n >= 0:  # a negative n is reported by decode_entries
+        expected = out.numel() if n is None and out is not None else n
+        _frame.check_length(header_n, buf.numel(), expected, _CODEC)
+    idx, val, n, end = decode_entries(buf, dtype=dtype if out is None else out.dtype)
     if out is None:
         out = torch.zeros(n, dtype=dtype, device=val.device)
-    else:
-        _frame.check_float(out, "out")
-        if out.dim() != 1 or out.numel() != n:
-            raise ValueError(f"expected out to be 1-D of length {n}, got shape "
-                             f"{tuple(out.shape)}")
     # Indices are distinct, so index_add_ is deterministic on every device.
     out.index_add_(0, idx.to(out.device), val.to(out.device))
     return out, end

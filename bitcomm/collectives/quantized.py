@@ -46,10 +46,11 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
     v = _common.prepare(comm, x, check, "qsgd_allgather", float32=True)
     frame = qsgd.encode(v, bits, bucket, seed=None if seed is None else seed + comm.rank)
     frames = comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1 else [frame]
-    total = torch.zeros(v.numel(), dtype=torch.float32, device=v.device)
-    for f in frames:
-        total += qsgd.decode(f.to(v.device))[0]
-    sent = qsgd.decode(frame)[0]
+    n = v.numel()
+    total = torch.zeros(n, dtype=torch.float32, device=v.device)
+    for f in frames:  # every frame must hold n values: a peer's bad frame is a ValueError
+        total += qsgd.decode(f.to(v.device), n=n)[0]
+    sent = qsgd.decode(frame, n=n)[0]
     return total.div_(comm.size).reshape(x.shape), sent.reshape(x.shape)
 
 

@@ -84,7 +84,7 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
     dense = torch.zeros(n, dtype=torch.float32, device=v.device)
     for f in frames:
         sparse.decode(f.to(v.device), out=dense)
-    indices, values, _, _ = sparse.decode_entries(frame)
+    indices, values, _, _ = sparse.decode_entries(frame, n=n)
     return dense.reshape(x.shape), (indices, values)
 
 
