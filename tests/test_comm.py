@@ -111,3 +111,25 @@ def test_run_job_streams_progress_and_reports_failures():
         run_job([job("print('started', flush=True); import time; time.sleep(60)")], timeout=1,
                 what="slow job")
     assert time.monotonic() - t0 < 30  # killed, not waited for
+
+
+def test_a_failed_rank_does_not_stop_waits_on_ranks_that_are_still_sending():
+    # Rank 0 finishes the exchange and fails; rank 1 still waits for rank 2's message, which rank
+    # 2 (alive, only slow) sends late. Rank 1 must get it and fail on its own terms, as rank 0
+    # did, instead of giving up because some rank failed.
+    import time
+
+    def fn(comm):
+        if comm.rank == 2:
+            put = comm._put
+
+            def slow_to_rank_1(dest, item, blocking=True):
+                if dest == 1:
+                    time.sleep(0.5)
+                put(dest, item, blocking)
+            comm._put = slow_to_rank_1
+        got = comm.allgatherv(torch.full((4,), comm.rank, dtype=torch.uint8), [4] * 3)
+        raise ValueError(f"every rank saw {[int(g[0]) for g in got]}")
+
+    out = run_local(fn, 3, return_exceptions=True, timeout=10)
+    assert [str(e) for e in out] == ["every rank saw [0, 1, 2]"] * 3, out

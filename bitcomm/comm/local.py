@@ -1,9 +1,10 @@
 """In-process transport: ``size`` ranks as threads sharing queues, for fast tests and tracing.
 
 Each ordered pair of ranks has a FIFO queue; ``send`` puts a copy of the bytes, ``recv`` takes
-the next message and checks its length. Every blocking wait polls a shared failure flag, so when
-one rank raises, the others stop at their next wait with ``RuntimeError`` naming it, and no wait
-lasts longer than ``timeout`` seconds (``TimeoutError`` naming the peer).
+the next message and checks its length. Every blocking wait polls the group's record of failed
+ranks, so when a rank raises, a wait for a message it never sent stops with ``RuntimeError``
+naming it (and the ranks waiting on that one stop in turn, as a dead MPI peer would be noticed),
+and no wait lasts longer than ``timeout`` seconds (``TimeoutError`` naming the peer).
 
 Example::
 
@@ -29,7 +30,7 @@ _POLL = 0.05  # seconds between checks of the failure flag while waiting
 
 
 class LocalGroup:
-    """Queues, failure flag and timeout shared by the ranks of one in-process group."""
+    """Queues, failed ranks and timeout shared by the ranks of one in-process group."""
 
     __slots__ = ("size", "timeout", "queues", "failed", "_barrier")
 
@@ -41,7 +42,7 @@ class LocalGroup:
         self.size = size
         self.timeout = float(timeout)
         self.queues = {(s, d): queue.SimpleQueue() for s in range(size) for d in range(size)}
-        self.failed: list[str] = []
+        self.failed: dict[int, str] = {}  # rank -> why, in the order they failed
         self._barrier = threading.Barrier(size)
 
     def comm(self, rank: int) -> LocalComm:
@@ -49,8 +50,8 @@ class LocalGroup:
         return LocalComm(self, rank)
 
     def fail(self, rank: int, error: BaseException) -> None:
-        """Record that ``rank`` failed, so the others stop waiting; break the barrier."""
-        self.failed.append(f"rank {rank} failed with {type(error).__name__}: {error}")
+        """Record that ``rank`` failed, so waits on it stop; break the barrier."""
+        self.failed.setdefault(rank, f"rank {rank} failed with {type(error).__name__}: {error}")
         self._barrier.abort()
 
 
@@ -75,10 +76,12 @@ class LocalComm(Comm):
             try:
                 return q.get(timeout=_POLL)
             except queue.Empty:
-                # Only an empty queue looks at the flag: a message already sent is delivered.
-                if self.group.failed:
+                # Only the source's own failure ends the wait, and only once its queue is
+                # empty: another rank's failure says nothing about whether the source, still
+                # running, will send (it may be between two sends of one exchange).
+                if source in self.group.failed:
                     raise RuntimeError(f"rank {self.rank} stopped waiting for {what} from rank "
-                                       f"{source}: {self.group.failed[0]}") from None
+                                       f"{source}: {self.group.failed[source]}") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {self.rank} waited {self.group.timeout:g} s for "
                                        f"{what} from rank {source}") from None
@@ -123,7 +126,7 @@ class LocalComm(Comm):
         try:
             self.group._barrier.wait(timeout=self.group.timeout)
         except threading.BrokenBarrierError:
-            reason = self.group.failed[0] if self.group.failed else "timed out"
+            reason = next(iter(self.group.failed.values()), "timed out")
             raise RuntimeError(f"rank {self.rank} left a broken barrier: {reason}") from None
 
 
