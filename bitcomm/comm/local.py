@@ -26,7 +26,7 @@ from bitcomm.comm.base import Comm, Request
 
 __all__ = ["LocalComm", "LocalGroup", "run_local"]
 
-_POLL = 0.05  # seconds between checks of the failure flag while waiting
+_POLL = 0.05  # seconds between checks of the failed ranks while waiting
 
 
 class LocalGroup:
