@@ -17,7 +17,7 @@ import os
 import sys
 
 import torch
-from test_collectives import brute_majority, inputs, onebit_reference
+from test_collectives import _inconsistent_cases, brute_majority, inputs, onebit_reference
 
 from bitcomm.codecs import sparse
 from bitcomm.collectives import (
@@ -169,10 +169,26 @@ def fault(comm):
     ring_majority(comm, torch.ones(1 << 16))
 
 
+def inconsistent(comm):
+    # Every rank must raise the same exception type for each mismatched or half-wrong call, and
+    # stay in step for the next one: none may block in the agreement or die by a signal.
+    x = torch.randn(40, generator=torch.Generator().manual_seed(comm.size))
+    for name, (call, kind, text) in sorted(_inconsistent_cases().items()):
+        try:
+            call(comm, x)
+        except Exception as e:  # noqa: BLE001 - checked below
+            assert type(e) is kind and text in str(e), (name, comm.rank, repr(e))
+        else:
+            raise AssertionError(f"{name}: rank {comm.rank} raised nothing")
+    print(f"rank {comm.rank} raised as expected in {len(_inconsistent_cases())} cases",
+          flush=True)
+
+
 def main():
     kind, mode = sys.argv[1], sys.argv[2]
     comm = make_comm(kind)
-    {"check": check, "fault": fault, "check-cuda": check_cuda}[mode](comm)
+    {"check": check, "fault": fault, "check-cuda": check_cuda,
+     "inconsistent": inconsistent}[mode](comm)
     comm.barrier()
     print(f"OK rank {comm.rank}", flush=True)
 

@@ -13,6 +13,7 @@ from bitcomm.collectives import (
     alltoall_majority_packed,
     onebit_allreduce,
     onebit_allreduce_bytes,
+    padded_length,
     qsgd_allgather,
     qsgd_allgather_bytes,
     ring_majority,
@@ -332,7 +333,7 @@ def test_a_silent_rank_makes_the_others_time_out():
     out = run_local(fn, 3, return_exceptions=True, timeout=0.5)
     # the first rank to give up times out; it then releases the other at its next wait
     assert any(isinstance(e, TimeoutError) for e in out[1:])
-    assert all(isinstance(e, (TimeoutError, RuntimeError)) and "waited 0.5 s for 16 bytes from "
+    assert all(isinstance(e, (TimeoutError, RuntimeError)) and "waited 0.5 s for 24 bytes from "
                "rank 0" in str(e) for e in out[1:])
 
 
@@ -377,4 +378,73 @@ def test_qsgd_allgather_mean_and_bytes(size, check):
         assert torch.equal(sent, decoded[r])
         assert nbytes == qsgd_allgather_bytes(n, size, bits=bits, bucket=bucket, check=check)
     if size == 4 and check:
-        assert qsgd_allgather_bytes(n, size, bits=bits, bucket=bucket) == 3 * 522 + 48
+        assert qsgd_allgather_bytes(n, size, bits=bits, bucket=bucket) == 3 * 522 + 3 * 24
+
+
+def _inconsistent_cases(n=40):
+    """Calls where rank 0 differs from the others: name -> (call(comm, x), error type, text).
+
+    Mixed collectives and mixed options must be refused by the agreement; arguments that only
+    one rank gets wrong must be reported on every rank. Shared with tests/mp_worker.py.
+    """
+    def first(other, mine):
+        return lambda c, x: (mine if c.rank == 0 else other)(c, x)
+
+    def state(pad=0):  # pad: extra groups of 8 * size elements beyond the default length
+        return lambda c, x: onebit_allreduce(c, x, OneBitState(
+            n, c.size, length=padded_length(n, c.size) + 8 * c.size * pad))
+
+    calls = "different calls"
+    return {
+        "collective": (first(ring_majority, alltoall_majority), ValueError, calls),
+        "packing": (first(ring_majority, lambda c, x: ring_majority(c, x, packing="radix")),
+                    ValueError, calls),
+        "tie": (first(alltoall_majority, lambda c, x: alltoall_majority(c, x, tie="positive")),
+                ValueError, calls),
+        "qsgd-bits": (first(lambda c, x: qsgd_allgather(c, x, bits=4),
+                            lambda c, x: qsgd_allgather(c, x, bits=2)), ValueError, calls),
+        "sparse-k": (first(lambda c, x: sparse_allgather(c, x, 3),
+                           lambda c, x: sparse_allgather(c, x, 5)), ValueError, calls),
+        "sparse-fmt": (first(lambda c, x: sparse_allgather(c, x, 3),
+                             lambda c, x: sparse_allgather(c, x, 3, fmt="qsgd")), ValueError,
+                       calls),
+        "onebit-length": (first(state(), state(pad=1)), ValueError, calls),
+        "k-above-n": (first(lambda c, x: sparse_allgather(c, x, 3),
+                            lambda c, x: sparse_allgather(c, x, n + 1)), ValueError,
+                      "invalid arguments on rank(s) [0]"),
+        "k-negative": (first(lambda c, x: sparse_allgather(c, x, 3),
+                             lambda c, x: sparse_allgather(c, x, -1)), ValueError,
+                       "invalid arguments on rank(s) [0]"),
+        "qsgd-bits-3": (first(qsgd_allgather, lambda c, x: qsgd_allgather(c, x, bits=3)),
+                        ValueError, "invalid arguments on rank(s) [0]"),
+        "bad-tie": (first(ring_majority, lambda c, x: ring_majority(c, x, tie="sideways")),
+                    ValueError, "invalid arguments on rank(s) [0]"),
+        "fp16-overflow": (first(lambda c, x: sparse_allgather(c, x, 3, fmt="fp16"),
+                                lambda c, x: sparse_allgather(c, x * 1e5, 3, fmt="fp16")),
+                          OverflowError, "invalid arguments on rank(s) [0]"),
+        "no-state": (first(state(), lambda c, x: onebit_allreduce(c, x, None)), TypeError,
+                     "invalid arguments on rank(s) [0]"),
+    }
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("case", sorted(_inconsistent_cases()))
+def test_inconsistent_calls_raise_the_same_exception_on_every_rank(case, size):
+    call, kind, text = _inconsistent_cases()[case]
+    x = torch.randn(40, generator=torch.Generator().manual_seed(size))
+    out = run_local(lambda c: call(c, x), size, return_exceptions=True, timeout=10)
+    assert all(type(e) is kind and text in str(e) for e in out), out
+
+
+def test_equal_calls_spelled_differently_agree():
+    # "qsgd" is Qsgd(); seeds may differ (each rank offsets its own); no side is "top"
+    x = torch.randn(40)
+
+    def fn(c):
+        fmt = "qsgd" if c.rank == 0 else sparse.Qsgd(seed=c.rank)
+        side = None if c.rank == 0 else "top"
+        return (sparse_allgather(c, x, 3, fmt=fmt)[0], sparse_allgather(c, x, 3, fmt="mean",
+                                                                         side=side)[0],
+                qsgd_allgather(c, x, seed=c.rank)[0])
+    out = run_local(fn, 3, timeout=10)
+    assert all(torch.equal(a, b) for r in out[1:] for a, b in zip(r, out[0], strict=True))

@@ -75,6 +75,20 @@ def test_collectives_under_gloo(size, tmp_path):
 
 
 @pytest.mark.timeout(LIMIT + 30)
+def test_inconsistent_calls_raise_on_every_mpi_rank():
+    r = run_mpi(3, "inconsistent")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(map(int, re.findall(r"OK rank (\d+)", r.stdout))) == [0, 1, 2]
+
+
+@pytest.mark.timeout(LIMIT + 30)
+def test_inconsistent_calls_raise_on_every_gloo_rank(tmp_path):
+    codes, out = run_gloo(3, "inconsistent", tmp_path)
+    assert codes == [0] * 3, out
+    assert all(f"OK rank {i}" in out for i in range(3))
+
+
+@pytest.mark.timeout(LIMIT + 30)
 def test_a_failing_mpi_rank_aborts_the_job():
     r = run_mpi(3, "fault")
     assert r.returncode != 0

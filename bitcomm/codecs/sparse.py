@@ -45,15 +45,16 @@ import torch
 from bitcomm.codecs import _frame, qsgd
 
 __all__ = ["encode", "decode", "decode_entries", "encoded_size", "value_format", "Qsgd",
-           "ValueFormat", "HEADER", "FORMATS"]
+           "ValueFormat", "HEADER", "FORMATS", "FP16_MAX"]
 
 HEADER = struct.Struct("<qqB")
 """Frame header: n (int64), k (int64), value format (uint8); 17 bytes."""
 FORMATS = ("fp32", "fp16", "qsgd", "mean")
 """Value formats; their index is the header's format code."""
+FP16_MAX = 65504.0
+"""The largest finite float16: larger fp16 values raise ``OverflowError``."""
 
 _CODEC = "sparse"
-_FP16_MAX = 65504.0
 
 
 def _index_dtype(n: int) -> torch.dtype:
@@ -175,7 +176,7 @@ def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) 
         # on the wire's float32 (or smaller): a float64 beyond float32's range would become inf
         (~torch.isfinite(val.to(torch.float32) if val.dtype == torch.float64 else val)).any()
         .to(torch.int64),
-        (val.abs() > _FP16_MAX).any().to(torch.int64) if fp16 else idx[0] * 0,
+        (val.abs() > FP16_MAX).any().to(torch.int64) if fp16 else idx[0] * 0,
     ])
     lo, hi, dup, nonfinite, too_big = rules.tolist()
     if lo < 0 or hi >= n:
@@ -187,7 +188,7 @@ def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) 
         raise ValueError("expected finite values, got NaN, inf or a float64 beyond float32's "
                          "range")
     if too_big:
-        raise OverflowError(f"expected |values| <= {_FP16_MAX} for fp16, got "
+        raise OverflowError(f"expected |values| <= {FP16_MAX} for fp16, got "
                             f"{float(val.abs().max().item())}")
 
 

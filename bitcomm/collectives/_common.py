@@ -1,15 +1,22 @@
-"""Shared pieces of the collectives: chunk bounds and the up-front agreement on the input.
+"""Shared pieces of the collectives: chunk bounds and the up-front agreement on the call.
 
-The agreement is one allgather of a 16-byte record per rank (int64 element count, int64 status:
-0 fine, 1 not a floating-point tensor, 2 holds NaN or inf, 3 holds a float64 value beyond
-float32's range where the collective computes in float32), so that bad input on any rank raises
-the same exception on every rank instead of leaving the others blocked. It costs
-``CONTROL_BYTES * (size - 1)`` sent bytes per rank; ``check=False`` skips it.
+The agreement is one allgather of a 24-byte record per rank: the int64 element count, an int64
+status (0 fine, 1 not a floating-point tensor, 2 holds NaN or inf, 3 holds a float64 value beyond
+float32's range where the collective computes in float32, 4/5/6 an argument refused with
+``ValueError``/``TypeError``/``OverflowError``) and an int64 fingerprint of the call (the
+collective's name and every option that shapes its bytes or its result). Every rank reads the
+same table and so raises the same exception type, before any payload moves, for bad input or
+arguments on any rank and for ranks that call different collectives or pass different options;
+without it the others would block, or read a peer's bytes with the wrong layout. It costs
+``CONTROL_BYTES * (size - 1)`` sent bytes per rank; ``check=False`` skips it, and then every
+rank must pass ``check=False``, and only local checks run (a bad rank raises alone).
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -17,10 +24,12 @@ from bitcomm.comm.base import Comm
 
 __all__: list[str] = []
 
-CONTROL_BYTES = 16
-_RECORD = struct.Struct("<qq")
+CONTROL_BYTES = 24
+_RECORD = struct.Struct("<qqq")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _OK, _NOT_FLOAT, _NON_FINITE, _TOO_BIG = 0, 1, 2, 3
+# The statuses of arguments that a collective's validation refused, by exception type.
+_ARGUMENT_ERRORS = {4: ValueError, 5: TypeError, 6: OverflowError}
 
 
 def bounds(n: int, size: int) -> list[tuple[int, int]]:
@@ -33,50 +42,116 @@ def control_bytes(size: int, check: bool) -> int:
     return CONTROL_BYTES * (size - 1) if check else 0
 
 
-def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = False
-            ) -> torch.Tensor:
-    """Return ``x`` flattened after every rank agreed that all inputs are valid.
+def fingerprint(name: str, options: Mapping[str, object]) -> int:
+    """Return a signed 64-bit digest of a call: the collective's name and its options.
 
-    Raises on every rank: ``TypeError`` if any rank's input is not a floating-point tensor,
-    ``ValueError`` if the lengths differ or (with ``check``) any rank holds NaN or inf, or, for a
-    collective that computes in float32 (``float32=True``), a float64 value that float32 cannot
-    hold (it would become inf after the cast). Without ``check`` only the local type check runs
-    (a bad rank raises alone).
+    Options are compared by ``repr``, so any value with a deterministic ``repr`` (ints, strings,
+    frozen dataclasses) can be one; Python's own ``hash`` is salted per process and cannot.
+    """
+    text = repr((name, sorted(options.items())))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+def _status_of(error: BaseException) -> int:
+    for status, kind in ((6, OverflowError), (5, TypeError), (4, ValueError)):
+        if isinstance(error, kind):
+            return status
+    raise error  # not an argument error: a bug, raised as it is
+
+
+def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = False,
+            options: Mapping[str, object] | None = None,
+            validate: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Return ``x`` flattened after every rank agreed that the call is the same and valid.
+
+    Args:
+        comm: the transport.
+        x: the caller's input.
+        check: run the agreement; without it only the local checks run (a bad rank raises
+            alone, and a mismatched call may hang or return garbage).
+        name: the collective's name, for messages and the fingerprint.
+        float32: the collective computes in float32, so a float64 value beyond float32's range
+            is refused.
+        options: the call's settings that must be equal on every rank (by ``repr``); leave out
+            what may differ (a seed the collective offsets by rank).
+        validate: checks of the other arguments, called with the flattened float tensor before
+            anything is sent; the ``ValueError``, ``TypeError`` or ``OverflowError`` it raises is
+            raised on every rank.
+
+    Raises on every rank, the first that applies: ``TypeError`` if any rank's input is not a
+    floating-point tensor; ``ValueError`` if the lengths differ; the exception type of the
+    lowest rank whose arguments ``validate`` refused (that rank's message included where it was
+    raised); ``ValueError`` if ranks called with different names or options, if any rank holds
+    NaN or inf or, with ``float32``, a float64 value that float32 cannot hold (it would become
+    inf after the cast).
+
     """
     is_float = isinstance(x, torch.Tensor) and x.dtype in _FLOATS
+    error: BaseException | None = None
+    if is_float and validate is not None:
+        try:
+            validate(x.detach().reshape(-1))
+        except (ValueError, TypeError, OverflowError) as e:
+            error = e
     if not check:
         if not is_float:
             raise TypeError(f"{name}: expected a floating-point torch.Tensor, got "
                             f"{_describe(x)} on rank {comm.rank}")
+        if error is not None:
+            raise error
         return x.detach().reshape(-1)
     status = _OK if is_float else _NOT_FLOAT
     n = x.numel() if isinstance(x, torch.Tensor) else -1
-    if status == _OK and n:
+    if error is not None:
+        status = _status_of(error)
+    elif status == _OK and n:
         # One pass over x: float64 input to a float32 collective is checked as float32, which
         # also catches NaN and inf; only a failing check looks again to say which it was.
         wide = float32 and x.dtype == torch.float64
         if not bool(torch.isfinite(x.to(torch.float32) if wide else x).all()):
             status = _TOO_BIG if wide and bool(torch.isfinite(x).all()) else _NON_FINITE
-    mine = torch.frombuffer(bytearray(_RECORD.pack(n, status)), dtype=torch.uint8)
+    options = dict(options or {})
+    mine = torch.frombuffer(bytearray(_RECORD.pack(n, status, fingerprint(name, options))),
+                            dtype=torch.uint8)
     records = comm.allgatherv(mine, [CONTROL_BYTES] * comm.size) if comm.size > 1 else [mine]
     table = [_RECORD.unpack(bytes(r.cpu().tolist())) for r in records]
-    bad = [r for r, (_, s) in enumerate(table) if s == _NOT_FLOAT]
+    bad = [r for r, (_, s, _) in enumerate(table) if s == _NOT_FLOAT]
     if bad:
         what = _describe(x) if comm.rank in bad else "see that rank"
         raise TypeError(f"{name}: expected a floating-point torch.Tensor on every rank, got "
                         f"something else on rank(s) {bad} (here: {what})")
-    sizes = [c for c, _ in table]
+    sizes = [c for c, _, _ in table]
     if len(set(sizes)) > 1:
         raise ValueError(f"{name}: expected the same number of elements on every rank, got "
                          f"{sizes} (by rank)")
-    bad = [r for r, (_, s) in enumerate(table) if s == _NON_FINITE]
+    bad = [r for r, (_, s, _) in enumerate(table) if s in _ARGUMENT_ERRORS]
+    if bad:
+        kind = _ARGUMENT_ERRORS[table[bad[0]][1]]
+        here = f"here: {error}" if error is not None else f"see rank {bad[0]}"
+        raise kind(f"{name}: invalid arguments on rank(s) {bad} ({here})") from error
+    calls: dict[int, list[int]] = {}
+    for r, (_, _, f) in enumerate(table):
+        calls.setdefault(f, []).append(r)
+    if len(calls) > 1:
+        here = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        raise ValueError(f"{name}: expected the same collective with the same options on every "
+                         f"rank, got {len(calls)} different calls, by rank: "
+                         f"{' / '.join(map(str, calls.values()))} (here: {name}({here}))")
+    bad = [r for r, (_, s, _) in enumerate(table) if s == _NON_FINITE]
     if bad:
         raise ValueError(f"{name}: expected finite values, got NaN or inf on rank(s) {bad}")
-    bad = [r for r, (_, s) in enumerate(table) if s == _TOO_BIG]
+    bad = [r for r, (_, s, _) in enumerate(table) if s == _TOO_BIG]
     if bad:
         raise ValueError(f"{name}: expected values that float32 (its arithmetic) can hold, got a "
                          f"float64 beyond float32's range on rank(s) {bad}")
     return x.detach().reshape(-1)
+
+
+def check_seed(seed: object) -> None:
+    """Raise ``TypeError`` unless ``seed`` is an int or ``None``."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"expected seed to be an int or None, got {type(seed).__name__}")
 
 
 def _describe(x: object) -> str:

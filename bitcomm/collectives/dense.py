@@ -2,7 +2,7 @@
 
 Bytes counted per rank (:func:`allreduce_bytes`): ``4 * n * (N - 1)`` (the operand once to every
 other rank, what a direct exchange moves; MPI and gloo may use other schedules) plus
-``16 * (N - 1)`` with ``check``.
+``24 * (N - 1)`` with ``check``.
 """
 
 from __future__ import annotations

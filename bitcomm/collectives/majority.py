@@ -16,7 +16,7 @@ ring_majority (All-Reducible signSGD, Section 3)
     Bytes sent by rank ``r`` (:func:`ring_majority_bytes`)::
 
         sum_{i=1}^{N-1} packed(L[(r-i+1) mod N], m=i)  +  sum_{i=1}^{N-1} ceil(L[(r+2-i) mod N]/8)
-        + 16 * (N - 1) with check
+        + 24 * (N - 1) with check
 
     with ``L[c]`` the chunk lengths and ``packed`` :func:`bitcomm.codecs.counts.packed_size`.
 
@@ -25,7 +25,7 @@ alltoall_majority (1-bit Adam's pattern, the paper's baseline)
     each rank counts the votes of its chunk and decides, and an allgather returns the packed
     decisions. Bytes sent by rank ``r`` (:func:`alltoall_majority_bytes`)::
 
-        sum_{j != r} ceil(L[j]/8)  +  (N - 1) * ceil(L[r]/8)  +  16 * (N - 1) with check
+        sum_{j != r} ceil(L[j]/8)  +  (N - 1) * ceil(L[r]/8)  +  24 * (N - 1) with check
 
 Example::
 
@@ -101,8 +101,8 @@ def ring_majority_packed(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
 
 def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, check: bool,
                    packed: bool) -> torch.Tensor:
-    _check_options(tie, packing)
-    v = _common.prepare(comm, x, check, "ring_majority")
+    v = _common.prepare(comm, x, check, "ring_majority", options={"packing": packing, "tie": tie},
+                        validate=lambda v: _check_options(tie, packing))
     size, rank, n = comm.size, comm.rank, v.numel()
     if size == 1:
         return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
@@ -237,8 +237,8 @@ def alltoall_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negativ
 
 def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, check: bool, packed: bool
                        ) -> torch.Tensor:
-    _check_options(tie)
-    v = _common.prepare(comm, x, check, "alltoall_majority")
+    v = _common.prepare(comm, x, check, "alltoall_majority", options={"tie": tie},
+                        validate=lambda v: _check_options(tie))
     size, rank, n = comm.size, comm.rank, v.numel()
     if size == 1:
         return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)

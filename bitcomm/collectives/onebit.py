@@ -24,7 +24,7 @@ Bytes sent per rank (:func:`onebit_allreduce_bytes`), with ``N`` ranks and ``P``
 
     2 * (N - 1) * P / (8 * N)   signs, phase 1 and 2
     + 2 * 4 * (N - 1)           worker and server scales
-    + 16 * (N - 1)              with check
+    + 24 * (N - 1)              with check
 """
 
 from __future__ import annotations
@@ -112,12 +112,17 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
         float32 tensor of ``x``'s shape, identical on every rank.
 
     """
-    if not isinstance(state, OneBitState):
-        raise TypeError(f"expected state to be a OneBitState, got {type(state).__name__}")
-    v = _common.prepare(comm, x, check, "onebit_allreduce", float32=True)
-    if v.numel() != state.numel or state.size != comm.size:
-        raise ValueError(f"expected a state for numel={v.numel()}, size={comm.size}, got "
-                         f"numel={state.numel}, size={state.size}")
+    def validate(v: torch.Tensor) -> None:
+        if not isinstance(state, OneBitState):
+            raise TypeError(f"expected state to be a OneBitState, got {type(state).__name__}")
+        if v.numel() != state.numel or state.size != comm.size:
+            raise ValueError(f"expected a state for numel={v.numel()}, size={comm.size}, got "
+                             f"numel={state.numel}, size={state.size}")
+
+    # The padded length sets every message's size: ranks must agree on it.
+    length = state.worker_error.numel() if isinstance(state, OneBitState) else None
+    v = _common.prepare(comm, x, check, "onebit_allreduce", float32=True,
+                        options={"length": length}, validate=validate)
     size = comm.size
     length = state.worker_error.numel()
     chunk = length // size

@@ -7,7 +7,7 @@ each rank decodes them and adds them in rank order (bit-identical sums), then di
 
 Bytes sent per rank (:func:`qsgd_allgather_bytes`)::
 
-    (N - 1) * qsgd.encoded_size(n, bits, bucket)   + 16 * (N - 1) with check
+    (N - 1) * qsgd.encoded_size(n, bits, bucket)   + 24 * (N - 1) with check
 
 Example: 1000 float32 elements, 4 bits, buckets of 512, 4 ranks: the frame is a 14-byte header,
 two fp32 scales and 500 bytes of codes (522 bytes), so each rank sends 3 * 522 + 48 = 1614
@@ -43,7 +43,13 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
         check: agree on the input first (raises on every rank for bad input).
 
     """
-    v = _common.prepare(comm, x, check, "qsgd_allgather", float32=True)
+    def validate(v: torch.Tensor) -> None:
+        qsgd.check_config(bits, bucket, "max")
+        _common.check_seed(seed)
+
+    # The seed is left out of the call's fingerprint: ranks offset it anyway.
+    v = _common.prepare(comm, x, check, "qsgd_allgather", float32=True,
+                        options={"bits": bits, "bucket": bucket}, validate=validate)
     frame = qsgd.encode(v, bits, bucket, seed=None if seed is None else seed + comm.rank)
     frames = comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1 else [frame]
     n = v.numel()

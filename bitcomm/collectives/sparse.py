@@ -8,7 +8,7 @@ into a dense float32 tensor in rank order, so the sum is bit-identical everywher
 
 Bytes sent by a rank whose frame has ``F`` bytes (:func:`sparse_allgather_bytes`)::
 
-    (N - 1) * (8 + F)  + 16 * (N - 1) with check
+    (N - 1) * (8 + F)  + 24 * (N - 1) with check
 
 with ``F = sparse.encoded_size(n, k, fmt)`` (for ``fmt="mean"`` the k actually selected).
 """
@@ -54,19 +54,30 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
         entries this rank sent as the receivers decode them, for residual bookkeeping.
 
     """
-    fmt = sparse.value_format(fmt)
-    if method not in select.METHODS:
-        raise ValueError(f"expected method in {select.METHODS}, got {method!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"expected k to be an int >= 0, got {k!r}")
-    if side is not None and fmt != "mean":
-        raise ValueError(f"side applies to fmt='mean' only, got side={side!r} with fmt={fmt!r}")
-    if side is not None and side not in redsync.SIDES:
-        raise ValueError(f"expected side in {redsync.SIDES}, got {side!r}")
-    v = _common.prepare(comm, x, check, "sparse_allgather", float32=True)
+    def validate(v: torch.Tensor) -> None:
+        form = sparse.value_format(fmt)
+        if method not in select.METHODS:
+            raise ValueError(f"expected method in {select.METHODS}, got {method!r}")
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"expected k to be an int, got {type(k).__name__}")
+        if not 0 <= k <= v.numel():
+            raise ValueError(f"expected 0 <= k <= {v.numel()} elements, got k={k}")
+        if side is not None and form != "mean":
+            raise ValueError(f"side applies to fmt='mean' only, got side={side!r} with "
+                             f"fmt={fmt!r}")
+        if side is not None and side not in redsync.SIDES:
+            raise ValueError(f"expected side in {redsync.SIDES}, got {side!r}")
+        if form == "fp16" and k and v.numel():
+            # the k selected include the largest |x|: it must fit fp16 (a NaN is reported later)
+            top = float(v.abs().max())
+            if top > sparse.FP16_MAX:
+                raise OverflowError(f"expected |x| <= {sparse.FP16_MAX} for fmt='fp16', got "
+                                    f"{top}")
+
+    v = _common.prepare(comm, x, check, "sparse_allgather", float32=True,
+                        options=_call_options(k, fmt, method, side), validate=validate)
     n = v.numel()
-    if k > n:
-        raise ValueError(f"expected k <= {n} elements, got k={k}")
+    fmt = sparse.value_format(fmt)
     if fmt == "mean":
         frame = redsync.encode(v, k, side or "top", method)
     else:
@@ -86,6 +97,20 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
         sparse.decode(f.to(v.device), out=dense)
     indices, values, _, _ = sparse.decode_entries(frame, n=n)
     return dense.reshape(x.shape), (indices, values)
+
+
+def _call_options(k: object, fmt: object, method: object, side: object) -> dict[str, object]:
+    # What must be equal on every rank: the seed is not (ranks offset it), and a format or side
+    # may be spelled two ways ("qsgd" is Qsgd(); no side is "top").
+    try:
+        form = sparse.value_format(fmt)
+    except ValueError:
+        form = fmt  # refused by the validation, on every rank
+    if isinstance(form, sparse.Qsgd):
+        form = dataclasses.replace(form, seed=None)
+    if form == "mean" and side is None:
+        side = "top"
+    return {"k": k, "fmt": form, "method": method, "side": side}
 
 
 def sparse_allgather_bytes(frame_bytes: int, size: int, *, check: bool = True) -> int:
