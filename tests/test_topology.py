@@ -37,7 +37,7 @@ def base(**kw):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"nodes": 0}, "nodes to be an int >= 1"),
+    ({"nodes": 0}, r"nodes to be an int in 2\.\.254"),
     ({"name": "Bad Name"}, r"name to match \[a-z0-9-\]\+"),
     ({"links": [{"a": 0, "b": 5, "rate": "1MB/s"}]}, r"links\[0\]: expected b to be a rank in "
                                                      r"0..2"),
@@ -46,13 +46,41 @@ def base(**kw):
      "a second link between 1 and 0"),
     ({"links": [{"a": 0, "b": 1, "rate": "1MB/s"}]}, r"not reachable from rank 0: \[2\]"),
     ({"links": [{"a": 0, "b": 1}]}, "expected keys a, b, rate"),
-    ({"scale": -1}, "scale to be a number > 0"),
+    ({"scale": -1}, "scale to be a finite number > 0"),
     ({"colour": "red"}, r"unknown keys \['colour'\]"),
-    ({"switches": ["S 1"]}, "switches to be a list of names"),
+    ({"switches": ["S 1"]}, "switch names are 1-16 characters"),
+    ({"switches": "s0"}, "switches to be a list of names"),
+    # ranges: what tc, the address plan and one machine's memory can hold
+    ({"nodes": 1, "links": []}, r"nodes to be an int in 2\.\.254"),
+    ({"nodes": 10_000}, r"nodes to be an int in 2\.\.254"),
+    ({"links": [{"a": 0, "b": 1, "rate": float("inf")}]}, r"links\[0\]\.rate: expected a finite"),
+    ({"links": [{"a": 0, "b": 1, "rate": 1e30}]}, r"links\[0\]: expected a rate .* at most"),
+    ({"links": [{"a": 0, "b": 1, "rate": 1e-9}]}, r"links\[0\]: expected a rate .* at least"),
+    ({"links": [{"a": 0, "b": 1, "rate": "1MB/s", "delay": float("nan")}]},
+     r"links\[0\]\.delay: expected a finite"),
+    ({"links": [{"a": 0, "b": 1, "rate": "1MB/s", "delay": 1e6}]}, r"delay .* at most 10 s"),
+    ({"scale": float("inf")}, r"scale to be a finite number"),
+    ({"switches": ["r0"]}, r"switch names .* r<digits> .* rank namespaces"),
+    ({"switches": ["s" * 17]}, r"switch names are 1-16 characters"),
 ])
 def test_schema_errors_say_where(change, message):
     with pytest.raises(TopologyError, match=message):
         from_dict(base(**change), "t.yaml")
+
+
+def test_a_file_that_is_not_text_is_a_topology_error(tmp_path):
+    f = tmp_path / "noise.yaml"
+    f.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(TopologyError, match="noise.yaml: not a UTF-8 text file"):
+        load(f)
+
+
+def test_more_links_than_the_address_plan_holds_are_refused():
+    # link i gets 10.77.(i >> 6).((i & 63) << 2)/30: 16384 links fill 10.77.0.0/16
+    ends = [(a, b) for a in range(200) for b in range(a + 1, 200)][:16385]
+    links = [{"a": a, "b": b, "rate": "1MB/s"} for a, b in ends]
+    with pytest.raises(TopologyError, match="at most 16384 links"):
+        from_dict({"name": "mesh", "nodes": 200, "links": links})
 
 
 def test_scale_divides_rates_and_paths_are_shortest():

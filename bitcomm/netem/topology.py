@@ -4,9 +4,10 @@ Schema (``topology_configs/*.yaml``)::
 
     name: chain-16               # required, [a-z0-9-]
     description: free text       # optional
-    nodes: 16                    # required: ranks 0..nodes-1, one network namespace each
-    switches: [s0, s1]           # optional names ([a-z][a-z0-9]*), a Linux bridge each
-    scale: 100                   # optional (default 1): every rate is divided by it
+    nodes: 16                    # required, 2..254: ranks 0..nodes-1, one network namespace each
+    switches: [s0, s1]           # optional names ([a-z][a-z0-9]*, 1-16 characters, not r<digits>,
+                                 # which name the ranks' namespaces), a Linux bridge each
+    scale: 100                   # optional (default 1, finite): every rate is divided by it
     links:                       # required: one entry per cable
       - {a: 0, b: 1, rate: 500MB/s}              # endpoint: a rank or a switch name
       - {a: 7, b: 8, rate: 100MB/s, delay: 1ms}  # delay (netem) is optional
@@ -15,6 +16,11 @@ Rates take the units ``B/s``, ``KB/s``, ``MB/s``, ``GB/s`` (decimal bytes, as th
 MBps) and ``Kbit/s``, ``Mbit/s``, ``Gbit/s``; delays ``us``, ``ms``, ``s``. Every link is full
 duplex: each direction is shaped to ``rate / scale`` on its own. A link may appear once per pair
 of endpoints. The graph must be connected, and every rank needs at least one link.
+
+Ranges, each refused with a :class:`TopologyError` that says where: a scaled rate in 1 KB/s..100
+GB/s (slower links make tc's token bucket and the model meaningless; faster ones exceed any veth
+pair), a delay in 0..10 s, at most 254 ranks and 254 switches (a switch segment's ranks take host
+parts ``rank + 1`` of one /24) and at most 16384 links (the /30 subnets of ``10.77.0.0/16``).
 
 Routing: packets follow a shortest path in hops (switches count as hops), ties broken towards
 the lower-numbered neighbour, the same for every flow, so the model and the emulator agree on
@@ -30,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import ipaddress
+import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -53,7 +60,16 @@ _RATE_UNITS = {"b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9,
                "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
 _DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
-_SWITCH = re.compile(r"[a-z][a-z0-9]*")
+_SWITCH = re.compile(r"[a-z][a-z0-9]{0,15}")
+_RANK_NS = re.compile(r"r[0-9]+")  # the ranks' namespaces end in -r<rank>
+MAX_NODES = 254
+"""Ranks (and switches) a topology may have: host parts 1..254 of a switch segment's /24."""
+MAX_LINKS = 1 << 14
+"""Links a topology may have: the /30 subnets of ``10.77.0.0/16``."""
+MIN_RATE, MAX_RATE = 1e3, 1e11
+"""The range of a link's scaled rate, in bytes per second."""
+MAX_DELAY = 10.0
+"""The largest link delay, in seconds."""
 
 
 def parse_rate(value: object, where: str = "rate") -> float:
@@ -67,6 +83,8 @@ def parse_rate(value: object, where: str = "rate") -> float:
             raise TopologyError(f"{where}: expected a rate like 500MB/s or 100Mbit/s, got "
                                 f"{value!r}")
         rate = float(m.group(1)) * _RATE_UNITS[unit]
+    if not math.isfinite(rate):
+        raise TopologyError(f"{where}: expected a finite rate, got {value!r}")
     if not rate > 0:
         raise TopologyError(f"{where}: expected a positive rate, got {value!r}")
     return rate
@@ -81,8 +99,13 @@ def parse_delay(value: object, where: str = "delay") -> float:
         if not m:
             raise TopologyError(f"{where}: expected a delay like 1ms or 250us, got {value!r}")
         delay = float(m.group(1)) * _DELAY_UNITS[m.group(2)]
+    if not math.isfinite(delay):
+        raise TopologyError(f"{where}: expected a finite delay, got {value!r}")
     if delay < 0:
         raise TopologyError(f"{where}: expected a delay >= 0, got {value!r}")
+    if delay > MAX_DELAY:
+        raise TopologyError(f"{where}: expected a delay of at most {MAX_DELAY:g} s, got "
+                            f"{value!r}")
     return delay
 
 
@@ -267,21 +290,34 @@ def from_dict(data: object, source: str = "topology") -> Topology:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise TopologyError(f"{source}: expected name to match [a-z0-9-]+, got {name!r}")
     nodes = data["nodes"]
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        raise TopologyError(f"{source}: expected nodes to be an int >= 1, got {nodes!r}")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 2 <= nodes <= MAX_NODES:
+        raise TopologyError(f"{source}: expected nodes to be an int in 2..{MAX_NODES}, got "
+                            f"{nodes!r}")
     switches = data.get("switches") or []
-    if not isinstance(switches, list) or not all(
-            isinstance(s, str) and _SWITCH.fullmatch(s) for s in switches):
+    if not isinstance(switches, list) or not all(isinstance(s, str) for s in switches):
         raise TopologyError(f"{source}: expected switches to be a list of names like s0, got "
                             f"{switches!r}")
+    bad = [s for s in switches if not _SWITCH.fullmatch(s) or _RANK_NS.fullmatch(s)]
+    if bad:
+        raise TopologyError(f"{source}: switch names are 1-16 characters from a-z and 0-9 "
+                            f"starting with a letter, and not r<digits> (the rank namespaces' "
+                            f"names), got {bad}")
     if len(set(switches)) != len(switches):
         raise TopologyError(f"{source}: switch names must be unique, got {switches}")
+    if len(switches) > MAX_NODES:
+        raise TopologyError(f"{source}: expected at most {MAX_NODES} switches, got "
+                            f"{len(switches)}")
     scale = data.get("scale", 1)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise TopologyError(f"{source}: expected scale to be a number > 0, got {scale!r}")
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0
+            or not math.isfinite(scale)):
+        raise TopologyError(f"{source}: expected scale to be a finite number > 0, got "
+                            f"{scale!r}")
     raw = data["links"]
-    if not isinstance(raw, list) or not raw and nodes > 1:
+    if not isinstance(raw, list) or not raw:
         raise TopologyError(f"{source}: expected links to be a non-empty list")
+    if len(raw) > MAX_LINKS:
+        raise TopologyError(f"{source}: expected at most {MAX_LINKS} links (the /30 subnets of "
+                            f"10.77.0.0/16), got {len(raw)}")
     links, pairs = [], set()
     for i, entry in enumerate(raw):
         where = f"{source}: links[{i}]"
@@ -307,6 +343,10 @@ def from_dict(data: object, source: str = "topology") -> Topology:
             raise TopologyError(f"{where}: a second link between {ends[0]!r} and {ends[1]!r}")
         pairs.add(pair)
         rate = parse_rate(entry["rate"], f"{where}.rate") / scale
+        if not MIN_RATE <= rate <= MAX_RATE:
+            raise TopologyError(f"{where}: expected a rate (after scale 1/{scale:g}) of at least "
+                                f"{MIN_RATE / 1e3:g} KB/s and at most {MAX_RATE / 1e9:g} GB/s, "
+                                f"got {rate:g} B/s")
         delay = parse_delay(entry.get("delay", 0), f"{where}.delay")
         links.append(Link(i, ends[0], ends[1], rate, delay))
     topo = Topology(name, nodes, tuple(switches), tuple(links), float(scale),
@@ -337,7 +377,9 @@ def load(path: str | Path, *, scale: float | None = None) -> Topology:
     if not path.is_file():
         raise TopologyError(f"{path}: no such topology file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise TopologyError(f"{path}: not a UTF-8 text file") from None
     except yaml.YAMLError as e:
         raise TopologyError(f"{path}: not valid YAML: {e}") from None
     if scale is not None and isinstance(data, dict):
