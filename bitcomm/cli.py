@@ -284,9 +284,8 @@ def topo_up(name: str, scale: float | None) -> None:
     _, t = _topology(name, scale)
     net = netem.Emulator(t)
     try:
-        net.up()
+        net.build()  # removes what it built if it fails or is interrupted
     except netem.EmulatorError as e:
-        net.down()
         raise click.ClickException(str(e)) from None
     click.echo(f"{t.name} is up with prefix {net.prefix}:")
     for r in range(t.nodes):

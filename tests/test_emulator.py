@@ -172,6 +172,54 @@ def test_nothing_is_left_after_a_killed_run(tmp_path, victim):
     assert set(namespaces()) == before, output
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_topo_up_interrupted_mid_build_leaves_nothing(sig):
+    before = set(namespaces())
+    topo = Path(__file__).parent.parent / "topology_configs" / "chain-16.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "bitcomm.cli", "topo", "up", str(topo)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(set(namespaces()) - before) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(set(namespaces()) - before) >= 2, "the build never started"
+        proc.send_signal(sig)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        left = set(namespaces()) - before
+        for ns in left:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert proc.returncode != 0 and "is up" not in output, output
+    assert not left, (left, output)
+
+
+@pytest.mark.timeout(60)
+def test_topo_up_failing_mid_build_leaves_nothing(monkeypatch):
+    from click.testing import CliRunner
+
+    from bitcomm.cli import main
+
+    calls = []
+    real = Emulator._shape
+
+    def shape_then_fail(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OverflowError("an error nobody expected")
+        return real(self, *args)
+    monkeypatch.setattr(Emulator, "_shape", shape_then_fail)
+    before = set(namespaces())
+    result = CliRunner().invoke(main, ["topo", "up", str(CHAIN)])
+    left = set(namespaces()) - before
+    for ns in left:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert isinstance(result.exception, OverflowError) and len(calls) == 2, result.output
+    assert not left
+
+
 @pytest.mark.timeout(60)
 def test_link_delay_is_applied_or_refused_clearly():
     from bitcomm.netem.emulator import EmulatorError

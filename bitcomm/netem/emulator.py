@@ -172,6 +172,15 @@ class Emulator:
             raise
         return self
 
+    def build(self) -> None:
+        """Bring the network up and leave it up, until :meth:`down` or ``bitcomm topo down``.
+
+        The build itself is guarded as the context manager guards a whole run: a failure of any
+        kind, SIGINT or SIGTERM removes what was built before the exception propagates.
+        """
+        self.__enter__()
+        self._restore_handlers()
+
     def __exit__(self, *exc: object) -> None:
         self.down()
 
@@ -298,6 +307,9 @@ class Emulator:
         for name in reversed(self.created):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=60)
         self.created.clear()
+        self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers.clear()
