@@ -230,18 +230,15 @@ def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int
 
 def _launch(ranks: int, transport: str, args: list[str]) -> int:
     """Start ``ranks`` worker processes of this command; return the job's exit status."""
-    import subprocess
-    import tempfile
-
-    from bitcomm.comm.launch import commands
+    from bitcomm.comm import launch
 
     argv = [sys.executable, "-m", "bitcomm.cli", "bench", "collectives", "--worker", *args]
-    with tempfile.TemporaryDirectory(prefix="bitcomm-") as tmp:
+    with launch.job_dir("bench") as tmp:
         try:
-            jobs = commands(ranks, transport, argv, tmp)
+            jobs = launch.commands(ranks, transport, argv, tmp)
         except RuntimeError as e:
             raise click.ClickException(str(e)) from None
-        procs = [subprocess.Popen(cmd, env=env) for cmd, env in jobs]
+        procs = [launch.spawn(cmd, env) for cmd, env in jobs]
         return max(abs(p.wait()) for p in procs)
 
 
@@ -318,7 +315,11 @@ def topo_check(name: str, scale: float | None, seconds: float, out_dir: str) -> 
 @topo.command("down")
 @click.argument("prefix", default="bitcomm-")
 def topo_down(prefix: str) -> None:
-    """Remove every namespace starting with PREFIX (default: all of bitcomm's)."""
+    """Remove every namespace starting with PREFIX (default: all of bitcomm's).
+
+    Processes still running inside them are killed first, and the temporary directories of
+    jobs whose controller was killed are removed too.
+    """
     if not prefix.startswith(netem.PREFIX):
         raise click.ClickException(f"expected a prefix starting with {netem.PREFIX!r}, "
                                    f"got {prefix!r}")
@@ -326,10 +327,18 @@ def topo_down(prefix: str) -> None:
     if missing:
         raise click.ClickException("removing namespaces needs " + "; ".join(missing))
     try:
-        gone = netem.sweep(prefix)
+        swept = netem.sweep(prefix)
     except netem.EmulatorError as e:
         raise click.ClickException(str(e)) from None
+    gone = swept.namespaces
     click.echo(f"removed {len(gone)} namespaces" + (": " + " ".join(gone) if gone else ""))
+    if swept.processes:
+        n = len(swept.processes)
+        click.echo(f"ended {n} process{'es' if n > 1 else ''} still running in them: "
+                   f"{' '.join(map(str, swept.processes))}")
+    if swept.job_dirs:
+        click.echo(f"removed {len(swept.job_dirs)} temporary directories of killed jobs: "
+                   f"{' '.join(map(str, swept.job_dirs))}")
 
 
 @main.group("run")
@@ -443,7 +452,8 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
 @click.option("--congestion", default=None,
               help="The ranks' TCP congestion control [default: the emulator's, reno].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Results directory [default: results/compare-TOPOLOGY].")
+              help="Results directory [default: results/compare-NAME, NAME the topology's "
+                   "name].")
 @click.argument("algorithms", nargs=-1, required=True)
 def compare(topology: str, size: int, repeat: int, scale: float | None, queue: float | None,
             window: float | None, congestion: str | None, out_dir: str | None,
@@ -453,14 +463,15 @@ def compare(topology: str, size: int, repeat: int, scale: float | None, queue: f
     if bad:
         raise click.ClickException(f"unknown algorithms {bad}; expected some of "
                                    f"{list(registry.EMULATED)}")
-    _topology(topology, scale)
+    _, t = _topology(topology, scale)
     algs = list(algorithms)
     if "alltoall-majority" not in algs:
         algs.append("alltoall-majority")  # the baseline speedups are measured against
     missing = netem.requirements()
     if missing:
         raise click.ClickException("the network emulator needs " + "; ".join(missing))
-    exp = netem.Experiment(name=f"compare-{topology}", topologies=[topology], sizes=[size],
+    # named after the topology's own name (a checked [a-z0-9-] word), not the path given
+    exp = netem.Experiment(name=f"compare-{t.name}", topologies=[topology], sizes=[size],
                            algorithms=algs, repeat=repeat, scale=scale,
                            queue=netem.QUEUE if queue is None else queue,
                            window=netem.WINDOW if window is None else window,

@@ -169,3 +169,27 @@ def test_experiment_names_stay_inside_the_results_directory(tmp_path, name):
     train.write_text(f"kind: train\nname: {name!r}\n")
     with pytest.raises(ValueError, match="name: expected 1-64 letters"):
         digits.load_config(train)
+
+
+def test_compare_names_its_results_after_the_topology_not_the_path_given(monkeypatch):
+    from bitcomm import netem
+
+    seen = []
+
+    def stop(exp, progress=None):
+        seen.append(exp)
+        raise RuntimeError("stopped before any network is built")
+    monkeypatch.setattr(netem, "run_experiment", stop)
+    monkeypatch.setattr(netem, "requirements", lambda: [])
+    chain = Path(__file__).parent / "data" / "chain-4.yaml"
+    result = CliRunner().invoke(main, ["compare", "--topology", str(chain), "ring-majority"])
+    assert "stopped before" in result.output and seen, result.output
+    assert seen[0].name == "compare-chain-4"  # results/compare-chain-4, inside results/
+
+
+def test_an_experiment_refuses_a_name_that_would_leave_its_results_directory():
+    from bitcomm import netem
+
+    for name in ("../../escape", "/abs", "a/b", ""):
+        with pytest.raises(ValueError, match="name"):
+            netem.Experiment(name=name, topologies=["chain-16"], sizes=[1024])

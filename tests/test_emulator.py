@@ -220,6 +220,52 @@ def test_topo_up_failing_mid_build_leaves_nothing(monkeypatch):
     assert not left
 
 
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (killed, not yet reaped by its parent) counts as gone
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed (bitcomm[mpi])")
+def test_a_sigkilled_run_takes_its_job_along_and_topo_down_clears_the_rest(tmp_path):
+    import tempfile
+
+    before = set(namespaces())
+    tmp_before = set(Path(tempfile.gettempdir()).glob("bitcomm-exp-*"))
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(f"name: kill\ntopologies: [{CHAIN}]\nsizes: [4M]\nrepeat: 50\n"
+                   "algorithms: [ring-majority]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "bitcomm.cli", "run", "experiment",
+                             str(exp), "--out", str(tmp_path / "out")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    ranks = []
+    while time.monotonic() < deadline and len(ranks) < 4:
+        mine = sorted(set(namespaces()) - before)
+        ranks = [int(p) for ns in mine for p in subprocess.run(
+            ["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+        time.sleep(0.5)
+    assert len(ranks) == 4, "the run never started its ranks"
+    time.sleep(2)
+    proc.kill()  # SIGKILL: no handler of the controller runs
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left_running = [p for p in ranks if _alive(p)]
+    down = subprocess.run([sys.executable, "-m", "bitcomm.cli", "topo", "down"],
+                          capture_output=True, text=True, timeout=60)
+    assert not left_running, "ranks outlived their controller"
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert set(namespaces()) == before
+    assert set(Path(tempfile.gettempdir()).glob("bitcomm-exp-*")) <= tmp_before, down.stdout
+
+
 @pytest.mark.timeout(60)
 def test_link_delay_is_applied_or_refused_clearly():
     from bitcomm.netem.emulator import EmulatorError
@@ -242,12 +288,17 @@ def test_link_delay_is_applied_or_refused_clearly():
 def test_topo_down_sweeps_leftovers():
     name = "bitcomm-cileft-r0"
     subprocess.run(["ip", "netns", "add", name], check=True)
+    # a process still running inside it, as a rank of a killed run would be
+    stray = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "300"])
     try:
         out = subprocess.run([sys.executable, "-m", "bitcomm.cli", "topo", "down",
                               "bitcomm-cileft"], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0 and name in out.stdout
         assert name not in namespaces()
+        assert stray.wait(timeout=10) == -signal.SIGKILL
+        assert "ended 1 process" in out.stdout
     finally:
+        stray.kill()
         sweep("bitcomm-cileft")
 
 

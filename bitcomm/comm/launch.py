@@ -8,26 +8,32 @@ then calls :func:`world` with the same transport name.
 
 Example::
 
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [subprocess.Popen(cmd, env=env)
-                 for cmd, env in commands(4, "gloo", [sys.executable, "-m", "my.worker"], tmp)]
+    with job_dir("mine") as tmp:
+        run_job(commands(4, "gloo", [sys.executable, "-m", "my.worker"], tmp), timeout=600,
+                what="my job")
     # in my.worker:  comm = world("gloo")
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bitcomm.comm.base import Comm
 
-__all__ = ["TRANSPORTS", "commands", "mpiexec", "run_job", "world"]
+__all__ = ["TRANSPORTS", "commands", "job_dir", "leaked_job_dirs", "mpiexec",
+           "remove_leaked_job_dirs", "run_job", "spawn", "world"]
 
 TRANSPORTS = ("mpi", "gloo")
 """Transport names :func:`commands` and :func:`world` accept."""
@@ -70,6 +76,77 @@ def mpiexec() -> str:
     return str(path)
 
 
+_PR_SET_PDEATHSIG = 1
+_OWNER = "owner.pid"  # in a job directory: the pid of the process that made it
+
+
+def _death_signal() -> Callable[[], None] | None:
+    # Linux's prctl(PR_SET_PDEATHSIG): the child is killed when its parent dies, even by SIGKILL,
+    # when no handler of the parent can run. Resolved here, in the parent, so the child only
+    # calls a ready function pointer between fork and exec.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+    return arm
+
+
+def spawn(cmd: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """Start ``cmd`` as :class:`subprocess.Popen` does, killed by SIGKILL if this process dies.
+
+    On Linux the child gets a parent-death signal, so a job's ``mpiexec`` (whose proxies then end
+    the ranks) or gloo ranks never outlive a controller that was killed, even by SIGKILL.
+    Elsewhere it is a plain ``Popen``. Call it from the thread that lives as long as the child:
+    Linux sends the signal when the thread that forked it exits.
+    """
+    return subprocess.Popen(cmd, env=env, preexec_fn=_death_signal(), **kwargs)
+
+
+@contextlib.contextmanager
+def job_dir(what: str) -> Iterator[Path]:
+    """Yield a fresh temporary directory ``bitcomm-WHAT-*`` for one job; remove it afterwards.
+
+    It records its owner's pid, so :func:`leaked_job_dirs` can tell a directory whose owner was
+    killed before it could clean up from one in use.
+    """
+    with tempfile.TemporaryDirectory(prefix=f"bitcomm-{what}-") as tmp:
+        (Path(tmp) / _OWNER).write_text(str(os.getpid()))
+        yield Path(tmp)
+
+
+def leaked_job_dirs() -> list[Path]:
+    """Return the :func:`job_dir` directories whose owner is no longer running."""
+    leaked = []
+    for d in Path(tempfile.gettempdir()).glob("bitcomm-*"):
+        try:
+            pid = int((d / _OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not a job directory, or one being made right now
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            leaked.append(d)
+        except PermissionError:
+            pass  # alive, another user's
+    return sorted(leaked)
+
+
+def remove_leaked_job_dirs() -> list[Path]:
+    """Delete :func:`leaked_job_dirs`; return them."""
+    leaked = leaked_job_dirs()
+    for d in leaked:
+        shutil.rmtree(d, ignore_errors=True)
+    return leaked
+
+
 def run_job(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, what: str,
             progress: Callable[[str], None] | None = None) -> None:
     """Run the processes of one job to the end, within ``timeout`` seconds in all.
@@ -78,7 +155,7 @@ def run_job(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, wha
     output is read as it comes (so none blocks on a full pipe); lines of the first process that
     start with two spaces, the ranks' progress lines, go to ``progress``. The processes still
     running when one fails to finish in time are killed, and so are all of them if this
-    function is interrupted.
+    function is interrupted, or if this process dies (:func:`spawn`).
 
     Raises:
         RuntimeError: a process exited with a non-zero status, or the job outlived
@@ -98,10 +175,13 @@ def run_job(jobs: list[tuple[list[str], dict[str, str]]], *, timeout: float, wha
 
     late = False
     try:
-        for i, (cmd, env) in enumerate(jobs):
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-            threads.append(threading.Thread(target=drain, args=(i, procs[-1]), daemon=True))
+        # Every process first, then the threads that read them: no thread runs while a child is
+        # between fork and exec (see spawn).
+        for cmd, env in jobs:
+            procs.append(spawn(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True))
+        for i, proc in enumerate(procs):
+            threads.append(threading.Thread(target=drain, args=(i, proc), daemon=True))
             threads[-1].start()
         for proc in procs:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))

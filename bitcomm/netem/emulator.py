@@ -41,6 +41,8 @@ starves the wrap-around flow, whose ACKs wait in many queues.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -51,9 +53,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from bitcomm.comm import launch
 from bitcomm.netem.topology import Link, Topology
 
-__all__ = ["Emulator", "Sender", "tx_counters", "drops", "sweep", "requirements", "PREFIX",
+__all__ = ["Emulator", "Sender", "Swept", "tx_counters", "drops", "sweep", "requirements", "PREFIX",
            "QUEUE", "WINDOW", "CONGESTION", "EmulatorError"]
 
 PREFIX = "bitcomm-"
@@ -102,14 +105,45 @@ def namespaces() -> list[str]:
     return sorted(entry["name"] for entry in json.loads(out))
 
 
-def sweep(prefix: str = PREFIX) -> list[str]:
-    """Delete every namespace whose name starts with ``prefix``; return the names deleted."""
-    gone = []
+def _end_processes(ns: str) -> list[int]:
+    # Processes inside a namespace (ranks of a run whose controller was killed) would keep
+    # running after it is deleted: SIGKILL them first.
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=60)
+    pids = [int(p) for p in out.stdout.split() if p.isdigit()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _delete(ns: str) -> list[int]:
+    pids = _end_processes(ns)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=60)
+    return pids
+
+
+@dataclasses.dataclass
+class Swept:
+    """What :func:`sweep` removed."""
+
+    namespaces: list[str]
+    processes: list[int]
+    job_dirs: list[Path]
+
+
+def sweep(prefix: str = PREFIX) -> Swept:
+    """Remove what runs left behind: namespaces starting with ``prefix`` and what ran in them.
+
+    Every process still inside such a namespace is killed before the namespace is deleted, and
+    the temporary directories of jobs whose controller is gone
+    (:func:`bitcomm.comm.launch.leaked_job_dirs`) are removed.
+    """
+    gone, pids = [], []
     for ns in namespaces():
         if ns.startswith(prefix):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=60)
+            pids += _delete(ns)
             gone.append(ns)
-    return gone
+    return Swept(gone, pids, launch.remove_leaked_job_dirs())
 
 
 class Emulator:
@@ -305,7 +339,7 @@ class Emulator:
     def down(self) -> None:
         """Delete every namespace this emulator created (idempotent)."""
         for name in reversed(self.created):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=60)
+            _delete(name)
         self.created.clear()
         self._restore_handlers()
 

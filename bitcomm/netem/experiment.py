@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,6 +84,10 @@ class Experiment:
     window: float | None = WINDOW
     congestion: str = CONGESTION
     description: str = ""
+
+    def __post_init__(self) -> None:
+        # results/NAME must stay inside results/, however the experiment was made
+        self.name = _names.check(self.name, "experiment name")
 
 
 def _size(value: object, where: str) -> int:
@@ -185,10 +188,10 @@ def worker_spec(topo: Topology, net: Emulator, exp: Experiment, out: Path) -> di
 def measure(topo: Topology, exp: Experiment,
             progress: Callable[[str], None] = print, timeout: float = 3600) -> list[dict]:
     """Build ``topo``, run every size and algorithm of ``exp`` on it, tear it down; return rows."""
-    with tempfile.TemporaryDirectory(prefix="bitcomm-exp-") as tmp, \
+    with launch.job_dir("exp") as tmp, \
             Emulator(topo, queue=exp.queue, window=exp.window, congestion=exp.congestion) as net:
-        out = Path(tmp) / "rows.json"
-        spec = Path(tmp) / "spec.json"
+        out = tmp / "rows.json"
+        spec = tmp / "spec.json"
         spec.write_text(json.dumps(worker_spec(topo, net, exp, out)))
         cmd = [launch.mpiexec(), "-n", str(topo.nodes), sys.executable, "-m",
                "bitcomm.netem.rankexec", str(spec), sys.executable, "-m", "mpi4py", "-m",

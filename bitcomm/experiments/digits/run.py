@@ -9,16 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from bitcomm.comm.base import Comm
-from bitcomm.comm.launch import TRANSPORTS, commands, run_job, world
+from bitcomm.comm.launch import TRANSPORTS, commands, job_dir, run_job, world
 from bitcomm.experiments.digits.config import METHODS, TrainConfig
 
 __all__ = ["load_digits_split", "train", "launch", "main"]
@@ -90,8 +88,8 @@ def train(comm: Comm, method: str, cfg: TrainConfig,
 def launch(cfg: TrainConfig, transport: str, progress: Callable[[str], None] = print,
            timeout: float = 3600) -> list[dict]:
     """Run every method of ``cfg`` on ``cfg.workers`` processes over ``transport``; return rows."""
-    with tempfile.TemporaryDirectory(prefix="bitcomm-digits-") as tmp:
-        out = Path(tmp) / "rows.json"
+    with job_dir("digits") as tmp:
+        out = tmp / "rows.json"
         args = [sys.executable, "-m", "bitcomm.experiments.digits", "--transport", transport,
                 "--methods", ",".join(cfg.methods), "--steps", str(cfg.steps), "--batch",
                 str(cfg.batch), "--eval-every", str(cfg.eval_every), "--seed", str(cfg.seed),
