@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
 	touch $(STAMP)
 
+# --overwrite: `make run` regenerates results/default each time it is run.
 run: $(STAMP)
-	$(BIN)/bitcomm run experiment
+	$(BIN)/bitcomm run experiment --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check bitcomm tests

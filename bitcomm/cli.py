@@ -365,7 +365,16 @@ def _finish_experiment(cells: list[dict], config: dict, out: Path) -> None:
         sys.exit(1)
 
 
-def _run_training(data: dict, path: Path, out_dir: str | None) -> None:
+def _results_dir(out_dir: str | None, name: str, overwrite: bool) -> Path:
+    """Return the results directory, refusing one that holds an earlier run's files."""
+    out = Path(out_dir or Path("results") / name)
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise click.ClickException(f"{out} holds the results of an earlier run; pass "
+                                   "--overwrite to replace them, or --out for another directory")
+    return out
+
+
+def _run_training(data: dict, path: Path, out_dir: str | None, overwrite: bool) -> None:
     """Run a ``kind: train`` experiment (bitcomm.experiments.digits) over its transports."""
     from bitcomm.experiments import digits
 
@@ -373,7 +382,7 @@ def _run_training(data: dict, path: Path, out_dir: str | None) -> None:
         cfg = digits.config_from(data, path)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    out = Path(out_dir or Path("results") / cfg.name)
+    out = _results_dir(out_dir, cfg.name, overwrite)
     click.echo(f"# bitcomm run experiment {cfg.name}: " + cfg.description.strip())
     rows = []
     for transport in cfg.transports:
@@ -403,14 +412,17 @@ def _run_training(data: dict, path: Path, out_dir: str | None) -> None:
 @click.option("--sizes", type=SizeList(), default=None, help="Override the file's sizes.")
 @click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Override every topology's scale (rates are divided by it).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the results of an earlier run in the results directory.")
 def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
-                       sizes: tuple[int, ...] | None, scale: float | None) -> None:
+                       sizes: tuple[int, ...] | None, scale: float | None,
+                       overwrite: bool) -> None:
     """Run experiments/NAME.yaml (default: the chain-16 comparison, a few minutes)."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else Path("experiments") / f"{name}.yaml"
     try:
         data = netem.read_file(path)  # read once; its kind says which harness runs it
         if isinstance(data, dict) and data.get("kind") == "train":
-            _run_training(data, path, out_dir)
+            _run_training(data, path, out_dir, overwrite)
             return
         exp = netem.experiment_from(data, path)
     except netem.TopologyError as e:
@@ -424,7 +436,7 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
     missing = netem.requirements()
     if missing:
         raise click.ClickException("the network emulator needs " + "; ".join(missing))
-    out = Path(out_dir or Path("results") / exp.name)
+    out = _results_dir(out_dir, exp.name, overwrite)
     config = _machine() | {"experiment": exp.name, "topologies": exp.topologies,
                            "sizes": exp.sizes, "algorithms": exp.algorithms,
                            "repeat": exp.repeat, "scale": exp.scale, "alpha": exp.alpha,
@@ -454,10 +466,12 @@ def run_experiment_cmd(name: str, out_dir: str | None, repeat: int | None,
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Results directory [default: results/compare-NAME, NAME the topology's "
                    "name].")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the results of an earlier run in the results directory.")
 @click.argument("algorithms", nargs=-1, required=True)
 def compare(topology: str, size: int, repeat: int, scale: float | None, queue: float | None,
             window: float | None, congestion: str | None, out_dir: str | None,
-            algorithms: tuple[str, ...]) -> None:
+            overwrite: bool, algorithms: tuple[str, ...]) -> None:
     """Compare ALGORITHMS (e.g. ring-majority alltoall-majority) on one topology."""
     bad = [a for a in algorithms if a not in registry.EMULATED]
     if bad:
@@ -476,12 +490,13 @@ def compare(topology: str, size: int, repeat: int, scale: float | None, queue: f
                            queue=netem.QUEUE if queue is None else queue,
                            window=netem.WINDOW if window is None else window,
                            congestion=netem.CONGESTION if congestion is None else congestion)
+    out = _results_dir(out_dir, exp.name, overwrite)
     config = _machine() | dataclasses.asdict(exp)
     try:
         cells = netem.run_experiment(exp, progress=click.echo)
     except (netem.EmulatorError, netem.TopologyError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
-    _finish_experiment(cells, config, Path(out_dir or Path("results") / exp.name))
+    _finish_experiment(cells, config, out)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -193,3 +193,31 @@ def test_an_experiment_refuses_a_name_that_would_leave_its_results_directory():
     for name in ("../../escape", "/abs", "a/b", ""):
         with pytest.raises(ValueError, match="name"):
             netem.Experiment(name=name, topologies=["chain-16"], sizes=[1024])
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "experiment", "default"],
+    ["run", "experiment", "train-digits"],
+    ["compare", "--topology", "chain-16", "ring-majority"],
+])
+def test_earlier_results_are_not_replaced_without_overwrite(command, tmp_path, monkeypatch):
+    from bitcomm import netem
+    from bitcomm.experiments import digits
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped before any network is built")
+    monkeypatch.setattr(netem, "run_experiment", stop)
+    monkeypatch.setattr(digits, "launch", stop)
+    monkeypatch.setattr(netem, "requirements", lambda: [])
+    out = tmp_path / "earlier"
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    result = CliRunner().invoke(main, [*command, "--out", str(out)])
+    assert result.exit_code != 0 and "--overwrite" in result.output, result.output
+    assert "stopped before" not in result.output  # refused before any work
+    assert (out / "results.json").read_text() == "{}"
+    result = CliRunner().invoke(main, [*command, "--out", str(out), "--overwrite"])
+    assert "stopped before" in result.output, result.output
+    # an empty directory holds nothing to lose
+    result = CliRunner().invoke(main, [*command, "--out", str(tmp_path / "empty")])
+    assert "stopped before" in result.output, result.output
