@@ -53,6 +53,23 @@ def main() -> None:
     """bitcomm: bit-level gradient codecs and communication-efficient collectives."""
 
 
+@main.command("collectives")
+@click.option("--size", type=Size(), default="1M", show_default=True,
+              help="float32 elements per rank, for the bytes column.")
+@click.option("--ranks", type=click.IntRange(1), default=8, show_default=True)
+def collectives_cmd(size: int, ranks: int) -> None:
+    """List the collectives the benchmark, experiments and compare accept (by name).
+
+    For each: the bytes rank 0 sends for SIZE elements over RANKS ranks (by the collective's
+    documented formula, agreement included), whether the emulated experiments can run it, and
+    what it does.
+    """
+    click.echo(f"{'name':<20} {'bytes/rank':>12} {'emulated':>8}  summary")
+    for name, c in registry.COLLECTIVES.items():
+        click.echo(f"{name:<20} {c.wire_bytes(size, ranks, 0, True):>12} "
+                   f"{'yes' if c.emulated else 'no':>8}  {c.summary}")
+
+
 @main.group()
 def bench() -> None:
     """Measure codecs and collectives and save the numbers."""

@@ -221,3 +221,15 @@ def test_earlier_results_are_not_replaced_without_overwrite(command, tmp_path, m
     # an empty directory holds nothing to lose
     result = CliRunner().invoke(main, [*command, "--out", str(tmp_path / "empty")])
     assert "stopped before" in result.output, result.output
+
+
+def test_collectives_lists_the_registry_with_bytes_per_rank():
+    from bitcomm.collectives import registry
+
+    result = CliRunner().invoke(main, ["collectives", "--size", "1M", "--ranks", "8"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for name, c in registry.COLLECTIVES.items():
+        [line] = [x for x in lines if x.split()[:1] == [name]]
+        assert str(c.wire_bytes(1 << 20, 8, 0, True)) in line
+        assert ("yes" in line.split()) == c.emulated and c.summary in line
