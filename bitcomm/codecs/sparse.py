@@ -277,7 +277,7 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
     header_n = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")[0]
     if out is not None:
         _frame.check_float(out, "out")
-        if out.dim() != 1 or out.numel() != header_n:
+        if out.dim() != 1 or header_n >= 0 and out.numel() != header_n:
             raise ValueError(f"expected out to be 1-D of length {header_n} (the frame's n), "
                              f"got shape {tuple(out.shape)}")
     if header_n >= 0:  # a negative n is reported by decode_entries
