@@ -363,20 +363,20 @@ def run_group() -> None:
     """Run experiments on emulated networks."""
 
 
-def _finish_experiment(cells: list[dict], config: dict, out: Path) -> None:
+def _finish_experiment(cells: list[netem.Cell], config: dict, out: Path) -> None:
 
     click.echo(netem.report.table(cells))
-    busy = [c for c in cells if c["cpu_share"] > netem.CPU_BOUND]
+    busy = [c for c in cells if c.cpu_share > netem.CPU_BOUND]
     if busy:
         click.echo(f"# {len(busy)} cells kept the CPU over {netem.CPU_BOUND:.0%} busy "
-                   f"({', '.join(sorted({c['topology'] for c in busy}))}): they measured this "
+                   f"({', '.join(sorted({c.topology for c in busy}))}): they measured this "
                    "machine's cores as much as the network; a larger --scale (slower links) "
                    "makes them network-bound", err=True)
-    _save(out, "results", config, cells)
+    _save(out, "results", config, [c.as_dict() for c in cells])
     (out / "table.md").write_text(netem.report.markdown(cells) + "\n")
     for png in netem.report.plots(cells, out):
         click.echo(f"# wrote {png}")
-    wrong = sum(c["wrong"] for c in cells)
+    wrong = sum(c.wrong for c in cells)
     if wrong:
         click.echo(f"# {wrong} wrong results: a collective is broken", err=True)
         sys.exit(1)

@@ -128,29 +128,33 @@ def test_ring_majority_over_the_chain_is_exact_and_crosses_the_links():
     rows = measure(topo, exp, progress=lambda line: None)
     assert set(namespaces()) == before  # torn down
     cells = analyse(topo, rows)
-    assert [c["wrong"] for c in cells] == [0, 0]  # brute-force majority on every rank
+    assert [c.wrong for c in cells] == [0, 0]  # brute-force majority on every rank
     for c in cells:
         # the MPI traffic really crossed the shaped centre link, as much as the model says
-        assert c["payload_vs_model"] == pytest.approx(1.0, abs=0.05)
-        assert c["seconds"] >= 0.9 * c["bandwidth_bound_seconds"]
+        assert c.payload_vs_model == pytest.approx(1.0, abs=0.05)
+        assert c.seconds >= 0.9 * c.bandwidth_bound_seconds
     # losses were measured per call: every link direction's shaper drops, every rank's TCP
     every_direction = {f"{link.index}:{d}" for link in topo.links for d in ("ab", "ba")}
     for row in rows:
-        assert set(row["drops"]) == every_direction
-        assert all(v >= 0 for v in row["drops"].values())
-        assert row["tcp_retrans"] >= 0 and row["tcp_timeouts"] >= 0
+        assert set(row.drops) == every_direction
+        assert all(v >= 0 for v in row.drops.values())
+        assert row.tcp_retrans >= 0 and row.tcp_timeouts >= 0
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed (bitcomm[mpi])")
-@pytest.mark.parametrize("victim", ["rank", "controller"])
+@pytest.mark.parametrize("victim", ["rank", "controller", "compare"])
 def test_nothing_is_left_after_a_killed_run(tmp_path, victim):
     before = set(namespaces())
     exp = tmp_path / "exp.yaml"
     exp.write_text(f"name: kill\ntopologies: [{CHAIN}]\nsizes: [4M]\nrepeat: 50\n"
                    "algorithms: [ring-majority]\n")
-    proc = subprocess.Popen([sys.executable, "-m", "bitcomm.cli", "run", "experiment",
-                             str(exp), "--out", str(tmp_path / "out")],
+    cmd = ["run", "experiment", str(exp)]
+    if victim == "compare":  # interrupted by Ctrl-C
+        cmd = ["compare", "--topology", str(CHAIN), "--size", "4M", "--repeat", "50",
+               "ring-majority"]
+    proc = subprocess.Popen([sys.executable, "-m", "bitcomm.cli", *cmd, "--out",
+                             str(tmp_path / "out")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     pids = []
@@ -166,7 +170,7 @@ def test_nothing_is_left_after_a_killed_run(tmp_path, victim):
     if victim == "rank":
         os.kill(pids[0], signal.SIGKILL)
     else:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT if victim == "compare" else signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, output
     assert set(namespaces()) == before, output

@@ -201,12 +201,14 @@ def test_emulator_tcp_settings_follow_the_slowest_link():
 
 def _row(algorithm, seconds, cpu_seconds, n=1 << 12):
     # a measured row as bitcomm.netem.worker writes it, for a 3-node chain (links 0 and 1)
-    return {"algorithm": algorithm, "n": n, "seconds": seconds, "times": [seconds],
-            "wrong": 0, "cpu_seconds": cpu_seconds,
-            "link_bytes": {"0:ab": [2000, 10], "0:ba": [1000, 5],
-                           "1:ab": [2000, 10], "1:ba": [1000, 5]},
-            "drops": {"0:ab": 3, "0:ba": 1, "1:ab": 0, "1:ba": 2},
-            "tcp_retrans": 7.5, "tcp_timeouts": 1}
+    from bitcomm.netem.results import Measurement
+
+    return Measurement(topology="t", ranks=3, algorithm=algorithm, n=n, seconds=seconds,
+                       times=[seconds], wrong=0, cpu_seconds=cpu_seconds,
+                       link_bytes={"0:ab": [2000, 10], "0:ba": [1000, 5],
+                                   "1:ab": [2000, 10], "1:ba": [1000, 5]},
+                       drops={"0:ab": 3, "0:ba": 1, "1:ab": 0, "1:ba": 2},
+                       tcp_retrans=7.5, tcp_timeouts=1)
 
 
 def test_analyse_reports_how_busy_the_cores_were_and_the_table_shows_it():
@@ -217,17 +219,17 @@ def test_analyse_reports_how_busy_the_cores_were_and_the_table_shows_it():
     cells = analyse(topo, [_row("ring-majority", 2.0, 3.2), _row("alltoall-majority", 4.0, 1.0)],
                     ncores=2)
     ring, a2a = cells
-    assert ring["cpu_share"] == pytest.approx(3.2 / (2 * 2.0)) and ring["cpu_share"] > CPU_BOUND
-    assert a2a["cpu_share"] == pytest.approx(1.0 / (2 * 4.0)) and a2a["cpu_share"] < CPU_BOUND
-    assert ring["speedup"] == pytest.approx(2.0) and a2a["speedup"] == pytest.approx(1.0)
+    assert ring.cpu_share == pytest.approx(3.2 / (2 * 2.0)) and ring.cpu_share > CPU_BOUND
+    assert a2a.cpu_share == pytest.approx(1.0 / (2 * 4.0)) and a2a.cpu_share < CPU_BOUND
+    assert ring.speedup == pytest.approx(2.0) and a2a.speedup == pytest.approx(1.0)
     # payload from the counters: bytes - 66 per frame, on the slowest link (0, 1 MB/s)
-    assert ring["slow_link"] == "0-1"
-    assert ring["slow_link_payload"] in (2000 - 66 * 10, 1000 - 66 * 5)
+    assert ring.slow_link == "0-1"
+    assert ring.slow_link_payload in (2000 - 66 * 10, 1000 - 66 * 5)
     text = report.table(cells)
     assert "cpu%" in text.splitlines()[0]
     assert [line.split()[-3:-1] for line in text.splitlines()[1:]] == [["80", "8"], ["12", "8"]]
     # losses: all links' drops, the slowest link's both directions, TCP's resends as measured
-    assert (ring["drops"], ring["slow_link_drops"], ring["tcp_retrans"]) == (6, 4, 7.5)
+    assert (ring.drops, ring.slow_link_drops, ring.tcp_retrans) == (6, 4, 7.5)
     assert report.markdown(cells).splitlines()[-1].endswith("| 80% |")  # the busier of the two
 
 
@@ -246,6 +248,15 @@ def test_finished_experiment_warns_about_cpu_bound_cells(tmp_path, capsys):
     assert "1 cells kept the CPU over 75% busy (t)" in finish(3.2)
     assert "busy" not in finish(1.0)
     assert (tmp_path / "results.json").exists() and (tmp_path / "table.md").exists()
+    # results.json's rows carry the Cell's fields under their own names
+    import dataclasses
+    import json
+
+    from bitcomm.netem.results import Cell
+
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [set(r) for r in rows] == [{f.name for f in dataclasses.fields(Cell)}] * 2
+    assert rows[0]["speedup"] == pytest.approx(2.0)
 
 
 def test_direction_keys_name_the_link_and_its_direction():

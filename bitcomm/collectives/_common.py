@@ -54,10 +54,9 @@ def fingerprint(name: str, options: Mapping[str, object]) -> int:
 
 
 def _status_of(error: BaseException) -> int:
-    for status, kind in ((6, OverflowError), (5, TypeError), (4, ValueError)):
-        if isinstance(error, kind):
-            return status
-    raise error  # not an argument error: a bug, raised as it is
+    # the validation raises only these types; an exception of two of them reports the narrower
+    return next(s for s, kind in sorted(_ARGUMENT_ERRORS.items(), reverse=True)
+                if isinstance(error, kind))
 
 
 def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = False,

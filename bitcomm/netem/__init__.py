@@ -25,6 +25,7 @@ from bitcomm.netem.experiment import (
     run_experiment,
 )
 from bitcomm.netem.linkcheck import check_links
+from bitcomm.netem.results import Cell, Measurement
 from bitcomm.netem.topology import Topology, TopologyError, find, load
 
 __all__ = [
@@ -45,6 +46,8 @@ __all__ = [
     "experiment_from",
     "run_experiment",
     "check_links",
+    "Cell",
+    "Measurement",
     "Topology",
     "TopologyError",
     "find",

@@ -39,6 +39,7 @@ from bitcomm.collectives import registry
 from bitcomm.comm import launch
 from bitcomm.netem import model as model_mod
 from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator
+from bitcomm.netem.results import Cell, Measurement
 from bitcomm.netem.topology import Topology, TopologyError, direction_key, find, load
 
 __all__ = ["Experiment", "read_file", "load_experiment", "experiment_from", "run_experiment",
@@ -186,7 +187,8 @@ def worker_spec(topo: Topology, net: Emulator, exp: Experiment, out: Path) -> di
 
 
 def measure(topo: Topology, exp: Experiment,
-            progress: Callable[[str], None] = print, timeout: float = 3600) -> list[dict]:
+            progress: Callable[[str], None] = print, timeout: float = 3600
+            ) -> list[Measurement]:
     """Build ``topo``, run every size and algorithm of ``exp`` on it, tear it down; return rows."""
     with launch.job_dir("exp") as tmp, \
             Emulator(topo, queue=exp.queue, window=exp.window, congestion=exp.congestion) as net:
@@ -199,7 +201,7 @@ def measure(topo: Topology, exp: Experiment,
         env = dict(os.environ, **MPI_ENV, OMP_NUM_THREADS="1")
         launch.run_job([(cmd, env)], timeout=timeout, what=f"the MPI job on {topo.name}",
                        progress=progress)
-        return json.loads(out.read_text())
+        return [Measurement.from_dict(d) for d in json.loads(out.read_text())]
 
 
 def cores() -> int:
@@ -207,8 +209,8 @@ def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def analyse(topo: Topology, rows: list[dict], alpha: float = 0.0,
-            ncores: int | None = None) -> list[dict]:
+def analyse(topo: Topology, rows: list[Measurement], alpha: float = 0.0,
+            ncores: int | None = None) -> list[Cell]:
     """Set each measured row beside the model; add speedups over the all-to-all majority.
 
     ``cpu_share`` is the ranks' CPU time per call over what ``ncores`` cores (default: this
@@ -219,44 +221,42 @@ def analyse(topo: Topology, rows: list[dict], alpha: float = 0.0,
     slow = topo.slowest_link()
     cells = []
     for row in rows:
-        pred = model_mod.predict(topo, row["algorithm"], row["n"], alpha=alpha)
+        pred = model_mod.predict(topo, row.algorithm, row.n, alpha=alpha)
         measured = {}
         for forward in (True, False):
-            nbytes, packets = row["link_bytes"][direction_key(slow.index, forward)]
+            nbytes, packets = row.link_bytes[direction_key(slow.index, forward)]
             measured[forward] = model_mod.payload_from_counters(nbytes, packets)
         busier = max((True, False), key=lambda d: pred.link_payload(slow.index, d))
         modelled = pred.link_payload(slow.index, busier)
         bound = max(pred.link_payload(slow.index, d) for d in (True, False)) / slow.rate
-        cells.append({
-            "topology": topo.name, "ranks": topo.nodes, "n": row["n"],
-            "algorithm": row["algorithm"], "seconds": row["seconds"], "times": row["times"],
-            "model_seconds": pred.seconds, "time_vs_model": row["seconds"] / pred.seconds,
-            "slow_link": f"{slow.a}-{slow.b}", "slow_link_rate": slow.rate,
-            "slow_link_payload": measured[busier], "model_slow_link_payload": modelled,
-            "payload_vs_model": measured[busier] / modelled if modelled else float("nan"),
-            "bandwidth_bound_seconds": bound,
-            "time_vs_bound": row["seconds"] / bound if bound else float("nan"),
-            "wrong": row["wrong"], "cpu_seconds": row.get("cpu_seconds"),
-            "cpu_share": (row["cpu_seconds"] / (ncores * row["seconds"])
-                          if row.get("cpu_seconds") is not None else float("nan")),
+        cells.append(Cell(
+            topology=topo.name, ranks=topo.nodes, n=row.n, algorithm=row.algorithm,
+            seconds=row.seconds, times=row.times, model_seconds=pred.seconds,
+            time_vs_model=row.seconds / pred.seconds, slow_link=f"{slow.a}-{slow.b}",
+            slow_link_rate=slow.rate, slow_link_payload=measured[busier],
+            model_slow_link_payload=modelled,
+            payload_vs_model=measured[busier] / modelled if modelled else float("nan"),
+            bandwidth_bound_seconds=bound,
+            time_vs_bound=row.seconds / bound if bound else float("nan"),
+            wrong=row.wrong, cpu_seconds=row.cpu_seconds,
+            cpu_share=row.cpu_seconds / (ncores * row.seconds),
             # losses, per call: what the shapers dropped (all links / the slowest link's two
             # directions) and what TCP resent and timed out on, over all ranks
-            "drops": sum(row.get("drops", {}).values()),
-            "slow_link_drops": sum(row.get("drops", {}).get(direction_key(slow.index, d), 0)
-                                   for d in (True, False)),
-            "tcp_retrans": row.get("tcp_retrans"), "tcp_timeouts": row.get("tcp_timeouts"),
-        })
-    by = {(c["n"], c["algorithm"]): c for c in cells}
+            drops=sum(row.drops.values()),
+            slow_link_drops=sum(row.drops.get(direction_key(slow.index, d), 0)
+                                for d in (True, False)),
+            tcp_retrans=row.tcp_retrans, tcp_timeouts=row.tcp_timeouts))
+    by = {(c.n, c.algorithm): c for c in cells}
     for c in cells:
-        base = by.get((c["n"], "alltoall-majority"))
+        base = by.get((c.n, "alltoall-majority"))
         if base:
-            c["speedup"] = base["seconds"] / c["seconds"]
-            c["model_speedup"] = base["model_seconds"] / c["model_seconds"]
-            c["speedup_vs_model"] = c["speedup"] / c["model_speedup"]
+            c.speedup = base.seconds / c.seconds
+            c.model_speedup = base.model_seconds / c.model_seconds
+            c.speedup_vs_model = c.speedup / c.model_speedup
     return cells
 
 
-def run_experiment(exp: Experiment, progress: Callable[[str], None] = print) -> list[dict]:
+def run_experiment(exp: Experiment, progress: Callable[[str], None] = print) -> list[Cell]:
     """Measure and analyse every topology of ``exp``; return all cells."""
     cells = []
     for name in exp.topologies:

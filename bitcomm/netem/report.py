@@ -1,10 +1,11 @@
-"""Tables and plots of experiment cells (:func:`bitcomm.netem.experiment.analyse` output)."""
+"""Tables and plots of experiment cells (:class:`bitcomm.netem.results.Cell`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from bitcomm import _sizes
+from bitcomm.netem.results import Cell
 
 __all__ = ["table", "markdown", "plots"]
 
@@ -13,7 +14,7 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:.3f}"
 
 
-def table(cells: list[dict]) -> str:
+def table(cells: list[Cell]) -> str:
     """Return a text table: per topology and size, time and model per algorithm, slow-link MB.
 
     ``cpu%`` is the cell's ``cpu_share``: how busy the ranks kept this machine's cores;
@@ -24,21 +25,21 @@ def table(cells: list[dict]) -> str:
             f"{'cpu%':>5} {'resent':>6} {'#wrong':>6}")
     lines = [head]
     for c in cells:
-        speed = f"{c['speedup']:.2f}" if "speedup" in c else ""
-        mspeed = f"{c['model_speedup']:.2f}" if "model_speedup" in c else ""
-        lines.append(f"{c['topology']:<11} {_sizes.human(c['n']):>6} {c['algorithm']:<20} "
-                     f"{c['seconds']:>8.3f} {c['model_seconds']:>8.3f} {speed:>7} {mspeed:>6} "
-                     f"{_mb(c['slow_link_payload']):>8} {_mb(c['model_slow_link_payload']):>8} "
-                     f"{c['time_vs_bound']:>8.2f} {100 * c['cpu_share']:>5.0f} "
-                     f"{_count(c.get('tcp_retrans')):>6} {c['wrong']:>6}")
+        speed = f"{c.speedup:.2f}" if c.speedup is not None else ""
+        mspeed = f"{c.model_speedup:.2f}" if c.model_speedup is not None else ""
+        lines.append(f"{c.topology:<11} {_sizes.human(c.n):>6} {c.algorithm:<20} "
+                     f"{c.seconds:>8.3f} {c.model_seconds:>8.3f} {speed:>7} {mspeed:>6} "
+                     f"{_mb(c.slow_link_payload):>8} {_mb(c.model_slow_link_payload):>8} "
+                     f"{c.time_vs_bound:>8.2f} {100 * c.cpu_share:>5.0f} "
+                     f"{_count(c.tcp_retrans):>6} {c.wrong:>6}")
     return "\n".join(lines)
 
 
-def markdown(cells: list[dict]) -> str:
+def markdown(cells: list[Cell]) -> str:
     """Return the paper-shaped table in Markdown: one row per topology and size."""
-    algs = list(dict.fromkeys(c["algorithm"] for c in cells))
-    keys = list(dict.fromkeys((c["topology"], c["n"]) for c in cells))
-    by = {(c["topology"], c["n"], c["algorithm"]): c for c in cells}
+    algs = list(dict.fromkeys(c.algorithm for c in cells))
+    keys = list(dict.fromkeys((c.topology, c.n) for c in cells))
+    by = {(c.topology, c.n, c.algorithm): c for c in cells}
     head = ["topology", "size"] + [f"{a} s (model)" for a in algs]
     head += ["ring speedup (model)", "slow-link MB ring / a2a (model)", "CPU busy (max)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -46,19 +47,19 @@ def markdown(cells: list[dict]) -> str:
         row = [topo, _sizes.human(n)]
         for a in algs:
             c = by.get((topo, n, a))
-            row.append(f"{c['seconds']:.2f} ({c['model_seconds']:.2f})" if c else "")
+            row.append(f"{c.seconds:.2f} ({c.model_seconds:.2f})" if c else "")
         ring, a2a = by.get((topo, n, "ring-majority")), by.get((topo, n, "alltoall-majority"))
-        row.append(f"{ring['speedup']:.2f} ({ring['model_speedup']:.2f})"
-                   if ring and "speedup" in ring else "")
-        row.append(f"{_mb(ring['slow_link_payload'])} / {_mb(a2a['slow_link_payload'])} "
-                   f"({_mb(ring['model_slow_link_payload'])} / "
-                   f"{_mb(a2a['model_slow_link_payload'])})" if ring and a2a else "")
-        row.append(f"{max(by[(topo, n, a)]['cpu_share'] for a in algs if (topo, n, a) in by):.0%}")
+        row.append(f"{ring.speedup:.2f} ({ring.model_speedup:.2f})"
+                   if ring and ring.speedup is not None else "")
+        row.append(f"{_mb(ring.slow_link_payload)} / {_mb(a2a.slow_link_payload)} "
+                   f"({_mb(ring.model_slow_link_payload)} / "
+                   f"{_mb(a2a.model_slow_link_payload)})" if ring and a2a else "")
+        row.append(f"{max(by[(topo, n, a)].cpu_share for a in algs if (topo, n, a) in by):.0%}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def plots(cells: list[dict], out: Path) -> list[Path]:
+def plots(cells: list[Cell], out: Path) -> list[Path]:
     """Write time-vs-size, speedup-vs-N and slow-link-bytes PNGs; return their paths."""
     import matplotlib
 
@@ -67,15 +68,15 @@ def plots(cells: list[dict], out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    topologies = list(dict.fromkeys(c["topology"] for c in cells))
-    algs = list(dict.fromkeys(c["algorithm"] for c in cells))
+    topologies = list(dict.fromkeys(c.topology for c in cells))
+    algs = list(dict.fromkeys(c.algorithm for c in cells))
 
     fig, axes = plt.subplots(1, len(topologies), figsize=(4.5 * len(topologies), 3.6),
                              squeeze=False)
     for ax, topo in zip(axes[0], topologies, strict=True):
         for a in algs:
-            pts = sorted((c["n"], c["seconds"], c["model_seconds"]) for c in cells
-                         if c["topology"] == topo and c["algorithm"] == a)
+            pts = sorted((c.n, c.seconds, c.model_seconds) for c in cells
+                         if c.topology == topo and c.algorithm == a)
             if not pts:
                 continue
             line, = ax.plot([p[0] * 4 / 1e6 for p in pts], [p[1] for p in pts], "o-", label=a)
@@ -93,10 +94,10 @@ def plots(cells: list[dict], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5, 3.6))
     families = sorted({t.rsplit("-", 1)[0] for t in topologies})
     for fam in families:
-        pts = sorted((c["ranks"], c["speedup"], c["model_speedup"]) for c in cells
-                     if c["topology"].rsplit("-", 1)[0] == fam and c["algorithm"] ==
-                     "ring-majority" and "speedup" in c
-                     and c["n"] == max(d["n"] for d in cells if d["topology"] == c["topology"]))
+        pts = sorted((c.ranks, c.speedup, c.model_speedup) for c in cells
+                     if c.topology.rsplit("-", 1)[0] == fam and c.algorithm ==
+                     "ring-majority" and c.speedup is not None
+                     and c.n == max(d.n for d in cells if d.topology == c.topology))
         if pts:
             line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=fam)
             ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=line.get_color(),
@@ -115,14 +116,14 @@ def plots(cells: list[dict], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(topologies) * len(algs)), 3.6))
     labels, measured, modelled = [], [], []
     for topo in topologies:
-        n = max(c["n"] for c in cells if c["topology"] == topo)
+        n = max(c.n for c in cells if c.topology == topo)
         for a in algs:
-            c = next((c for c in cells if (c["topology"], c["n"], c["algorithm"]) ==
+            c = next((c for c in cells if (c.topology, c.n, c.algorithm) ==
                       (topo, n, a)), None)
             if c:
                 labels.append(f"{topo}\n{a}")
-                measured.append(c["slow_link_payload"] / 1e6)
-                modelled.append(c["model_slow_link_payload"] / 1e6)
+                measured.append(c.slow_link_payload / 1e6)
+                modelled.append(c.model_slow_link_payload / 1e6)
     xs = range(len(labels))
     ax.bar([x - 0.2 for x in xs], measured, width=0.4, label="measured")
     ax.bar([x + 0.2 for x in xs], modelled, width=0.4, label="model")

@@ -30,6 +30,7 @@ import torch
 from bitcomm.collectives import registry
 from bitcomm.comm.mpi import MPIComm
 from bitcomm.netem.emulator import Sender, drops, tx_counters
+from bitcomm.netem.results import Measurement
 from bitcomm.netem.topology import direction_key
 
 
@@ -101,22 +102,21 @@ def main(argv: list[str] | None = None) -> None:
                 per_call = {direction_key(*k): [(after[k][0] - before[k][0]) / repeat,
                                                 (after[k][1] - before[k][1]) / repeat]
                             for k in after}
-                row = {"topology": topology, "ranks": comm.size, "n": n,
-                       "algorithm": algorithm, "times": times,
-                       "seconds": statistics.median(times), "wrong": wrong,
-                       "cpu_seconds": statistics.median(cpu_seconds),
-                       "link_bytes": per_call,
-                       "drops": {direction_key(*k): (drops_after[k] - drops_before[k]) / repeat
-                                 for k in drops_after},
-                       "tcp_retrans": retrans, "tcp_timeouts": timeouts}
+                row = Measurement(
+                    topology=topology, ranks=comm.size, n=n, algorithm=algorithm, times=times,
+                    seconds=statistics.median(times), wrong=wrong,
+                    cpu_seconds=statistics.median(cpu_seconds), link_bytes=per_call,
+                    drops={direction_key(*k): (drops_after[k] - drops_before[k]) / repeat
+                           for k in drops_after},
+                    tcp_retrans=retrans, tcp_timeouts=timeouts)
                 rows.append(row)
-                print(f"  {topology} n={n} {algorithm}: {row['seconds']:.3f} s, "
-                      f"cpu {row['cpu_seconds']:.2f} s over all ranks, "
+                print(f"  {topology} n={n} {algorithm}: {row.seconds:.3f} s, "
+                      f"cpu {row.cpu_seconds:.2f} s over all ranks, "
                       f"{retrans:.0f} TCP segments resent per call (#wrong {wrong})",
                       flush=True)
     if comm.rank == 0:
         with open(plan["out"], "w") as fh:
-            json.dump(rows, fh)
+            json.dump([r.as_dict() for r in rows], fh)
     comm.barrier()
     sys.stdout.flush()
 
