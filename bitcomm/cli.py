@@ -322,11 +322,12 @@ def topo_check(name: str, scale: float | None, seconds: float, out_dir: str) -> 
             rows = netem.check_links(net, seconds, progress=click.echo)
     except netem.EmulatorError as e:
         raise click.ClickException(str(e)) from None
-    worst = min(r["ratio"] for r in rows)
+    worst = min(r.ratio for r in rows)
     click.echo(f"# lowest goodput / rate: {worst:.3f} (TCP payload is at most 0.956 of the line "
                "rate)")
     _save(Path(out_dir), f"links-{t.name}", _machine() | {"topology": t.name,
-                                                          "seconds": seconds}, rows)
+                                                          "seconds": seconds},
+          [r.as_dict() for r in rows])
 
 
 @topo.command("down")
@@ -415,7 +416,7 @@ def _run_training(data: dict, path: Path, out_dir: str | None, overwrite: bool) 
     click.echo((out / "table.md").read_text(), nl=False)
     for p in paths:
         click.echo(f"# wrote {p}")
-    broken = [r["method"] for r in rows if not r["identical_on_ranks"]]
+    broken = [r.method for r in rows if not r.identical_on_ranks]
     if broken:
         click.echo(f"# parameters differ across ranks for {broken}", err=True)
         sys.exit(1)

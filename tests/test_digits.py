@@ -38,9 +38,9 @@ def test_bytes_per_step_match_the_collectives():
     cfg = digits.TrainConfig(methods=["dense-sgd"], steps=3, eval_every=3)
     data = digits.load_digits_split(0)
     rows = run_local(lambda c: digits.train(c, "dense-sgd", cfg, data), 2, timeout=60)
-    assert rows[0]["bytes_per_step"] == 4 * rows[0]["params"] * 1
-    assert rows[0]["compression"] == 1.0
-    assert rows[0]["digest"] == rows[1]["digest"]
+    assert rows[0].bytes_per_step == 4 * rows[0].params * 1
+    assert rows[0].compression == 1.0
+    assert rows[0].digest == rows[1].digest
 
 
 @pytest.mark.timeout(300)
@@ -49,9 +49,9 @@ def test_short_digits_run_over_gloo_meets_the_accuracy_target():
                              eval_every=50, workers=4, transports=["gloo"])
     rows = digits.summarise(digits.launch(cfg, "gloo", progress=lambda line: None,
                                           timeout=240))
-    by = {r["method"]: r for r in rows}
-    assert all(r["identical_on_ranks"] for r in rows)
-    assert by["dense-sgd"]["accuracy"] > 0.9
+    by = {r.method: r for r in rows}
+    assert all(r.identical_on_ranks for r in rows)
+    assert by["dense-sgd"].accuracy > 0.9
     for m in ("qsgd-4bit", "signum-ring"):
-        assert by[m]["gap_points"] <= 3.0, by[m]
-        assert by[m]["compression"] > 5, by[m]
+        assert by[m].gap_points <= 3.0, by[m]
+        assert by[m].compression > 5, by[m]

@@ -287,3 +287,34 @@ def test_worker_spec_holds_what_a_rank_needs_as_plain_data():
     for index, a_to_b, ns, _ in spec["senders"]:
         link = topo.links[index]
         assert ns == net.ns(link.a if a_to_b else link.b)
+
+
+def test_link_check_rows_compare_iperf3_goodput_with_each_links_rate(monkeypatch):
+    # iperf3 and namespaces replaced by fakes: what is checked is the row each link gets
+    import json
+    import types
+
+    from bitcomm.netem import linkcheck
+
+    topo = load(DATA / "chain-4.yaml")
+    runs = []
+
+    class Done:
+        returncode, stderr = 0, ""
+        stdout = json.dumps({"end": {"sum_received": {"bits_per_second": 8e5}}})
+
+        def poll(self):
+            return 0
+
+    def run(rank, args, **kwargs):
+        runs.append((rank, args[args.index("-c") + 1]))
+        return Done()
+    net = types.SimpleNamespace(topo=topo, popen=lambda *a, **k: Done(), run=run)
+    monkeypatch.setattr(linkcheck.shutil, "which", lambda name: "/usr/bin/iperf3")
+    monkeypatch.setattr(linkcheck.time, "sleep", lambda s: None)
+    rows = linkcheck.check_links(net, 0.1, progress=lambda line: None)
+    assert [(r.link, r.pair, r.rate) for r in rows] == [
+        (link.index, list(linkcheck.pair_for(topo, link)), link.rate) for link in topo.links]
+    assert all(r.goodput == 1e5 and r.ratio == 1e5 / r.rate for r in rows)
+    # each client sent to its receiver's first address
+    assert runs == [(r.pair[0], str(topo.addresses(r.pair[1])[0].ip)) for r in rows]

@@ -15,6 +15,7 @@ import subprocess
 import time
 
 from bitcomm.netem.emulator import Emulator, EmulatorError
+from bitcomm.netem.results import LinkCheck
 from bitcomm.netem.topology import Link, Topology
 
 __all__ = ["pair_for", "check_links"]
@@ -40,7 +41,8 @@ def pair_for(topo: Topology, link: Link) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def check_links(net: Emulator, seconds: float = 3.0, progress=print) -> list[dict]:  # noqa: ANN001
+def check_links(net: Emulator, seconds: float = 3.0,
+                progress=print) -> list[LinkCheck]:  # noqa: ANN001
     """Run iperf3 across every link of the running emulator ``net``; return one row per link."""
     if shutil.which("iperf3") is None:
         raise EmulatorError("the link check needs iperf3 (Debian/Ubuntu: apt-get install -y "
@@ -60,9 +62,9 @@ def check_links(net: Emulator, seconds: float = 3.0, progress=print) -> list[dic
         if out.returncode:
             raise EmulatorError(f"iperf3 {u} -> {v} failed: {out.stderr.strip() or out.stdout}")
         goodput = json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8
-        row = {"link": link.index, "a": link.a, "b": link.b, "pair": [u, v],
-               "rate": link.rate, "goodput": goodput, "ratio": goodput / link.rate}
+        row = LinkCheck(link=link.index, a=link.a, b=link.b, pair=[u, v], rate=link.rate,
+                        goodput=goodput, ratio=goodput / link.rate)
         rows.append(row)
         progress(f"  link {link.index:>3} {link.a!s:>4}-{link.b!s:<4} via {u}->{v}: "
-                 f"{goodput / 1e6:8.3f} of {link.rate / 1e6:8.3f} MB/s ({row['ratio']:.3f})")
+                 f"{goodput / 1e6:8.3f} of {link.rate / 1e6:8.3f} MB/s ({row.ratio:.3f})")
     return rows

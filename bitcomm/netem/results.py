@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Measurement", "Cell"]
+__all__ = ["Measurement", "Cell", "LinkCheck"]
 
 
 @dataclasses.dataclass
@@ -107,4 +107,30 @@ class Cell:
 
     def as_dict(self) -> dict:
         """Return the fields as a JSON-ready dict (the rows of ``results.json``)."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class LinkCheck:
+    """One link measured with iperf3 by ``bitcomm topo check`` (``links-NAME.json``).
+
+    Attributes:
+        link: the link's index; ``a`` and ``b`` its ends.
+        pair: the ranks ``[sender, receiver]`` whose route has this link as its bottleneck.
+        rate: the configured (scaled) rate, B/s.
+        goodput: TCP payload received per second.
+        ratio: ``goodput / rate`` (at most 0.956: TCP payload of a full frame).
+
+    """
+
+    link: int
+    a: int | str
+    b: int | str
+    pair: list[int]
+    rate: float
+    goodput: float
+    ratio: float
+
+    def as_dict(self) -> dict:
+        """Return the fields as a JSON-ready dict."""
         return dataclasses.asdict(self)

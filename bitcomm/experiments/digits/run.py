@@ -18,6 +18,7 @@ import torch
 from bitcomm.comm.base import Comm
 from bitcomm.comm.launch import TRANSPORTS, commands, job_dir, run_job, world
 from bitcomm.experiments.digits.config import METHODS, TrainConfig
+from bitcomm.experiments.digits.results import MethodResult
 
 __all__ = ["load_digits_split", "train", "launch", "main"]
 
@@ -55,7 +56,7 @@ def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float
 
 
 def train(comm: Comm, method: str, cfg: TrainConfig,
-          data: tuple[torch.Tensor, ...]) -> dict:
+          data: tuple[torch.Tensor, ...]) -> MethodResult:
     """Train with ``method`` on this rank; return its curve, bytes per step and time."""
     if method not in METHODS:
         raise ValueError(f"expected a method in {sorted(METHODS)}, got {method!r}")
@@ -79,14 +80,14 @@ def train(comm: Comm, method: str, cfg: TrainConfig,
     per_step = comm.counters.total_sent / cfg.steps
     dense = 4 * nparams * (comm.size - 1)
     digest = float(sum(p.detach().double().sum() for p in params))
-    return {"method": method, "workers": comm.size, "steps": cfg.steps, "curve": curve,
-            "accuracy": curve[-1][1], "bytes_per_step": per_step,
-            "compression": dense / per_step if per_step else float("inf"),
-            "seconds": seconds, "params": nparams, "digest": digest}
+    return MethodResult(transport="", method=method, workers=comm.size, steps=cfg.steps,
+                        curve=curve, accuracy=curve[-1][1], bytes_per_step=per_step,
+                        compression=dense / per_step if per_step else float("inf"),
+                        seconds=seconds, params=nparams, digest=digest)
 
 
 def launch(cfg: TrainConfig, transport: str, progress: Callable[[str], None] = print,
-           timeout: float = 3600) -> list[dict]:
+           timeout: float = 3600) -> list[MethodResult]:
     """Run every method of ``cfg`` on ``cfg.workers`` processes over ``transport``; return rows."""
     with job_dir("digits") as tmp:
         out = tmp / "rows.json"
@@ -97,7 +98,7 @@ def launch(cfg: TrainConfig, transport: str, progress: Callable[[str], None] = p
         jobs = [(c, dict(e, OMP_NUM_THREADS="1"))
                 for c, e in commands(cfg.workers, transport, args, tmp)]
         run_job(jobs, timeout=timeout, what=f"the {transport} training job", progress=progress)
-        return json.loads(out.read_text())
+        return [MethodResult.from_dict(d) for d in json.loads(out.read_text())]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,17 +120,17 @@ def main(argv: list[str] | None = None) -> None:
     for method in cfg.methods:
         row = train(comm, method, cfg, data)
         # the parameters must be identical on every rank: compare a digest
-        every = [v[0] for v in comm.allgather_floats([row["digest"]])]
-        row["identical_on_ranks"] = all(d == every[0] for d in every)
-        row["transport"] = args.transport
+        every = [v[0] for v in comm.allgather_floats([row.digest])]
+        row.identical_on_ranks = all(d == every[0] for d in every)
+        row.transport = args.transport
         rows.append(row)
         if comm.rank == 0:
-            print(f"  {args.transport} {method}: test accuracy {row['accuracy']:.3f}, "
-                  f"{row['bytes_per_step']:.0f} B/step/worker "
-                  f"({row['compression']:.1f}x less than fp32), {row['seconds']:.1f} s",
+            print(f"  {args.transport} {method}: test accuracy {row.accuracy:.3f}, "
+                  f"{row.bytes_per_step:.0f} B/step/worker "
+                  f"({row.compression:.1f}x less than fp32), {row.seconds:.1f} s",
                   flush=True)
     if comm.rank == 0:
         with open(args.out, "w") as fh:
-            json.dump(rows, fh)
+            json.dump([r.as_dict() for r in rows], fh)
     comm.barrier()
 
