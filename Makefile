@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(BIN)/python -m pip install -q "$(TORCH_SPEC)")
-	$(BIN)/python -m pip install -q -e ".[dev,mpi]"
+	$(BIN)/python -m pip install -q -e ".[dev,mpi,jit,plots,experiments]"
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
 	touch $(STAMP)
 

@@ -88,8 +88,8 @@ def test_unknown_topology_and_experiment_are_clear_errors():
     assert result.exit_code == 1 and "no topology 'ring-99'" in result.output
     assert "chain-16" in result.output  # lists what exists
     result = CliRunner().invoke(main, ["run", "experiment", "nope"])
-    assert result.exit_code == 1 and "experiments/nope.yaml: no such experiment file" in (
-        result.output)
+    assert result.exit_code == 1 and "no experiment 'nope'" in result.output
+    assert "table1-chain" in result.output  # lists what exists
     result = CliRunner().invoke(main, ["compare", "--topology", "chain-16", "warp-drive"])
     assert result.exit_code == 1 and "unknown algorithms ['warp-drive']" in result.output
 
@@ -107,7 +107,8 @@ def test_experiment_files_validate(tmp_path):
     from bitcomm.netem.experiment import load_experiment
     from bitcomm.netem.topology import TopologyError
 
-    for path in sorted(Path("experiments").glob("*.yaml")):
+    shipped = Path(__file__).parent.parent / "bitcomm" / "configs" / "experiments"
+    for path in sorted(shipped.glob("*.yaml")):
         if "kind: train" in path.read_text():
             assert digits.load_config(path).methods  # a training experiment
             continue
@@ -233,3 +234,49 @@ def test_collectives_lists_the_registry_with_bytes_per_rank():
         [line] = [x for x in lines if x.split()[:1] == [name]]
         assert str(c.wire_bytes(1 << 20, 8, 0, True)) in line
         assert ("yes" in line.split()) == c.emulated and c.summary in line
+
+
+def test_topologies_and_experiments_are_found_by_name_from_any_directory(tmp_path):
+    # what a user of an installed bitcomm runs: no checkout in the working directory
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "bitcomm.cli", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    shown = cli("topo", "show", "chain-16")
+    assert shown.returncode == 0 and "topology chain-16: 16 ranks" in shown.stdout, shown.stderr
+    listed = cli("topo", "show", "nope")
+    assert "chain-16" in listed.stderr and "star-16" in listed.stderr  # what exists, by name
+    missing = cli("topo", "show", str(tmp_path / "nope.yaml"))
+    assert f"{tmp_path / 'nope.yaml'}: no such topology file" in missing.stderr
+    none = cli("run", "experiment", "nope")
+    assert "no experiment 'nope'" in none.stderr and "table1-chain" in none.stderr
+    assert "train-digits" in none.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_wheel_carries_the_topologies_and_experiments(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    # built from a copy: a build writes build/ and *.egg-info next to the sources
+    root = Path(__file__).parent.parent
+    src = tmp_path / "src"
+    shutil.copytree(root / "bitcomm", src / "bitcomm",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path), str(src)], check=True,
+                   timeout=280, capture_output=True)
+    [wheel] = tmp_path.glob("bitcomm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for topo in ("chain-16", "chain-32", "cluster-16", "cluster-32", "hetero-16", "hetero-32",
+                 "star-16"):
+        assert f"bitcomm/configs/topologies/{topo}.yaml" in names
+    for exp in ("default", "table1-chain", "table2-cluster", "table3-hetero", "star",
+                "train-digits"):
+        assert f"bitcomm/configs/experiments/{exp}.yaml" in names

@@ -180,7 +180,7 @@ def test_nothing_is_left_after_a_killed_run(tmp_path, victim):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_topo_up_interrupted_mid_build_leaves_nothing(sig):
     before = set(namespaces())
-    topo = Path(__file__).parent.parent / "topology_configs" / "chain-16.yaml"
+    topo = Path(__file__).parent.parent / "bitcomm" / "configs" / "topologies" / "chain-16.yaml"
     proc = subprocess.Popen([sys.executable, "-m", "bitcomm.cli", "topo", "up", str(topo)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -12,7 +12,7 @@ from bitcomm.collectives import (
 from bitcomm.netem import model
 from bitcomm.netem.topology import TopologyError, from_dict, load, parse_delay, parse_rate
 
-CONFIGS = Path(__file__).parent.parent / "topology_configs"
+CONFIGS = Path(__file__).parent.parent / "bitcomm" / "configs" / "topologies"
 DATA = Path(__file__).parent / "data"
 
 
@@ -272,7 +272,7 @@ def test_worker_spec_holds_what_a_rank_needs_as_plain_data():
     from bitcomm.netem.emulator import Emulator
     from bitcomm.netem.experiment import Experiment, worker_spec
 
-    topo = load("topology_configs/chain-16.yaml")
+    topo = load(CONFIGS / "chain-16.yaml")
     net = Emulator(topo, "bitcomm-spec-")  # names only: nothing is built
     exp = Experiment("x", ["chain-16"], [1024, 4096], ["ring-majority"], repeat=2, seed=7)
     spec = worker_spec(topo, net, exp, Path("/tmp/rows.json"))

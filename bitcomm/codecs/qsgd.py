@@ -17,8 +17,9 @@ mean is within ``scale / s * 2**-17`` of ``x``, far below float32 resolution of 
 bits and below any measurable bias for 2 and 4.
 
 CPU tensors are quantised by a numba-compiled kernel (:mod:`bitcomm.codecs._qsgd_cpu`: one
-cache-resident pass per block of 2**16 elements, on all cores); every other device runs the same
-arithmetic as torch ops. Both write the same bytes (tests compare them).
+cache-resident pass per block of 2**16 elements, on all cores; the ``jit`` extra), every other
+device, and the CPU without numba, by the same arithmetic as torch ops. Both write the same bytes
+(tests compare them).
 
 Non-finite input raises ``ValueError`` naming the first bucket whose scale is not finite (a NaN
 or inf anywhere in a bucket makes its max and norm non-finite, so the check costs nothing).
@@ -50,6 +51,7 @@ decodes to ``[1, -3/7, 0]`` or ``[1, -4/7, 0]``.
 from __future__ import annotations
 
 import struct
+import warnings
 
 import numpy as np
 import torch
@@ -204,12 +206,25 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
         frame[: HEADER.size] = header
         frame[HEADER.size : start] = _frame.float_bytes(scales)
         return frame
-    if path == "numpy":
+    if path == "numpy" and _has_numba():
         scales, codes = _encode_cpu(v, bits, bucket, scale, key)
     else:
         scales, codes = _encode_torch(v, bits, bucket, scale, key)
     _check_scales(scales, bucket, n, scale)  # once at the end: one device sync, not one a chunk
     return torch.cat([header, _frame.float_bytes(scales), codes])
+
+
+def _has_numba() -> bool:
+    # The compiled CPU encoder needs the jit extra; without it the torch ops write the same
+    # bytes, several times slower, and the user hears once what to install.
+    try:
+        import numba  # noqa: F401 - importing numba costs ~0.3 s: only on first use
+    except ImportError:
+        warnings.warn("qsgd on CPU tensors runs torch ops without numba (same bytes, several "
+                      "times slower): pip install 'bitcomm[jit]' for the compiled encoder",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int

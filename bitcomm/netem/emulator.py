@@ -160,7 +160,7 @@ class Emulator:
 
     Example::
 
-        with Emulator(load("topology_configs/chain-16.yaml")) as net:
+        with Emulator(load(find("chain-16"))) as net:
             net.run(3, ["ping", "-c1", str(net.topo.addresses(9)[0].ip)])
 
     """

@@ -1,10 +1,10 @@
 """Experiments on emulated networks: topology x sizes x algorithms, measured against the model.
 
-Schema (``experiments/*.yaml``)::
+Schema (``bitcomm/configs/experiments/*.yaml``, or a file of one's own)::
 
     name: table1-chain                 # required
     description: free text             # optional
-    topologies: [chain-16, chain-32]   # required: names in topology_configs/ (or .yaml paths)
+    topologies: [chain-16, chain-32]   # required: shipped names (bitcomm.configs) or .yaml paths
     sizes: [1M, 4M]                    # required: float32 elements per rank (K, M suffixes)
     algorithms: [ring-majority, alltoall-majority, onebit-allreduce]   # default: these three
     repeat: 3                          # timed calls per cell (median reported), after a warm-up
@@ -34,7 +34,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bitcomm import _names, _sizes
+from bitcomm import _names, _sizes, configs
 from bitcomm.collectives import registry
 from bitcomm.comm import launch
 from bitcomm.netem import model as model_mod
@@ -42,7 +42,8 @@ from bitcomm.netem.emulator import CONGESTION, QUEUE, WINDOW, Emulator
 from bitcomm.netem.results import Cell, Measurement
 from bitcomm.netem.topology import Topology, TopologyError, direction_key, find, load
 
-__all__ = ["Experiment", "read_file", "load_experiment", "experiment_from", "run_experiment",
+__all__ = ["Experiment", "read_file", "find_experiment", "load_experiment", "experiment_from",
+           "run_experiment",
            "analyse", "cores", "MPI_ENV", "DEFAULT_ALGORITHMS", "CPU_BOUND"]
 
 MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "MPIR_CVAR_NOLOCAL": "1", "FI_PROVIDER": "tcp",
@@ -117,8 +118,20 @@ def read_file(path: str | Path) -> object:
         raise TopologyError(f"{path}: not valid YAML: {e}") from None
 
 
-def load_experiment(path: str | Path) -> Experiment:
-    """Load and validate ``experiments/NAME.yaml`` (or a path)."""
+def find_experiment(name: str) -> Path:
+    """Return the file of experiment ``name``: a ``.yaml`` path, or a shipped experiment's name.
+
+    ``TopologyError`` (a ``ValueError``) for neither, listing the shipped names.
+    """
+    try:
+        return configs.find("experiments", name)
+    except ValueError as e:
+        raise TopologyError(str(e)) from None
+
+
+def load_experiment(name: str | Path) -> Experiment:
+    """Load and validate an experiment: a shipped name or a ``.yaml`` path."""
+    path = find_experiment(str(name))
     return experiment_from(read_file(path), path)
 
 

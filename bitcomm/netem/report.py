@@ -60,8 +60,16 @@ def markdown(cells: list[Cell]) -> str:
 
 
 def plots(cells: list[Cell], out: Path) -> list[Path]:
-    """Write time-vs-size, speedup-vs-N and slow-link-bytes PNGs; return their paths."""
-    import matplotlib
+    """Write time-vs-size, speedup-vs-N and slow-link-bytes PNGs; return their paths.
+
+    Raises:
+        ImportError: matplotlib is not installed (the message names the extra).
+
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install 'bitcomm[plots]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,6 +1,6 @@
 """Network topologies for the emulator: a documented YAML schema, validation, routes, addresses.
 
-Schema (``topology_configs/*.yaml``)::
+Schema (``bitcomm/configs/topologies/*.yaml``, or a file of one's own)::
 
     name: chain-16               # required, [a-z0-9-]
     description: free text       # optional
@@ -38,8 +38,9 @@ import heapq
 import ipaddress
 import math
 import re
-from collections.abc import Iterable
 from pathlib import Path
+
+from bitcomm import configs
 
 __all__ = ["Link", "Topology", "load", "parse_rate", "parse_delay", "TopologyError",
            "direction_key"]
@@ -387,14 +388,13 @@ def load(path: str | Path, *, scale: float | None = None) -> Topology:
     return from_dict(data, str(path))
 
 
-def find(name: str, dirs: Iterable[str | Path] = ("topology_configs",)) -> Path:
-    """Return the file of topology ``name`` (a path, or a name in ``topology_configs/``)."""
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.exists():
-        return p
-    for d in dirs:
-        cand = Path(d) / f"{name}.yaml"
-        if cand.exists():
-            return cand
-    raise TopologyError(f"no topology {name!r}: expected a .yaml path or one of "
-                        f"{sorted(q.stem for d in dirs for q in Path(d).glob('*.yaml'))}")
+def find(name: str) -> Path:
+    """Return the file of topology ``name``: a ``.yaml`` path, or a shipped topology's name.
+
+    Shipped topologies (:mod:`bitcomm.configs`) are found from any directory; a name that looks
+    like a path must be an existing file (``TopologyError`` otherwise, listing the names).
+    """
+    try:
+        return configs.find("topologies", name)
+    except ValueError as e:
+        raise TopologyError(str(e)) from None

@@ -9,8 +9,8 @@ experiment records test accuracy every ``eval_every`` steps, the payload bytes e
 per step (the transport's counters), the compression ratio against the fp32 allreduce's direct
 exchange (``4 * params * (N - 1)``, what ``collectives.allreduce`` counts), and wall time.
 
-Run: ``bitcomm run experiment train-digits`` (experiments/train-digits.yaml), over MPI
-(``mpiexec``) and torch.distributed gloo, one launch per transport. Split into
+Run: ``bitcomm run experiment train-digits`` (``bitcomm/configs/experiments/train-digits.yaml``),
+over MPI (``mpiexec``) and torch.distributed gloo, one launch per transport. Split into
 :mod:`~bitcomm.experiments.digits.config` (methods, baselines, the file),
 :mod:`~bitcomm.experiments.digits.run` (data, model, training, launch, the rank program) and
 :mod:`~bitcomm.experiments.digits.report` (summary, files, plot).
@@ -25,7 +25,7 @@ from bitcomm.experiments.digits.config import (
     load_config,
 )
 from bitcomm.experiments.digits.report import summarise, write_report
-from bitcomm.experiments.digits.run import launch, load_digits_split, train
+from bitcomm.experiments.digits.run import launch, load_digits_split, requirements, train
 
 __all__ = ["METHODS", "BASELINES", "DenseAllreduce", "TrainConfig", "load_config", "config_from",
-           "load_digits_split", "train", "launch", "summarise", "write_report"]
+           "load_digits_split", "requirements", "train", "launch", "summarise", "write_report"]

@@ -3,7 +3,7 @@
 ``METHODS`` maps a name to ``factory(params, comm)``, each with the hyper-parameters the experiment
 uses (chosen once for the dense baselines and reused by the compressed method of the same
 family); ``BASELINES`` names each compressed method's dense counterpart. A ``kind: train``
-experiment file (``experiments/train-digits.yaml``) is a :class:`TrainConfig`.
+experiment file (``bitcomm/configs/experiments/train-digits.yaml``) is a :class:`TrainConfig`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ BASELINES = {"signum-ring": "dense-sgd", "onebit-adam": "dense-adam", "rgc-topk"
 
 @dataclasses.dataclass
 class TrainConfig:
-    """What one train-digits run does (experiments/train-digits.yaml)."""
+    """What one train-digits run does (bitcomm/configs/experiments/train-digits.yaml)."""
 
     methods: list[str] = dataclasses.field(default_factory=lambda: list(METHODS))
     steps: int = 300

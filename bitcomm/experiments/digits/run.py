@@ -20,7 +20,18 @@ from bitcomm.comm.launch import TRANSPORTS, commands, job_dir, run_job, world
 from bitcomm.experiments.digits.config import METHODS, TrainConfig
 from bitcomm.experiments.digits.results import MethodResult
 
-__all__ = ["load_digits_split", "train", "launch", "main"]
+__all__ = ["load_digits_split", "requirements", "train", "launch", "main"]
+
+
+def requirements() -> list[str]:
+    """Return what this experiment needs and this environment lacks (the experiments extra)."""
+    missing = []
+    for module, package in (("sklearn", "scikit-learn"), ("matplotlib", "matplotlib")):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(package)
+    return missing
 
 
 def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
