@@ -10,8 +10,8 @@ Bytes sent per rank (:func:`qsgd_allgather_bytes`)::
     (N - 1) * qsgd.encoded_size(n, bits, bucket)   + 24 * (N - 1) with check
 
 Example: 1000 float32 elements, 4 bits, buckets of 512, 4 ranks: the frame is a 14-byte header,
-two fp32 scales and 500 bytes of codes (522 bytes), so each rank sends 3 * 522 + 48 = 1614
-bytes against 12000 + 48 for the fp32 allreduce's direct exchange.
+two fp32 scales and 500 bytes of codes (522 bytes), so each rank sends 3 * 522 + 72 = 1638
+bytes against 12000 + 72 for the fp32 allreduce's direct exchange.
 """
 
 from __future__ import annotations
