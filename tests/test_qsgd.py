@@ -263,3 +263,34 @@ def test_stream_is_uniform():
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 37.7  # 99.9th percentile of chi-square with 15 degrees of freedom
     assert abs(np.corrcoef(r[:-1], r[1:])[0, 1]) < 0.01
+
+
+@pytest.mark.timeout(200)
+def test_numba_without_a_writable_cache_location_still_encodes():
+    # A non-root user in a container: the package's __pycache__ and $HOME are read-only, so no
+    # numba cache locator can write. Simulated as root by refusing every cache directory but
+    # one under NUMBA_CACHE_DIR, had it been set.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, torch\n"
+        "from numba.core import caching\n"
+        "real = caching._CacheLocator.ensure_cache_path\n"
+        "def refuse(self):\n"
+        "    from numba import config\n"
+        "    if not (config.CACHE_DIR and self.get_cache_path().startswith(config.CACHE_DIR)):\n"
+        "        raise PermissionError('read-only file system')\n"
+        "    return real(self)\n"
+        "caching._CacheLocator.ensure_cache_path = refuse\n"
+        "from bitcomm.codecs import qsgd\n"
+        "x = torch.arange(5000, dtype=torch.float32).sin()\n"
+        "print(json.dumps(qsgd.encode(x, 4, seed=3).tolist()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    x = torch.arange(5000, dtype=torch.float32).sin()
+    assert json.loads(r.stdout.splitlines()[-1]) == qsgd.encode(x, 4, seed=3).tolist()

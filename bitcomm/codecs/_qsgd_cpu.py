@@ -20,6 +20,9 @@ It computes exactly what the torch path computes (tests compare the bytes):
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import numba
 import numpy as np
 
@@ -32,7 +35,26 @@ _HALF = TASK // 2
 _M32 = 0xFFFFFFFF
 
 
-@numba.njit(cache=True, inline="always")
+def _jit(**options):  # noqa: ANN202 - a numba decorator
+    """``numba.njit(cache=True, **options)``, with a private cache where no other is writable.
+
+    numba caches next to this file or under $HOME; a non-root user of a read-only install (a
+    container, a Slurm job) may have neither, and numba then refuses to compile a cached
+    function at all. Such a process caches in a directory of its own under the temp dir.
+    """
+    def decorate(fn):  # noqa: ANN001, ANN202
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        except RuntimeError as e:
+            if "no locator available" not in str(e):
+                raise
+            numba.config.CACHE_DIR = os.path.join(tempfile.gettempdir(),
+                                                  f"bitcomm-numba-{os.getuid()}")
+            return numba.njit(cache=True, **options)(fn)
+    return decorate
+
+
+@_jit(inline="always")
 def _max_abs(x: np.ndarray) -> np.float32:
     m = np.float32(0)
     nan = False
@@ -43,7 +65,7 @@ def _max_abs(x: np.ndarray) -> np.float32:
     return np.float32(np.nan) if nan else m
 
 
-@numba.njit(cache=True, parallel=True, nogil=True)
+@_jit(parallel=True, nogil=True)
 def max_scales(x: np.ndarray, bucket: int, scales: np.ndarray) -> None:
     """Write each bucket's max ``|x|`` (NaN if it holds a NaN) to ``scales``."""
     n = x.size
@@ -51,7 +73,7 @@ def max_scales(x: np.ndarray, bucket: int, scales: np.ndarray) -> None:
         scales[b] = _max_abs(x[b * bucket : min(n, (b + 1) * bucket)])
 
 
-@numba.njit(cache=True, inline="always")
+@_jit(inline="always")
 def _stream(task: int, key: int, r: np.ndarray) -> None:
     # The 2**16 stream values of block `task`: one hash feeds positions q and q + 2**15.
     j0 = task * _HALF
@@ -68,14 +90,14 @@ def _stream(task: int, key: int, r: np.ndarray) -> None:
         r[q + _HALF] = np.int32(high)
 
 
-@numba.njit(cache=True, inline="always")
+@_jit(inline="always")
 def _factor(scale: np.float32, levels: np.float32) -> np.float32:
     if scale > 0:
         return np.float32(np.float32(1) / scale) * levels
     return np.float32(0)
 
 
-@numba.njit(cache=True, inline="always")
+@_jit(inline="always")
 def _pack(c: np.ndarray, m: int, bits: int, out: np.ndarray) -> None:
     # c holds m codes followed by at least 3 zeros; out gets ceil(m * bits / 8) bytes.
     nb = (m * bits + 7) // 8
@@ -90,7 +112,7 @@ def _pack(c: np.ndarray, m: int, bits: int, out: np.ndarray) -> None:
             out[i] = (c[4 * i] << 6) | (c[4 * i + 1] << 4) | (c[4 * i + 2] << 2) | c[4 * i + 3]
 
 
-@numba.njit(cache=True, parallel=True, nogil=True)
+@_jit(parallel=True, nogil=True)
 def encode_codes(x: np.ndarray, bucket: int, bits: int, key: int, scales: np.ndarray,
                  fuse_max: bool, out: np.ndarray, threads: int) -> None:
     """Quantise float32 ``x`` into ``out`` (``ceil(n * bits / 8)`` packed code bytes).
