@@ -19,6 +19,8 @@ DATA = Path(__file__).parent / "data"
 def test_rates_and_delays():
     assert parse_rate("500MB/s") == 500e6
     assert parse_rate("100Mbit/s") == 12.5e6
+    # tc's spellings, documented in the schema: mbps is bytes (as tc reads it), mbit bits
+    assert parse_rate("100mbps") == 100e6 and parse_rate("100mbit") == 12.5e6
     assert parse_rate("1GB/s") == 1e9
     assert parse_delay("1ms") == 1e-3 and parse_delay("250us") == 250e-6
     with pytest.raises(TopologyError, match="expected a rate like 500MB/s"):

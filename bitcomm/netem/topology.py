@@ -13,7 +13,9 @@ Schema (``bitcomm/configs/topologies/*.yaml``, or a file of one's own)::
       - {a: 7, b: 8, rate: 100MB/s, delay: 1ms}  # delay (netem) is optional
 
 Rates take the units ``B/s``, ``KB/s``, ``MB/s``, ``GB/s`` (decimal bytes, as the paper's
-MBps) and ``Kbit/s``, ``Mbit/s``, ``Gbit/s``; delays ``us``, ``ms``, ``s``. Every link is full
+MBps) and ``Kbit/s``, ``Mbit/s``, ``Gbit/s``, and tc's spellings: ``bps``, ``kbps``, ``mbps``,
+``gbps`` are bytes per second as in tc (``100mbps`` is 100 MB/s, not 100 Mbit/s), ``kbit``,
+``mbit``, ``gbit`` bits; delays ``us``, ``ms``, ``s``. Every link is full
 duplex: each direction is shaped to ``rate / scale`` on its own. A link may appear once per pair
 of endpoints. The graph must be connected, and every rank needs at least one link.
 
