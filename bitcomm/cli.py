@@ -197,13 +197,13 @@ def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat
                    + " ".join(f"{k}={v}" for k, v in config.items()))
         click.echo("# algbw = 4n bytes / time (GB = 1e9), busbw = algbw * 2(N-1)/N; time = "
                    "median over calls of each call's slowest rank (min, max in the JSON)")
-        click.echo(f"{'size':>6} {'count':>10} {'collective':<20} {'time(ms)':>10} "
+        click.echo(f"{'size(B)':>7} {'count':>10} {'collective':<20} {'time(ms)':>10} "
                    f"{'algbw':>8} {'busbw':>8} {'wire_bytes':>12} {'formula':>12} "
                    f"{'#wrong':>6} {'vs a2a':>7}")
 
     def show(row) -> None:
         speed = "" if row.speedup_vs_alltoall is None else f"{row.speedup_vs_alltoall:.2f}"
-        click.echo(f"{_human(4 * row.n):>6} {row.n:>10} {row.collective:<20} "
+        click.echo(f"{_human(4 * row.n):>7} {row.n:>10} {row.collective:<20} "
                    f"{row.seconds * 1e3:>10.2f} {row.algbw:>8.3f} {row.busbw:>8.3f} "
                    f"{row.wire_bytes:>12} {row.expected_bytes:>12} {row.wrong:>6} {speed:>7}",
                    nl=True)

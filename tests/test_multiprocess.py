@@ -131,6 +131,13 @@ def test_bench_collectives_cli(transport, tmp_path):
             alltoall_majority_bytes(n, 3, rank) for rank in range(3))
         assert rows[("alltoall-majority", n)]["speedup_vs_alltoall"] == 1.0
     assert "ring-majority" in r.stdout and "#wrong" in r.stdout
+    # nccl-tests' columns: the size in bytes says so, the count is in elements
+    header = next(line for line in r.stdout.splitlines() if "collective" in line and "#" not in
+                  line.split()[0])
+    assert header.split()[:2] == ["size(B)", "count"], header
+    row = next(line for line in r.stdout.splitlines() if line.split()[1:3] == ["4096",
+                                                                                 "ring-majority"])
+    assert row.split()[0] == "16K", row
 
 
 @pytest.mark.timeout(LIMIT + 30)
