@@ -266,7 +266,7 @@ def test_stream_is_uniform():
 
 
 @pytest.mark.timeout(200)
-def test_numba_without_a_writable_cache_location_still_encodes():
+def test_numba_without_a_writable_cache_location_still_encodes(tmp_path):
     # A non-root user in a container: the package's __pycache__ and $HOME are read-only, so no
     # numba cache locator can write. Simulated as root by refusing every cache directory but
     # one under NUMBA_CACHE_DIR, had it been set.
@@ -289,8 +289,10 @@ def test_numba_without_a_writable_cache_location_still_encodes():
         "x = torch.arange(5000, dtype=torch.float32).sin()\n"
         "print(json.dumps(qsgd.encode(x, 4, seed=3).tolist()))\n")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["TMPDIR"] = str(tmp_path)  # where the private cache goes
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
                        env=env)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert list((tmp_path / f"bitcomm-numba-{os.getuid()}").rglob("*.nbi"))  # it cached there
     x = torch.arange(5000, dtype=torch.float32).sin()
     assert json.loads(r.stdout.splitlines()[-1]) == qsgd.encode(x, 4, seed=3).tolist()
