@@ -219,8 +219,10 @@ class Emulator:
         self.down()
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        self.down()
-        raise KeyboardInterrupt(f"stopped by signal {signum}; namespaces removed")
+        # Only raise: the teardown runs where the exception lands (__exit__, or build's and
+        # __enter__'s except), after the command it interrupted has been reaped. Tearing down
+        # here raced a namespace that `ip netns add` was still creating.
+        raise KeyboardInterrupt(f"stopped by signal {signum}; removing the namespaces")
 
     def up(self) -> None:
         """Create namespaces, bridges, links, shaping, addresses and routes."""
@@ -230,8 +232,8 @@ class Emulator:
         topo = self.topo
         for v in topo.vertices():
             name = self.ns(v)
+            self.created.append(name)  # first: an interrupted add may still leave it behind
             _run(["ip", "netns", "add", name])
-            self.created.append(name)
             _run(["ip", "-n", name, "link", "set", "lo", "up"])
             if isinstance(v, int):
                 # No slow start after idle: a ring step waits for its neighbour between
@@ -337,11 +339,19 @@ class Emulator:
         return "\n".join(lines) + ("\n" if lines else "")
 
     def down(self) -> None:
-        """Delete every namespace this emulator created (idempotent)."""
-        for name in reversed(self.created):
-            _delete(name)
-        self.created.clear()
-        self._restore_handlers()
+        """Delete every namespace this emulator created (idempotent).
+
+        SIGINT and SIGTERM are ignored until it is done, so a second Ctrl-C cannot cut the
+        teardown short; then the handlers from before the emulator are back.
+        """
+        for sig in self._old_handlers:
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            for name in reversed(self.created):
+                _delete(name)
+            self.created.clear()
+        finally:
+            self._restore_handlers()
 
     def _restore_handlers(self) -> None:
         for sig, handler in self._old_handlers.items():
