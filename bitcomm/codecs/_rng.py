@@ -38,6 +38,12 @@ def _signed32(v: int) -> int:
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
+def check_seed(seed: object) -> None:
+    """Raise ``TypeError`` unless ``seed`` is an int or ``None``."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"expected seed to be an int or None, got {type(seed).__name__}")
+
+
 def key_from(seed: int | None = None, generator: torch.Generator | None = None) -> int:
     """Return a 32-bit stream key from an int seed, a ``torch.Generator``, or torch's default.
 
@@ -46,9 +52,8 @@ def key_from(seed: int | None = None, generator: torch.Generator | None = None) 
     """
     if seed is not None and generator is not None:
         raise ValueError("expected at most one of seed and generator, got both")
+    check_seed(seed)
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"expected seed to be an int, got {type(seed).__name__}")
         # Spread nearby seeds apart before they become keys (a Weyl-sequence multiplier).
         return _signed32(((seed * 0x9E3779B97F4A7C15) >> 32) ^ seed)
     if generator is not None and not isinstance(generator, torch.Generator):

@@ -57,9 +57,10 @@ import numpy as np
 import torch
 
 from bitcomm.codecs import _frame, _rng
+from bitcomm.codecs._rng import check_seed
 
-__all__ = ["encode", "decode", "encoded_size", "check_config", "HEADER", "BITS", "SCALES",
-           "DEFAULT_BUCKET"]
+__all__ = ["encode", "decode", "encoded_size", "check_config", "check_seed", "HEADER", "BITS",
+           "SCALES", "DEFAULT_BUCKET"]
 
 HEADER = struct.Struct("<qBBI")
 """Frame header: n (int64), bits (uint8), scale kind (uint8), bucket (uint32); 14 bytes."""

@@ -84,10 +84,7 @@ class Qsgd:
 
     def __post_init__(self) -> None:
         qsgd.check_config(self.bits, self.bucket, self.scale)
-        if self.seed is not None and (isinstance(self.seed, bool)
-                                      or not isinstance(self.seed, int)):
-            raise TypeError(f"expected seed to be an int or None, got "
-                            f"{type(self.seed).__name__}")
+        qsgd.check_seed(self.seed)
 
 
 ValueFormat = str | Qsgd
@@ -199,12 +196,17 @@ def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32,
     Allocates only the k entries the frame carries, so any dense length is accepted; ``n``, the
     length the caller expects, is checked against the header (``ValueError``).
     """
-    buf = _frame.as_buffer(frame)
-    expected = n
+    return _entries(_frame.as_buffer(frame), dtype, n, bounded=False)
+
+
+def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bounded: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    # bounded: the caller will allocate the dense n, so without an expected length the header's
+    # n must be one the frame can justify (bitcomm.codecs' limit).
     n, k, code = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
     if n < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
-    if expected is not None:
+    if expected is not None or bounded:
         _frame.check_length(n, buf.numel(), expected, _CODEC)
     if not 0 <= k <= n:
         raise ValueError(f"corrupt {_CODEC} frame: expected 0 <= k <= n={n}, got k={k}")
@@ -274,18 +276,17 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
 
     """
     buf = _frame.as_buffer(frame)
-    header_n = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")[0]
     if out is not None:
         _frame.check_float(out, "out")
-        if out.dim() != 1 or header_n >= 0 and out.numel() != header_n:
-            raise ValueError(f"expected out to be 1-D of length {header_n} (the frame's n), "
-                             f"got shape {tuple(out.shape)}")
-    if header_n >= 0:  # a negative n is reported by decode_entries
-        expected = out.numel() if n is None and out is not None else n
-        _frame.check_length(header_n, buf.numel(), expected, _CODEC)
-    idx, val, n, end = decode_entries(buf, dtype=dtype if out is None else out.dtype)
+    # One read of the header (a host copy for a device frame); the entries alone are allocated
+    # before the dense length is checked, and they are what the frame's bytes justify.
+    idx, val, n, end = _entries(buf, dtype if out is None else out.dtype, n,
+                                bounded=out is None)
     if out is None:
         out = torch.zeros(n, dtype=dtype, device=val.device)
+    elif out.dim() != 1 or out.numel() != n:
+        raise ValueError(f"expected out to be 1-D of length {n} (the frame's n), got shape "
+                         f"{tuple(out.shape)}")
     # Indices are distinct, so index_add_ is deterministic on every device.
     out.index_add_(0, idx.to(out.device), val.to(out.device))
     return out, end

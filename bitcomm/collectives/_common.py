@@ -147,12 +147,6 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
     return x.detach().reshape(-1)
 
 
-def check_seed(seed: object) -> None:
-    """Raise ``TypeError`` unless ``seed`` is an int or ``None``."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"expected seed to be an int or None, got {type(seed).__name__}")
-
-
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of dtype {x.dtype}"

@@ -45,7 +45,7 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
     """
     def validate(v: torch.Tensor) -> None:
         qsgd.check_config(bits, bucket, "max")
-        _common.check_seed(seed)
+        qsgd.check_seed(seed)
 
     # The seed is left out of the call's fingerprint: ranks offset it anyway.
     v = _common.prepare(comm, x, check, "qsgd_allgather", float32=True,
