@@ -2,21 +2,34 @@
 
 Trains the same small regression with DistributedDataParallel twice per hook: once with DDP's
 own fp32 allreduce and once with the hook, from the same initial weights on the same batches,
-and prints one JSON line per hook: losses of both runs and the largest parameter difference.
+and prints one JSON line per hook: losses of both runs, the largest parameter difference, and
+what the hook's state holds after DDP's bucket rebuild. Then one line on overlap: how long the
+hook took to return while the other rank was still busy, and whether its future was done.
 """
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bitcomm.comm.launch import world
-from bitcomm.train.hooks import HookState, onebit_hook, qsgd_hook, sign_majority_hook, topk_hook
+from bitcomm.train.hooks import (
+    OneBitHookState,
+    QsgdState,
+    SignState,
+    TopkState,
+    onebit_hook,
+    qsgd_hook,
+    sign_majority_hook,
+    topk_hook,
+)
 
 STEPS = 30
+BUCKET_MB = 0.0002  # 52 floats: the 577 parameters, one bucket at step 1, then rebuilt as 2
 
 
 def batches(rank, steps):
@@ -33,7 +46,7 @@ def batches(rank, steps):
 def train(hook, state, opt_kind, rank):
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
-                                    torch.nn.Linear(32, 1)))
+                                    torch.nn.Linear(32, 1)), bucket_cap_mb=BUCKET_MB)
     if hook is not None:
         model.register_comm_hook(state, hook)
     opt = (torch.optim.SGD(model.parameters(), lr=0.01) if opt_kind == "sign"
@@ -53,15 +66,20 @@ def main():
     rank = dist.get_rank()
     base_losses, base_params = train(None, None, "sgd", rank)
     cases = {
-        "qsgd8": (qsgd_hook, HookState(comm, bits=8, bucket_size=64, error_feedback=True), "sgd"),
-        "onebit": (onebit_hook, HookState(comm), "sgd"),
-        "topk": (topk_hook, HookState(comm, density=0.1), "sgd"),
-        "sign": (sign_majority_hook, HookState(comm, momentum=0.9), "sign"),
-        "sign-alltoall": (sign_majority_hook, HookState(comm, momentum=0.9, collective="alltoall"),
+        "qsgd8": (qsgd_hook, QsgdState(comm, bits=8, bucket_size=64, error_feedback=True), "sgd"),
+        "qsgd8-blocking": (qsgd_hook, QsgdState(comm, bits=8, bucket_size=64, overlap=False),
+                           "sgd"),
+        "onebit": (onebit_hook, OneBitHookState(comm), "sgd"),
+        "topk": (topk_hook, TopkState(comm, density=0.1), "sgd"),
+        "sign": (sign_majority_hook, SignState(comm, momentum=0.9), "sign"),
+        "sign-alltoall": (sign_majority_hook, SignState(comm, momentum=0.9, collective="alltoall"),
                           "sign"),
     }
+    finals = {}
     for name, (hook, state, kind) in cases.items():
         losses, params = train(hook, state, kind, rank)
+        finals[name] = params
+        held = [getattr(state, b) for b in type(state)._buffers]
         diff = max((a - b).abs().max().item() for a, b in zip(params, base_params, strict=True))
         # parameters identical across ranks: gather a checksum
         digest = torch.tensor([sum(p.double().sum().item() for p in params)], dtype=torch.float64)
@@ -70,9 +88,40 @@ def main():
         print(json.dumps({"rank": rank, "hook": name, "first": losses[0],
                           "last": sum(losses[-5:]) / 5, "base_last": sum(base_losses[-5:]) / 5,
                           "max_param_diff": diff,
-                          "same_on_ranks": all(e.item() == every[0].item() for e in every)}),
+                          "same_on_ranks": all(e.item() == every[0].item() for e in every),
+                          "held": [len(b) for b in held],
+                          "buckets": [len(b._flats) for b in held],
+                          "params": sum(p.numel() for p in params)}),
               flush=True)
+    same = all(torch.equal(a, b) for a, b in zip(finals["qsgd8"], finals["qsgd8-blocking"],
+                                                 strict=True))
+    print(json.dumps({"rank": rank, "qsgd_overlap_equals_blocking": same}), flush=True)
+    overlap(comm, rank)
     dist.destroy_process_group()
+
+
+def overlap(comm, rank):
+    """Time the hook's return while rank 1 starts its backward 0.5 s late."""
+    state = SignState(comm)
+    seen = []
+
+    def timed(s, bucket):
+        t0 = time.perf_counter()
+        fut = sign_majority_hook(s, bucket)
+        seen.append((time.perf_counter() - t0, fut.done()))
+        return fut
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(16, 1))
+    model.register_comm_hook(state, timed)
+    x, y = batches(rank, 1)[0]
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if rank == 1:
+        time.sleep(0.5)
+    t0 = time.perf_counter()
+    loss.backward()
+    print(json.dumps({"rank": rank, "hook_return_s": seen[0][0], "done_at_return": seen[0][1],
+                      "backward_s": time.perf_counter() - t0}), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,36 +2,62 @@
 
 Register with ``ddp.register_comm_hook(state, hook)``; DDP then calls ``hook(state, bucket)``
 for each gradient bucket instead of its fp32 allreduce, and uses the tensor the returned future
-holds as the bucket's gradient (every rank gets the same one). The hooks run bitcomm's
-collectives over a :class:`~bitcomm.comm.torchdist.TorchComm` (gloo on CPU, NCCL on GPU) and
-keep their per-bucket buffers in the state object (keyed by bucket index and length, since DDP
-rebuilds its buckets once after the first iteration).
+holds as the bucket's gradient (every rank gets the same one). Each hook has a state class of
+its own, holding the transport (a :class:`~bitcomm.comm.torchdist.TorchComm`: gloo on CPU, NCCL
+on GPU), the hook's options and its per-bucket buffers:
 
-=========================  =========================================  ==========================
-hook                       the bucket's gradient becomes              exact?
-=========================  =========================================  ==========================
-``sign_majority_hook``     majority of the workers' signs (+-1), of   no: a direction; use with
-                           the momentum when ``momentum > 0``         plain SGD (lr = step size)
-``onebit_hook``            1-bit Adam's compressed average, with      no: error feedback makes
-                           worker and server error feedback           it unbiased over steps
-``qsgd_hook``              the mean of the workers' QSGD frames,      8 bits: to about 1/127 of
-                           optionally with error feedback             each bucket's max
-``topk_hook``              sum of each worker's top-k of its          no: the residual keeps
-                           residual, / N (RedSync's RGC without       the rest for later steps
-                           momentum correction)
-=========================  =========================================  ==========================
+=========================  ==========================  ======================================
+hook                       state                       the bucket's gradient becomes
+=========================  ==========================  ======================================
+``sign_majority_hook``     :class:`SignState`          the workers' majority sign (+-1) of the
+                                                       gradient, or of the momentum (Signum)
+``onebit_hook``            :class:`OneBitHookState`    1-bit Adam's compressed average (worker
+                                                       and server error feedback)
+``qsgd_hook``              :class:`QsgdState`          the mean of the workers' QSGD frames,
+                                                       optionally with error feedback
+``topk_hook``              :class:`TopkState`          the sum of each worker's top-k of its
+                                                       residual, / N (RedSync's RGC without
+                                                       momentum correction)
+=========================  ==========================  ======================================
+
+Overlap
+-------
+A hook returns at once with a future of work that runs on a thread of the state's own (and, for
+CUDA buckets, on a CUDA stream of its own that first waits for the bucket's gradients), the way
+PyTorch's ``allreduce_hook`` returns the future of an asynchronous allreduce: the rest of the
+backward pass goes on while a bucket is compressed and exchanged, and DDP waits for the futures
+at the end of backward. Buckets are exchanged one at a time in the order DDP hands them over,
+which is the same on every rank. ``overlap=False`` runs the exchange inside the hook instead.
+
+The thread sends point-to-point messages on the state's process group while the autograd thread
+may use DDP's (with ``find_unused_parameters=True`` DDP allreduces a bitmap after the last
+bucket). gloo keeps the two apart; with NCCL, give the state a group of its own
+(``TorchComm(dist.new_group())``) so the two threads never queue work on one communicator.
+
+Buffers across DDP's bucket rebuild
+-----------------------------------
+DDP regroups its buckets once after the first iteration. Momentum, residuals and worker errors
+are therefore kept per parameter (a view into the bucket's flat buffer) and carried into the new
+buckets when the layout changes, so nothing is lost or left behind under a stale key. Parameters
+are numbered in the order the hooks first see them, which is the same in every run of the same
+model and bucket sizes: that number is the key in :meth:`state_dict`.
 
 Stated tolerance: with 8 bits, buckets of 64 and error feedback, ``qsgd_hook`` keeps a small
 MLP's parameters within 0.02 of the fp32 allreduce run after 30 SGD steps on 2 workers (the
 test measures about 0.001), and its final loss within 10%.
 
-The hooks complete their work before returning (the future is already done): bitcomm's
-collectives are blocking, so communication does not overlap the rest of the backward pass.
+Example::
+
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(SignState(TorchComm(), momentum=0.9), sign_majority_hook)
 """
 
 # No "from __future__ import annotations": DDP checks that the hook's ``bucket`` annotation
 # is dist.GradBucket itself, not a string.
+import concurrent.futures
 import math
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,116 +72,422 @@ from bitcomm.collectives import (
     ring_majority,
     sparse_allgather,
 )
+from bitcomm.collectives.onebit import padded_length
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import check_comm, check_range
-from bitcomm.train.feedback import ErrorFeedback
 
-__all__ = ["HookState", "sign_majority_hook", "onebit_hook", "qsgd_hook", "topk_hook"]
+__all__ = ["SignState", "OneBitHookState", "QsgdState", "TopkState", "ParamBuffers",
+           "sign_majority_hook", "onebit_hook", "qsgd_hook", "topk_hook"]
 
 
-class HookState:
-    """Transport, options and per-bucket buffers of one compression hook.
+class ParamBuffers:
+    """Float32 buffers of gradient buckets that belong to the buckets' parameters.
+
+    :meth:`get` returns a bucket's flat buffer, zero for parameters never seen. Each parameter's
+    stretch of it is remembered, so when DDP regroups the parameters into different buckets the
+    values move with their parameters, and buffers of buckets that no longer exist are dropped.
+    """
+
+    __slots__ = ("_number", "_views", "_layouts", "_flats")
+
+    def __init__(self) -> None:
+        self._number: dict[int, int] = {}          # id(parameter) -> its number
+        self._views: dict[int, torch.Tensor] = {}  # number -> its values (a view, or loaded)
+        self._layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> parameter numbers
+        self._flats: dict[int, torch.Tensor] = {}  # bucket index -> flat buffer
+
+    def numbers(self, bucket: dist.GradBucket) -> tuple[int, ...]:
+        """Return the numbers of ``bucket``'s parameters (new ones are numbered on first sight)."""
+        out = []
+        for p in bucket.parameters():
+            out.append(self._number.setdefault(id(p), len(self._number)))
+        return tuple(out)
+
+    def get(self, bucket: dist.GradBucket, length: int | None = None) -> torch.Tensor:
+        """Return ``bucket``'s float32 buffer of ``length`` (default: the bucket's) elements.
+
+        Elements past the bucket's own (padding) are zero whenever the layout changes.
+        """
+        g = bucket.buffer()
+        index, numbers = bucket.index(), self.numbers(bucket)
+        if self._layouts.get(index) == numbers:
+            return self._flats[index]
+        params = bucket.parameters()
+        if sum(p.numel() for p in params) != g.numel():
+            raise ValueError(f"expected bucket {index}'s parameters to fill its {g.numel()} "
+                             "gradient elements (a dense bucket of whole parameters)")
+        flat = torch.zeros(g.numel() if length is None else length, dtype=torch.float32,
+                           device=g.device)
+        at = 0
+        for number, p in zip(numbers, params, strict=True):
+            piece = flat[at:at + p.numel()]
+            old = self._views.get(number)
+            if old is not None:
+                piece.copy_(old.reshape(-1))
+            self._views[number] = piece
+            at += p.numel()
+        self._layouts[index], self._flats[index] = numbers, flat
+        if bucket.is_last():
+            for stale in [i for i in self._flats if i > index]:
+                del self._flats[stale], self._layouts[stale]
+        return flat
+
+    def changed(self, bucket: dist.GradBucket) -> bool:
+        """Return whether ``bucket``'s layout differs from the one :meth:`get` last saw."""
+        return self._layouts.get(bucket.index()) != self.numbers(bucket)
+
+    def state_dict(self) -> dict[int, torch.Tensor]:
+        """Return a copy of every parameter's values, by parameter number."""
+        return {n: v.clone() for n, v in self._views.items()}
+
+    def load_state_dict(self, state: dict[int, torch.Tensor]) -> None:
+        """Restore values saved by :meth:`state_dict`; they go into the buckets as they come."""
+        if not isinstance(state, dict) or not all(
+                isinstance(k, int) and isinstance(v, torch.Tensor) for k, v in state.items()):
+            raise TypeError("expected a dict of parameter number -> tensor from "
+                            "ParamBuffers.state_dict()")
+        self._views = {k: v.clone() for k, v in state.items()}
+        self._layouts, self._flats = {}, {}
+
+    def __getstate__(self) -> dict:
+        # Parameters are known by id() only within this process: keep the values by number,
+        # as load_state_dict would, and number the parameters again on first sight.
+        return {"views": self.state_dict()}
+
+    def __setstate__(self, state: dict) -> None:
+        self._number = {}
+        self.load_state_dict(state["views"])
+
+    def __len__(self) -> int:
+        """Return the number of elements held (every parameter's, counted once)."""
+        return sum(v.numel() for v in self._views.values())
+
+
+class _HookState:
+    """What every hook's state holds: the transport, the agreement switch and the overlap."""
+
+    __slots__ = ("comm", "check", "overlap", "iteration", "_pool", "_streams")
+    _buffers: tuple[str, ...] = ()  # ParamBuffers attributes that state_dict saves
+
+    def __init__(self, comm: Comm, *, check: bool, overlap: bool):
+        self.comm = check_comm(comm)
+        self.check, self.overlap = bool(check), bool(overlap)
+        self.iteration = 0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, object] = {}
+
+    def _options(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        """Return the iteration count and the buffers (by parameter number), for checkpoints."""
+        sd: dict = {"kind": type(self).__name__, "iteration": self.iteration,
+                    "options": self._options()}
+        for name in self._buffers:
+            sd[name] = getattr(self, name).state_dict()
+        return sd
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (from a state of the same class and options)."""
+        if not isinstance(state, dict) or state.get("kind") != type(self).__name__:
+            raise ValueError(f"expected a state_dict of a {type(self).__name__}, got one of "
+                             f"{state.get('kind') if isinstance(state, dict) else state!r}")
+        if state["options"] != self._options():
+            raise ValueError(f"expected options {self._options()}, the saved state has "
+                             f"{state['options']}")
+        self.iteration = int(state["iteration"])
+        for name in self._buffers:
+            getattr(self, name).load_state_dict(state[name])
+
+    def __getstate__(self) -> dict:
+        warnings.warn(f"{type(self).__name__}: the transport (comm) is not picklable and is "
+                      "left out; set state.comm after loading", stacklevel=2)
+        return {k: getattr(self, k) for cls in type(self).__mro__
+                for k in getattr(cls, "__slots__", ()) if k not in ("comm", "_pool", "_streams")}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.comm, self._pool, self._streams = None, None, {}
+
+    def close(self) -> None:
+        """Stop the exchange thread after the exchanges already handed to it."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _submit(self, bucket: dist.GradBucket, work: Callable[[torch.Tensor], torch.Tensor]
+                ) -> Future:
+        """Return a future of ``work(bucket's gradient)``, run on the state's thread."""
+        g = bucket.buffer()
+        last = bucket.is_last()
+        cuda = g.device.type == "cuda"
+        fut: Future = Future(devices=[g.device]) if cuda else Future()
+
+        def run() -> None:
+            try:
+                out = work(g)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter, as DDP expects
+                fut.set_exception(e)
+                return
+            if last:
+                self.iteration += 1
+            fut.set_result(out)
+
+        if not self.overlap:
+            run()
+            return fut
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"bitcomm-{type(self).__name__}")
+        if not cuda:
+            self._pool.submit(run)
+            return fut
+        # The gradients are written on the autograd thread's stream; the exchange runs on a
+        # stream of the state's own that waits for them, and the future records its own event.
+        ready = torch.cuda.Event()
+        ready.record()
+        stream = self._streams.setdefault(g.device, torch.cuda.Stream(g.device))
+
+        def run_cuda() -> None:
+            with torch.cuda.device(g.device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                run()
+
+        self._pool.submit(run_cuda)
+        return fut
+
+
+class SignState(_HookState):
+    """State of :func:`sign_majority_hook`.
 
     Args:
-        comm: the transport (a ``TorchComm`` over DDP's process group).
-        momentum: ``sign_majority_hook``: Signum's beta (0 votes on the raw gradient).
-        collective: ``sign_majority_hook``: ``"ring"`` or ``"alltoall"``.
-        bits, bucket_size, seed: ``qsgd_hook``'s quantisation (2/4/8 bits, elements per scale).
-        error_feedback: ``qsgd_hook``: re-add what quantisation dropped.
-        density: ``topk_hook``: fraction of each bucket a worker sends, in (0, 1].
-        method: ``topk_hook``: ``"topk"``, ``"trimmed"`` or ``"threshold"``.
+        comm: the transport (a ``TorchComm`` over DDP's process group, or one of its own).
+        momentum: Signum's beta in [0, 1); 0 votes on the raw gradient.
+        collective: ``"ring"`` (ring_majority) or ``"alltoall"`` (alltoall_majority).
+        tie: the vote where exactly half the workers say +1 (see
+            :data:`bitcomm.collectives.majority.TIES`).
         check: run the collectives' input agreement (every rank raises on a NaN gradient).
+        overlap: exchange on the state's thread while backward goes on.
 
     """
 
+    __slots__ = ("momentum", "collective", "tie", "momenta")
+    _buffers = ("momenta",)
+
     def __init__(self, comm: Comm, *, momentum: float = 0.0, collective: str = "ring",
-                 bits: int = 8, bucket_size: int = 512, seed: int = 0,
-                 error_feedback: bool = True, density: float = 0.01, method: str = "topk",
-                 check: bool = True):
-        self.comm = check_comm(comm)
+                 tie: str = "negative", check: bool = True, overlap: bool = True):
+        from bitcomm.collectives.majority import TIES
+
+        super().__init__(comm, check=check, overlap=overlap)
         self.momentum = check_range("momentum", momentum, 0.0, 1.0)
         if collective not in ("ring", "alltoall"):
             raise ValueError(f"expected collective 'ring' or 'alltoall', got {collective!r}")
+        if tie not in TIES:
+            raise ValueError(f"expected tie in {TIES}, got {tie!r}")
+        self.collective, self.tie = collective, tie
+        self.momenta = ParamBuffers()
+
+    def _options(self) -> dict:
+        return {"momentum": self.momentum, "collective": self.collective, "tie": self.tie}
+
+
+class OneBitHookState(_HookState):
+    """State of :func:`onebit_hook`.
+
+    The worker error is kept per parameter and follows DDP's bucket rebuild; the server error
+    belongs to the rank's chunk of a bucket and starts again at zero when the bucket changes.
+
+    Args:
+        comm: the transport.
+        freeze_step: iterations that average the gradients exactly (fp32, summed in rank order)
+            before compression starts: DeepSpeed's warm-up (its ``freeze_step``), and the
+            first iteration's buckets are DDP's provisional ones.
+        check: run the collectives' input agreement.
+        overlap: exchange on the state's thread while backward goes on.
+
+    """
+
+    __slots__ = ("freeze_step", "worker_errors", "server_errors")
+    _buffers = ("worker_errors",)
+
+    def __init__(self, comm: Comm, *, freeze_step: int = 0, check: bool = True,
+                 overlap: bool = True):
+        super().__init__(comm, check=check, overlap=overlap)
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
+            raise ValueError(f"expected freeze_step to be an int >= 0, got {freeze_step!r}")
+        self.freeze_step = freeze_step
+        self.worker_errors = ParamBuffers()
+        self.server_errors: dict[int, OneBitState] = {}
+
+    def _options(self) -> dict:
+        return {"freeze_step": self.freeze_step}
+
+
+class QsgdState(_HookState):
+    """State of :func:`qsgd_hook`.
+
+    Args:
+        comm: the transport.
+        bits: 2, 4 or 8 bits per element.
+        bucket_size: elements per quantisation scale.
+        seed: base seed of the stochastic rounding (each call and rank gets its own stream).
+        error_feedback: re-add what quantisation dropped at the next step.
+        check: run the collectives' input agreement.
+        overlap: exchange on the state's thread while backward goes on.
+
+    """
+
+    __slots__ = ("bits", "bucket_size", "seed", "error_feedback", "calls", "residuals")
+    _buffers = ("residuals",)
+
+    def __init__(self, comm: Comm, *, bits: int = 8, bucket_size: int = 512, seed: int = 0,
+                 error_feedback: bool = True, check: bool = True, overlap: bool = True):
+        super().__init__(comm, check=check, overlap=overlap)
         if bits not in qsgd.BITS:
             raise ValueError(f"expected bits in {qsgd.BITS}, got {bits!r}")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"expected bucket_size to be an int >= 1, got {bucket_size!r}")
+        self.bits, self.bucket_size = bits, bucket_size
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"expected seed to be an int, got {type(seed).__name__}")
+        self.seed = seed
+        self.error_feedback = bool(error_feedback)
+        self.calls = 0
+        self.residuals = ParamBuffers()
+
+    def _options(self) -> dict:
+        return {"bits": self.bits, "bucket_size": self.bucket_size, "seed": self.seed,
+                "error_feedback": self.error_feedback}
+
+    def state_dict(self) -> dict:  # noqa: D102 - the base's, plus the call count (the seeds)
+        return super().state_dict() | {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:  # noqa: D102 - see state_dict
+        super().load_state_dict(state)
+        self.calls = int(state["calls"])
+
+
+class TopkState(_HookState):
+    """State of :func:`topk_hook`.
+
+    Args:
+        comm: the transport.
+        density: fraction of each bucket a worker sends, in (0, 1].
+        method: ``"topk"``, ``"trimmed"`` or ``"threshold"`` (RedSync's selections).
+        check: run the collectives' input agreement.
+        overlap: exchange on the state's thread while backward goes on.
+
+    """
+
+    __slots__ = ("density", "method", "residuals")
+    _buffers = ("residuals",)
+
+    def __init__(self, comm: Comm, *, density: float = 0.01, method: str = "topk",
+                 check: bool = True, overlap: bool = True):
+        super().__init__(comm, check=check, overlap=overlap)
+        self.density = check_range("density", density, 0.0, 1.0 + 1e-12, lo_open=True)
         if method not in ("topk", "trimmed", "threshold"):
             raise ValueError(f"expected method in ('topk', 'trimmed', 'threshold'), got "
                              f"{method!r}")
-        self.collective, self.bits, self.seed = collective, bits, seed
-        self.bucket_size = bucket_size
-        self.density = check_range("density", density, 0.0, 1.0 + 1e-12, lo_open=True)
-        self.method, self.check = method, check
-        self.feedback = ErrorFeedback() if error_feedback else None
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.onebit: dict[str, OneBitState] = {}
-        self.calls = 0
+        self.method = method
+        self.residuals = ParamBuffers()
 
-    @staticmethod
-    def key(bucket: dist.GradBucket) -> str:
-        """Return the buffer key of ``bucket`` (its index and length)."""
-        return f"{bucket.index()}:{bucket.buffer().numel()}"
-
-    def buffer(self, bucket: dist.GradBucket) -> torch.Tensor:
-        """Return this bucket's float32 buffer (momentum or residual), zero at first."""
-        k = self.key(bucket)
-        if k not in self.buffers:
-            g = bucket.buffer()
-            self.buffers[k] = torch.zeros(g.numel(), dtype=torch.float32, device=g.device)
-        return self.buffers[k]
+    def _options(self) -> dict:
+        return {"density": self.density, "method": self.method}
 
 
-def _done(value: torch.Tensor) -> Future[torch.Tensor]:
-    fut: Future[torch.Tensor] = Future()
-    fut.set_result(value)
-    return fut
+def _check_state(state: object, kind: type) -> None:
+    if not isinstance(state, kind):
+        raise TypeError(f"expected a {kind.__name__}, got {type(state).__name__}")
+    if state.comm is None:
+        raise RuntimeError(f"{kind.__name__} has no transport (it was unpickled): set "
+                           "state.comm to a TorchComm first")
 
 
-def sign_majority_hook(state: HookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+def _exact_mean(comm: Comm, v: torch.Tensor) -> torch.Tensor:
+    # Every rank's float32 values, summed in rank order: the same bits on every rank.
+    every = comm.allgatherv(v.contiguous().view(torch.uint8), [v.numel() * 4] * comm.size)
+    total = torch.zeros_like(v)
+    for t in every:
+        total += t.view(torch.float32)
+    return total.div_(comm.size)
+
+
+def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Replace the bucket's gradient by the workers' majority sign (signSGD / Signum)."""
-    g = bucket.buffer()
-    v = g.to(torch.float32)
-    if state.momentum:
-        m = state.buffer(bucket)
-        m.mul_(state.momentum).add_(v, alpha=1 - state.momentum)
-        v = m
-    vote = ring_majority if state.collective == "ring" else alltoall_majority
-    return _done(vote(state.comm, v, check=state.check).to(g.dtype))
+    _check_state(state, SignState)
+    state.momenta.numbers(bucket)  # parameter numbers follow DDP's order, not the thread's
+
+    def work(g: torch.Tensor) -> torch.Tensor:
+        v = g.to(torch.float32)
+        if state.momentum:
+            m = state.momenta.get(bucket)
+            m.mul_(state.momentum).add_(v, alpha=1 - state.momentum)
+            v = m
+        vote = ring_majority if state.collective == "ring" else alltoall_majority
+        return vote(state.comm, v, tie=state.tie, check=state.check).to(g.dtype)
+
+    return state._submit(bucket, work)
 
 
-def onebit_hook(state: HookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Replace the bucket's gradient by 1-bit Adam's compressed average (error feedback)."""
-    g = bucket.buffer()
-    k = state.key(bucket)
-    if k not in state.onebit:
-        state.onebit[k] = OneBitState(g.numel(), state.comm.size, g.device)
-    out = onebit_allreduce(state.comm, g.to(torch.float32), state.onebit[k], check=state.check)
-    return _done(out.to(g.dtype))
+    _check_state(state, OneBitHookState)
+    state.worker_errors.numbers(bucket)
+
+    def work(g: torch.Tensor) -> torch.Tensor:
+        v = g.to(torch.float32)
+        if state.iteration < state.freeze_step:
+            return _exact_mean(state.comm, v).to(g.dtype)
+        index, size = bucket.index(), state.comm.size
+        if state.worker_errors.changed(bucket) or index not in state.server_errors:
+            state.server_errors[index] = OneBitState(g.numel(), size, g.device)
+        one = state.server_errors[index]
+        # The worker error is the parameters' (it follows a rebuild); the padding's stays zero.
+        one.worker_error = state.worker_errors.get(bucket, padded_length(g.numel(), size))
+        out = onebit_allreduce(state.comm, v, one, check=state.check)
+        if bucket.is_last():
+            for stale in [i for i in state.server_errors if i > index]:
+                del state.server_errors[stale]
+        return out.to(g.dtype)
+
+    return state._submit(bucket, work)
 
 
-def qsgd_hook(state: HookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+def qsgd_hook(state: QsgdState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Replace the bucket's gradient by the mean of the workers' QSGD-quantised gradients."""
-    g = bucket.buffer()
-    k = state.key(bucket)
-    c = g.to(torch.float32)
-    if state.feedback is not None:
-        c = state.feedback.compensate(k, c)
-    mean, sent = qsgd_allgather(state.comm, c, bits=state.bits, bucket=state.bucket_size,
-                                seed=state.seed + state.calls * state.comm.size,
-                                check=state.check)
-    state.calls += 1
-    if state.feedback is not None:
-        state.feedback.update(k, c, sent)
-    return _done(mean.to(g.dtype))
+    _check_state(state, QsgdState)
+    state.residuals.numbers(bucket)
+
+    def work(g: torch.Tensor) -> torch.Tensor:
+        c = g.to(torch.float32)
+        if state.error_feedback:
+            e = state.residuals.get(bucket)
+            c = c + e
+        mean, sent = qsgd_allgather(state.comm, c, bits=state.bits, bucket=state.bucket_size,
+                                    seed=state.seed + state.calls * state.comm.size,
+                                    check=state.check)
+        state.calls += 1
+        if state.error_feedback:
+            torch.sub(c, sent, out=e)
+        return mean.to(g.dtype)
+
+    return state._submit(bucket, work)
 
 
-def topk_hook(state: HookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+def topk_hook(state: TopkState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Replace the bucket's gradient by the workers' top-k residual entries, summed, / N."""
-    g = bucket.buffer()
-    v = state.buffer(bucket)
-    v.add_(g.to(torch.float32))
-    k = max(1, math.ceil(state.density * v.numel()))
-    total, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method, check=state.check)
-    v[idx] = 0
-    return _done(total.div_(state.comm.size).to(g.dtype))
+    _check_state(state, TopkState)
+    state.residuals.numbers(bucket)
+
+    def work(g: torch.Tensor) -> torch.Tensor:
+        v = state.residuals.get(bucket)
+        v.add_(g.to(torch.float32))
+        k = max(1, math.ceil(state.density * v.numel()))
+        total, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method,
+                                           check=state.check)
+        v[idx] = 0
+        return total.div_(state.comm.size).to(g.dtype)
+
+    return state._submit(bucket, work)
