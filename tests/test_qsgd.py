@@ -221,11 +221,14 @@ def test_compiled_stream_matches_torch_stream(task):
     """The numba kernel's stream equals _rng's, also past 2**32 positions (a new high word)."""
     from bitcomm.codecs import _qsgd_cpu
 
-    r = np.empty(_qsgd_cpu.TASK, dtype=np.int32)
     for key in (0, 12345, -7, 2**31 - 1):
-        _qsgd_cpu._stream(task, key & 0xFFFFFFFF, r)
-        ref = _rng.random16(key, task * _qsgd_cpu.TASK, _qsgd_cpu.TASK).numpy()
-        assert np.array_equal(r, ref)
+        # a whole block, and the first m values of one (a tensor shorter than a block)
+        for m in (_qsgd_cpu.TASK, 1, 1000, (1 << 15) + 3):
+            r = np.full(_qsgd_cpu.TASK, -1, dtype=np.int32)
+            _qsgd_cpu._stream(task, key & 0xFFFFFFFF, r, m)
+            ref = _rng.random16(key, task * _qsgd_cpu.TASK, m).numpy()
+            assert np.array_equal(r[:m], ref)
+            assert (r[m:] == -1).all()  # nothing written past what was asked for
 
 
 # --- the counter-based stream ----------------------------------------------------------------

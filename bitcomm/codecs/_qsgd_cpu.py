@@ -74,12 +74,13 @@ def max_scales(x: np.ndarray, bucket: int, scales: np.ndarray) -> None:
 
 
 @_jit(inline="always")
-def _stream(task: int, key: int, r: np.ndarray) -> None:
-    # The 2**16 stream values of block `task`: one hash feeds positions q and q + 2**15.
+def _stream(task: int, key: int, r: np.ndarray, m: int) -> None:
+    # The first m of the 2**16 stream values of block `task`: one hash feeds positions q and
+    # q + 2**15, so a short tensor (a small DDP bucket) hashes only what it uses.
     j0 = task * _HALF
     base = j0 & 0x7FFFFFFF
     kp = (key ^ ((j0 >> 31) * 0x27D4EB2F)) & _M32
-    for q in range(_HALF):
+    for q in range(min(m, _HALF)):
         h = np.uint32((base + q) ^ kp)
         h ^= h >> np.uint32(16)
         h = np.uint32(h * np.uint32(0x7FEB352D))
@@ -87,7 +88,8 @@ def _stream(task: int, key: int, r: np.ndarray) -> None:
         h = np.uint32(h * np.uint32(0x846CA68B))
         high = h >> np.uint32(16)
         r[q] = np.int32((h ^ high) & np.uint32(0xFFFF))
-        r[q + _HALF] = np.int32(high)
+        if q + _HALF < m:
+            r[q + _HALF] = np.int32(high)
 
 
 @_jit(inline="always")
@@ -134,12 +136,12 @@ def encode_codes(x: np.ndarray, bucket: int, bits: int, key: int, scales: np.nda
     workers = max(1, min(threads, ntask))
     # One static range of tasks per thread, so its scratch is allocated once, not per task.
     for w in numba.prange(workers):
-        r = np.empty(TASK, dtype=np.int32)
-        c = np.zeros(TASK + 4, dtype=np.int32)
+        r = np.empty(min(TASK, n), dtype=np.int32)
+        c = np.zeros(min(TASK, n) + 4, dtype=np.int32)
         for task in range(w * ntask // workers, (w + 1) * ntask // workers):
             lo = task * TASK
             hi = min(n, lo + TASK)
-            _stream(task, key, r)
+            _stream(task, key, r, hi - lo)
             p = lo
             while p < hi:
                 b = p // bucket
