@@ -185,7 +185,7 @@ def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat
     args = ["--transport", transport, "--sizes", ",".join(map(str, sizes)), "--repeat",
             str(repeat), "--seed", str(seed), "--out", out_dir]
     if not worker and "PMI_RANK" not in os.environ and "RANK" not in os.environ:
-        sys.exit(_launch(ranks, transport, args))
+        sys.exit(_launch(ranks, transport, ["collectives", *args]))
     from bitcomm.bench import collectives as bench_mod
     from bitcomm.comm.launch import world
 
@@ -245,12 +245,92 @@ def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int
     _save(out, f"collectives-cuda-{ranks}", config, [r.as_dict() for r in rows])
 
 
+class FloatList(click.ParamType):
+    """A comma-separated list of positive numbers."""
+
+    name = "numbers"
+
+    def convert(self, value, param, ctx):
+        """Parse ``value`` into a tuple of floats > 0."""
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        try:
+            out = tuple(float(part) for part in str(value).split(",") if part)
+        except ValueError:
+            self.fail(f"expected comma-separated numbers such as 0.004,0.25,1, got {value!r}",
+                      param, ctx)
+        if not out or any(not v > 0 or math.isinf(v) for v in out):
+            self.fail(f"expected positive numbers, got {value!r}", param, ctx)
+        return out
+
+
+@bench.command("hooks")
+@click.option("--ranks", type=click.IntRange(2), default=2, show_default=True,
+              help="gloo processes to launch (ignored under an existing torchrun job).")
+@click.option("--bucket-mb", "bucket_mbs", type=FloatList(), default="0.004,0.25,1",
+              show_default=True, help="Comma-separated DDP bucket_cap_mb values.")
+@click.option("--width", type=click.IntRange(1), default=128, show_default=True,
+              help="Hidden width of the MLP.")
+@click.option("--depth", type=click.IntRange(1), default=8, show_default=True,
+              help="Hidden layers of the MLP.")
+@click.option("--steps", type=click.IntRange(1), default=30, show_default=True,
+              help="Timed training steps per hook and bucket size.")
+@click.option("--hooks", "names", default=",".join(["allreduce", "fp16_compress", "powerSGD",
+                                                     "sign", "sign/blocking", "onebit",
+                                                     "onebit/blocking", "qsgd", "qsgd/blocking",
+                                                     "topk", "topk/blocking"]),
+              show_default=True, help="Comma-separated hooks (allreduce, the anchor, always).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for hooks-gloo-RANKS.json and .csv.")
+@click.option("--worker", is_flag=True, hidden=True, help="Run as one rank of a launched job.")
+def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: int, steps: int,
+                names: str, out_dir: str, worker: bool) -> None:
+    """Time a DDP training step with each communication hook, as ratios to allreduce_hook."""
+    from bitcomm.bench import hooks as bench_mod
+
+    chosen = tuple(n for n in names.split(",") if n)
+    unknown = [n for n in chosen if n not in bench_mod.HOOKS]
+    if unknown:
+        raise click.BadParameter(f"unknown hooks {unknown}; choose from "
+                                 f"{', '.join(bench_mod.HOOKS)}", param_hint="--hooks")
+    args = ["--bucket-mb", ",".join(map(str, bucket_mbs)), "--width", str(width), "--depth",
+            str(depth), "--steps", str(steps), "--hooks", ",".join(chosen), "--out", out_dir]
+    if not worker and "RANK" not in os.environ:
+        sys.exit(_launch(ranks, "gloo", ["hooks", *args]))
+    from bitcomm.comm.launch import world
+
+    comm = world("gloo", timeout=120)
+    config = _machine() | {"ranks": comm.size, "transport": "gloo", "bucket_mb": list(bucket_mbs),
+                           "width": width, "depth": depth, "steps": steps}
+    if comm.rank == 0:
+        click.echo("# bitcomm bench hooks: " + " ".join(f"{k}={v}" for k, v in config.items()))
+        click.echo("# a DDP training step (zero_grad, forward, backward, SGD step): median over "
+                   "steps of the slowest rank; vs_allreduce = its ratio to allreduce_hook's "
+                   "median at the same bucket size in this run")
+        click.echo(f"{'bucket_mb':>9} {'buckets':>7} {'hook':<16} {'step(ms)':>9} {'min':>8} "
+                   f"{'max':>8} {'vs_allreduce':>12}")
+
+    def show(row) -> None:
+        click.echo(f"{row.bucket_mb:>9g} {row.buckets:>7} {row.hook:<16} {row.step_ms:>9.2f} "
+                   f"{row.step_ms_min:>8.2f} {row.step_ms_max:>8.2f} {row.vs_allreduce:>12.2f}")
+
+    def skip(name: str, mb: float, why: str) -> None:
+        click.echo(f"# {name} skipped at bucket_mb={mb:g}: {why}")
+
+    rows = bench_mod.run(comm, bucket_mbs, width=width, depth=depth, steps=steps, names=chosen,
+                         progress=show, skipped=skip)
+    comm.barrier()
+    if comm.rank == 0:
+        _save(Path(out_dir), f"hooks-gloo-{comm.size}", config | {"params": rows[0].params},
+              [r.as_dict() for r in rows])
+
+
 def _launch(ranks: int, transport: str, args: list[str]) -> int:
-    """Start ``ranks`` worker processes of this command; return the job's exit status."""
+    """Start ``ranks`` workers of ``bitcomm bench ARGS``; return the job's exit status."""
     from bitcomm.comm import launch
 
-    argv = [sys.executable, "-m", "bitcomm.cli", "bench", "collectives", "--worker", *args]
-    with launch.job_dir("bench") as tmp:
+    argv = [sys.executable, "-m", "bitcomm.cli", "bench", args[0], "--worker", *args[1:]]
+    with launch.job_dir(f"bench-{args[0]}") as tmp:
         try:
             jobs = launch.commands(ranks, transport, argv, tmp)
         except RuntimeError as e:

@@ -185,3 +185,34 @@ def test_ddp_hooks_train_on_two_gloo_processes(tmp_path):
         assert abs(q["last"] - q["base_last"]) < 0.1 * q["base_last"] + 1e-3, q
         # ring and all-to-all give the same majority, hence the same training
         assert by[("sign", rank)]["last"] == by[("sign-alltoall", rank)]["last"]
+
+
+@pytest.mark.timeout(LIMIT + 30)
+def test_bench_hooks_cli(tmp_path):
+    import json
+
+    cmd = [sys.executable, "-m", "bitcomm.cli", "bench", "hooks", "--width", "16", "--depth",
+           "3", "--steps", "2", "--bucket-mb", "0.0005,25", "--hooks",
+           "powerSGD,sign,sign/blocking,topk", "--out", str(tmp_path)]
+    e = env()
+    for var in ("RANK", "PMI_RANK"):
+        e.pop(var, None)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=e)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "hooks-gloo-2.json").read_text())
+    rows = {(row["hook"], row["bucket_mb"]): row for row in data["rows"]}
+    # the anchor is measured first at each size even when not asked for; powerSGD only where
+    # the model is one bucket, and its skip is said
+    assert sorted(rows) == sorted([(h, mb) for mb in (0.0005, 25.0) for h in (
+        "allreduce", "sign", "sign/blocking", "topk")] + [("powerSGD", 25.0)])
+    assert "powerSGD skipped at bucket_mb=0.0005" in r.stdout
+    # 32*16+16 + 2*(16*16+16) + 17 parameters; 0.0005 MB holds 131 floats, so several
+    # buckets; 25 MB holds the model
+    assert {row["params"] for row in rows.values()} == {1089}
+    assert rows[("allreduce", 25.0)]["buckets"] == 1
+    assert rows[("allreduce", 0.0005)]["buckets"] > 1
+    for (_, mb), row in rows.items():
+        assert row["ranks"] == 2 and row["step_ms_min"] <= row["step_ms"] <= row["step_ms_max"]
+        anchor = rows[("allreduce", mb)]["step_ms"]
+        assert row["vs_allreduce"] == pytest.approx(row["step_ms"] / anchor)
+    assert "vs_allreduce" in r.stdout
