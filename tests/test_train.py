@@ -402,3 +402,43 @@ def test_step_with_a_closure_returns_its_loss():
     assert loss == pytest.approx(2.0)
     # the gradient 2p = [2, -2] is exact in 8-bit qsgd (each value is its bucket's max)
     assert p == pytest.approx([0.8, -0.8])
+
+
+@pytest.mark.parametrize("kind", ["signum", "qsgd", "onebit"])
+def test_a_parameter_without_a_gradient_does_not_move(kind):
+    """torch.optim.SGD skips a parameter whose grad is None; so does every bitcomm optimizer."""
+    def make(params, comm):
+        if kind == "signum":
+            return MajoritySignSGD(params, comm, lr=0.01, momentum=0.5, weight_decay=0.1)
+        if kind == "qsgd":
+            return QSGDSGD(params, comm, lr=0.1, momentum=0.9, weight_decay=0.1, bits=4,
+                           bucket=8, seed=1)
+        return OneBitAdam(params, comm, lr=0.01, weight_decay=0.1, freeze_step=2)
+
+    def worker(comm):
+        live, frozen = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(3))
+        opt = make([live, frozen], comm)
+        for step in range(4):  # warm-up and compressed steps of OneBitAdam both
+            opt.zero_grad()
+            live.grad = torch.linspace(-1, 1, 5) * (comm.rank + 1) + step
+            opt.step()
+        return live.detach().clone(), frozen.detach().clone(), len(opt.state[frozen])
+
+    for live, frozen, frozen_state in run_local(worker, size=2):
+        assert not torch.equal(live, torch.ones(5))
+        assert torch.equal(frozen, torch.ones(3)) and frozen_state == 0
+
+
+@pytest.mark.parametrize("kind", [MajoritySignSGD, QSGDSGD, OneBitAdam])
+def test_ranks_that_differ_in_which_parameters_have_gradients_raise_on_every_rank(kind):
+    def worker(comm):
+        a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+        opt = kind([a, b], comm, lr=0.01)
+        a.grad = torch.ones(4)
+        if comm.rank == 0:
+            b.grad = torch.ones(4)  # the same element count either way: only the mask differs
+        with pytest.raises(ValueError, match="same collective with the same options"):
+            opt.step()
+        return torch.equal(a.detach(), torch.ones(4))
+
+    assert run_local(worker, size=2) == [True, True]

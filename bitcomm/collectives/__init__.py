@@ -9,9 +9,12 @@
 * :func:`allreduce`: the dense float32 baseline.
 
 Each documents the bytes a rank sends and has a ``*_bytes`` function computing it; the
-transport's counters equal it exactly.
+transport's counters equal it exactly. Each agrees on its call first (with ``check=True``):
+:class:`NonFiniteError` (a ``ValueError``) on every rank when any rank's input is not finite,
+and :func:`agree_on` extends the agreement to a caller's own value.
 """
 
+from bitcomm.collectives._common import NonFiniteError, agree_on
 from bitcomm.collectives.dense import allreduce, allreduce_bytes
 from bitcomm.collectives.majority import (
     alltoall_majority,
@@ -31,6 +34,8 @@ from bitcomm.collectives.quantized import qsgd_allgather, qsgd_allgather_bytes
 from bitcomm.collectives.sparse import sparse_allgather, sparse_allgather_bytes
 
 __all__ = [
+    "NonFiniteError",
+    "agree_on",
     "allreduce",
     "allreduce_bytes",
     "alltoall_majority",

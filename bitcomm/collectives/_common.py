@@ -10,19 +10,26 @@ arguments on any rank and for ranks that call different collectives or pass diff
 without it the others would block, or read a peer's bytes with the wrong layout. It costs
 ``CONTROL_BYTES * (size - 1)`` sent bytes per rank; ``check=False`` skips it, and then every
 rank must pass ``check=False``, and only local checks run (a bad rank raises alone).
+
+A caller that flattens several tensors into one call can make the ranks agree on more than the
+call itself: inside ``with agree_on(value)`` every collective's fingerprint also covers
+``value`` (say, which parameters had a gradient), so ranks that disagree on it raise instead of
+exchanging vectors of different layouts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 from bitcomm.comm.base import Comm
 
-__all__: list[str] = []
+__all__ = ["NonFiniteError", "agree_on"]
 
 CONTROL_BYTES = 24
 _RECORD = struct.Struct("<qqq")
@@ -30,6 +37,32 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _OK, _NOT_FLOAT, _NON_FINITE, _TOO_BIG = 0, 1, 2, 3
 # The statuses of arguments that a collective's validation refused, by exception type.
 _ARGUMENT_ERRORS = {4: ValueError, 5: TypeError, 6: OverflowError}
+
+
+_AGREED: contextvars.ContextVar[tuple] = contextvars.ContextVar("bitcomm_agreed", default=())
+
+
+class NonFiniteError(ValueError):
+    """Some rank's input holds NaN or inf: raised on every rank by the agreement.
+
+    A ``ValueError``, so callers that catch those keep working; a DDP hook catches this one to
+    hand back a non-finite bucket on every rank, which is how a loss scaler learns of the
+    overflow.
+    """
+
+
+@contextlib.contextmanager
+def agree_on(value: object) -> Iterator[None]:
+    """Make every collective called inside also agree that all ranks passed an equal ``value``.
+
+    ``value`` is compared by ``repr`` (as options are); ranks that pass different values raise
+    ``ValueError`` on every rank at the first collective, before its payload moves. Nests.
+    """
+    token = _AGREED.set((*_AGREED.get(), value))
+    try:
+        yield
+    finally:
+        _AGREED.reset(token)
 
 
 def bounds(n: int, size: int) -> list[tuple[int, int]]:
@@ -111,6 +144,8 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
         if not bool(torch.isfinite(x.to(torch.float32) if wide else x).all()):
             status = _TOO_BIG if wide and bool(torch.isfinite(x).all()) else _NON_FINITE
     options = dict(options or {})
+    if _AGREED.get():
+        options["agree_on"] = _AGREED.get()
     mine = torch.frombuffer(bytearray(_RECORD.pack(n, status, fingerprint(name, options))),
                             dtype=torch.uint8)
     records = comm.allgatherv(mine, [CONTROL_BYTES] * comm.size) if comm.size > 1 else [mine]
@@ -139,7 +174,7 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
                          f"{' / '.join(map(str, calls.values()))} (here: {name}({here}))")
     bad = [r for r, (_, s, _) in enumerate(table) if s == _NON_FINITE]
     if bad:
-        raise ValueError(f"{name}: expected finite values, got NaN or inf on rank(s) {bad}")
+        raise NonFiniteError(f"{name}: expected finite values, got NaN or inf on rank(s) {bad}")
     bad = [r for r, (_, s, _) in enumerate(table) if s == _TOO_BIG]
     if bad:
         raise ValueError(f"{name}: expected values that float32 (its arithmetic) can hold, got a "

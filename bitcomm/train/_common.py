@@ -45,6 +45,21 @@ def all_params(groups: list[dict]) -> list[torch.Tensor]:
     return [p for g in groups for p in g["params"]]
 
 
+def with_grads(params: list[torch.Tensor]) -> tuple[list[bool], bytes]:
+    """Return which of ``params`` have a gradient, and that mask packed (for :func:`agree_on`).
+
+    A parameter without one is skipped by the step, as ``torch.optim.SGD`` skips it: it does
+    not move and its state does not change. Its place in the flat vector stays (as zeros), so
+    the layout is the same on every rank; the optimizers run their collectives inside
+    ``agree_on(mask)``, so ranks whose masks differ raise ``ValueError`` on every rank (with
+    ``check=True``) instead of updating different parameters.
+    """
+    has = [p.grad is not None for p in params]
+    packed = bytes(sum(1 << j for j in range(8) if i + j < len(has) and has[i + j])
+                   for i in range(0, len(has), 8))
+    return has, packed
+
+
 def flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate the gradients of ``params`` (zeros where None) into one float32 vector."""
     parts = [p.grad.detach().reshape(-1).to(torch.float32) if p.grad is not None

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bitcomm.collectives import OneBitState, allreduce, onebit_allreduce
+from bitcomm.collectives import OneBitState, agree_on, allreduce, onebit_allreduce
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     ExtraState,
@@ -35,6 +35,7 @@ from bitcomm.train._common import (
     evaluate,
     flat_grads,
     split_like,
+    with_grads,
 )
 
 __all__ = ["OneBitAdam"]
@@ -87,15 +88,20 @@ class OneBitAdam(ExtraState, torch.optim.Optimizer):
         """One 1-bit Adam step (dense Adam during the warm-up)."""
         loss = evaluate(closure)
         params = all_params(self.param_groups)
+        has, mask = with_grads(params)
         compressing = self.compressing
         flat = flat_grads(params)
         if not compressing:
-            flat = allreduce(self.comm, flat, check=self.check).div_(self.comm.size)
+            with agree_on(("grads", mask)):
+                flat = allreduce(self.comm, flat, check=self.check).div_(self.comm.size)
         grads = split_like(flat, params)
         at = 0
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
+                if not has[at]:  # no gradient: its moments and the parameter stay
+                    at += 1
+                    continue
                 state = self.state[p]
                 if not state:
                     state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -105,12 +111,20 @@ class OneBitAdam(ExtraState, torch.optim.Optimizer):
                     state["exp_avg_sq"].mul_(b2).addcmul_(grads[at], grads[at], value=1 - b2)
                 at += 1
         if compressing and params:
-            m = torch.cat([self.state[p]["exp_avg"].reshape(-1) for p in params])
-            m = onebit_allreduce(self.comm, m, self.onebit, check=self.check)
-            for p, avg in zip(params, split_like(m, params), strict=True):
-                self.state[p]["exp_avg"].copy_(avg)
+            m = torch.cat([self.state[p]["exp_avg"].reshape(-1) if h else
+                           torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+                           for p, h in zip(params, has, strict=True)])
+            with agree_on(("grads", mask)):
+                m = onebit_allreduce(self.comm, m, self.onebit, check=self.check)
+            for p, h, avg in zip(params, has, split_like(m, params), strict=True):
+                if h:
+                    self.state[p]["exp_avg"].copy_(avg)
+        at = 0
         for group in self.param_groups:
             for p in group["params"]:
+                at += 1
+                if not has[at - 1]:
+                    continue
                 state = self.state[p]
                 update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
                 if group["weight_decay"]:

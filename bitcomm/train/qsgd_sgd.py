@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bitcomm.codecs import qsgd
-from bitcomm.collectives import qsgd_allgather
+from bitcomm.collectives import agree_on, qsgd_allgather
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     ExtraState,
@@ -31,6 +31,7 @@ from bitcomm.train._common import (
     evaluate,
     flat_grads,
     split_like,
+    with_grads,
 )
 from bitcomm.train.feedback import ErrorFeedback
 
@@ -77,23 +78,39 @@ class QSGDSGD(ExtraState, torch.optim.Optimizer):
         """Average the quantised gradients over workers and take one SGD step."""
         loss = evaluate(closure)
         params = all_params(self.param_groups)
+        has, mask = with_grads(params)
         flat = flat_grads(params)
         pieces, at = split_like(flat, params), 0
         for group in self.param_groups:
             for p in group["params"]:
-                if group["weight_decay"]:
+                if group["weight_decay"] and has[at]:
                     pieces[at].add_(p.to(torch.float32), alpha=group["weight_decay"])
                 at += 1
+        skipped = None if all(has) else torch.cat(
+            [torch.full((p.numel(),), not h, dtype=torch.bool, device=flat.device)
+             for p, h in zip(params, has, strict=True)])
+        kept = None
         if self.feedback is not None:
             flat = self.feedback.compensate("flat", flat)
-        mean, sent = qsgd_allgather(self.comm, flat, bits=self.bits, bucket=self.bucket,
-                                    seed=self.seed + self.steps * self.comm.size,
-                                    check=self.check)
+            if skipped is not None:  # a skipped parameter's residual waits, unsent
+                kept = self.feedback.residuals.get("flat")
+                kept = None if kept is None else kept.clone()
+                flat[skipped] = 0
+        with agree_on(("grads", mask)):
+            mean, sent = qsgd_allgather(self.comm, flat, bits=self.bits, bucket=self.bucket,
+                                        seed=self.seed + self.steps * self.comm.size,
+                                        check=self.check)
         if self.feedback is not None:
             self.feedback.update("flat", flat, sent)
+            if skipped is not None:
+                residual = self.feedback.residuals["flat"]
+                residual[skipped] = 0 if kept is None else kept[skipped]
         directions, at = split_like(mean, params), 0
         for group in self.param_groups:
             for p in group["params"]:
+                if not has[at]:
+                    at += 1
+                    continue
                 d = directions[at]
                 if group["momentum"]:
                     state = self.state[p]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bitcomm.collectives import alltoall_majority, ring_majority
+from bitcomm.collectives import agree_on, alltoall_majority, ring_majority
 from bitcomm.collectives.majority import TIES
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
@@ -30,6 +30,7 @@ from bitcomm.train._common import (
     evaluate,
     flat_grads,
     split_like,
+    with_grads,
 )
 
 __all__ = ["MajoritySignSGD"]
@@ -71,12 +72,16 @@ class MajoritySignSGD(torch.optim.Optimizer):
         """Vote on the momentum signs and move every parameter by ``-lr`` times the majority."""
         loss = evaluate(closure)
         params = all_params(self.param_groups)
+        has, mask = with_grads(params)
         grads = split_like(flat_grads(params), params)
         moms = []
         for group in self.param_groups:
             beta, wd = group["momentum"], group["weight_decay"]
             for p in group["params"]:
                 g = grads[len(moms)]
+                if not has[len(moms)]:  # no gradient: no vote, no momentum update, no step
+                    moms.append(g)
+                    continue
                 if wd:
                     g = g + wd * p.to(torch.float32)
                 state = self.state[p]
@@ -87,11 +92,13 @@ class MajoritySignSGD(torch.optim.Optimizer):
                 moms.append(m)
         flat = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
         vote = ring_majority if self.collective == "ring" else alltoall_majority
-        majority = vote(self.comm, flat, tie=self.tie, check=self.check)
+        with agree_on(("grads", mask)):
+            majority = vote(self.comm, flat, tie=self.tie, check=self.check)
         votes = split_like(majority, params)
         at = 0
         for group in self.param_groups:
             for p in group["params"]:
-                p.add_(votes[at].to(p.dtype), alpha=-group["lr"])
+                if has[at]:
+                    p.add_(votes[at].to(p.dtype), alpha=-group["lr"])
                 at += 1
         return loss
