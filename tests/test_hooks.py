@@ -125,19 +125,45 @@ def test_overlap_and_blocking_give_the_same_bits():
 
 
 def test_a_failure_on_the_thread_reaches_the_future_on_every_rank():
-    def grads(rank, step):
-        g = torch.tensor([1., float("nan")]) if rank == 1 else torch.tensor([1., 2.])
-        return [g]
-
     def rank_fn(comm):
-        state = SignState(comm)
-        fut = sign_majority_hook(state, Bucket(0, [torch.zeros(2)], grads(comm.rank, 0)))
-        with pytest.raises(ValueError, match="NaN or inf"):
+        state = SignState(comm, collective="ring" if comm.rank == 0 else "alltoall")
+        fut = sign_majority_hook(state, Bucket(0, [torch.zeros(2)], [torch.ones(2)]))
+        with pytest.raises(ValueError, match="expected the same collective"):
             fut.wait()
         state.close()
         return True
 
     assert run_local(rank_fn, size=2) == [True, True]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_overflow_on_one_rank_gives_nan_on_every_rank_and_keeps_the_buffers(overlap):
+    """What DDP's allreduce does with an inf, so GradScaler skips the step on every rank."""
+    makes = {sign_majority_hook: lambda c: SignState(c, momentum=0.5, overlap=overlap),
+             onebit_hook: lambda c: OneBitHookState(c, overlap=overlap),
+             qsgd_hook: lambda c: QsgdState(c, bits=4, bucket_size=4, overlap=overlap),
+             topk_hook: lambda c: TopkState(c, density=0.5, overlap=overlap)}
+    for hook, make in makes.items():
+        def rank_fn(comm, hook=hook, make=make):
+            state, p = make(comm), torch.zeros(6)
+            grads = torch.tensor([1., -2., 3., 0.5, -1., 2.]) * (comm.rank + 1)
+            hook(state, Bucket(0, [p], [grads])).wait()
+            def buffers():
+                sd = state.state_dict()
+                return {(name, k): t for name in type(state)._buffers
+                        for k, t in sd[name].items()}
+
+            before = buffers()
+            bad = grads.clone()
+            if comm.rank == 1:
+                bad[2] = float("inf")
+            out = hook(state, Bucket(0, [p], [bad])).wait()
+            after = buffers()
+            kept = before.keys() == after.keys() and all(
+                torch.equal(before[k], after[k]) for k in before)
+            return bool(out.isnan().all()), kept
+
+        assert run_local(rank_fn, size=2) == [(True, True), (True, True)], hook.__name__
 
 
 def test_onebit_freeze_step_averages_exactly_then_compresses():
