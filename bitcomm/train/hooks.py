@@ -229,6 +229,9 @@ class _HookState:
     def _submit(self, bucket: dist.GradBucket, work: Callable[[torch.Tensor], torch.Tensor]
                 ) -> Future:
         """Return a future of ``work(bucket's gradient)``, run on the state's thread."""
+        for name in self._buffers:
+            # Parameters are numbered here, in DDP's order of buckets, not the thread's.
+            getattr(self, name).numbers(bucket)
         g = bucket.buffer()
         last = bucket.is_last()
         cuda = g.device.type == "cuda"
@@ -432,7 +435,6 @@ def _exact_mean(comm: Comm, v: torch.Tensor) -> torch.Tensor:
 def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Replace the bucket's gradient by the workers' majority sign (signSGD / Signum)."""
     _check_state(state, SignState)
-    state.momenta.numbers(bucket)  # parameter numbers follow DDP's order, not the thread's
 
     def work(g: torch.Tensor) -> torch.Tensor:
         v = g.to(torch.float32)
@@ -451,7 +453,6 @@ def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torc
 def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Replace the bucket's gradient by 1-bit Adam's compressed average (error feedback)."""
     _check_state(state, OneBitHookState)
-    state.worker_errors.numbers(bucket)
 
     def work(g: torch.Tensor) -> torch.Tensor:
         v = g.to(torch.float32)
@@ -475,7 +476,6 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
 def qsgd_hook(state: QsgdState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Replace the bucket's gradient by the mean of the workers' QSGD-quantised gradients."""
     _check_state(state, QsgdState)
-    state.residuals.numbers(bucket)
 
     def work(g: torch.Tensor) -> torch.Tensor:
         c = g.to(torch.float32)
@@ -496,7 +496,6 @@ def qsgd_hook(state: QsgdState, bucket: dist.GradBucket) -> Future[torch.Tensor]
 def topk_hook(state: TopkState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Replace the bucket's gradient by the workers' top-k residual entries, summed, / N."""
     _check_state(state, TopkState)
-    state.residuals.numbers(bucket)
 
     def work(g: torch.Tensor) -> torch.Tensor:
         residual = state.residuals.get(bucket)
