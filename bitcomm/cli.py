@@ -266,7 +266,7 @@ class FloatList(click.ParamType):
 
 @bench.command("hooks")
 @click.option("--ranks", type=click.IntRange(2), default=2, show_default=True,
-              help="gloo processes to launch (ignored under an existing torchrun job).")
+              help="gloo processes to launch.")
 @click.option("--bucket-mb", "bucket_mbs", type=FloatList(), default="0.004,0.25,1",
               show_default=True, help="Comma-separated DDP bucket_cap_mb values.")
 @click.option("--width", type=click.IntRange(1), default=128, show_default=True,
