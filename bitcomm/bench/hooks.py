@@ -20,7 +20,6 @@ thread issues the next bucket's, in an order that differs between ranks, and the
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -149,14 +148,13 @@ def run(comm: Comm, bucket_mbs: tuple[float, ...] = (0.004, 0.25, 1.0), *, width
             for _ in range(warmup):
                 step()
             timing = registry.combine(comm, registry.time_calls(comm, step, steps))
-            if isinstance(state, hooks._HookState):  # noqa: SLF001 - stop its thread
+            if hasattr(state, "close"):  # a bitcomm state: stop its exchange thread
                 state.close()
-            per = [t * 1e3 for t in timing.seconds]
-            median = statistics.median(per)
+            low, median, high = (t * 1e3 for t in timing.spread)
             if anchor is None:
                 anchor, anchor_buckets = median, buckets[0]
             row = Row(name, mb, buckets[0], sum(p.numel() for p in model.parameters()),
-                      comm.size, median, min(per), max(per), median / anchor)
+                      comm.size, median, low, high, median / anchor)
             rows.append(row)
             if comm.rank == 0 and progress is not None:
                 progress(row)

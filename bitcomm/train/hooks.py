@@ -82,6 +82,7 @@ from bitcomm.collectives import (
     ring_majority,
     sparse_allgather,
 )
+from bitcomm.collectives.majority import TIES
 from bitcomm.collectives.onebit import padded_length
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import check_comm, check_range
@@ -141,10 +142,6 @@ class ParamBuffers:
             for stale in [i for i in self._flats if i > index]:
                 del self._flats[stale], self._layouts[stale]
         return flat
-
-    def changed(self, bucket: dist.GradBucket) -> bool:
-        """Return whether ``bucket``'s layout differs from the one :meth:`get` last saw."""
-        return self._layouts.get(bucket.index()) != self.numbers(bucket)
 
     def state_dict(self) -> dict[int, torch.Tensor]:
         """Return a copy of every parameter's values, by parameter number."""
@@ -295,8 +292,6 @@ class SignState(_HookState):
 
     def __init__(self, comm: Comm, *, momentum: float = 0.0, collective: str = "ring",
                  tie: str = "negative", check: bool = True, overlap: bool = True):
-        from bitcomm.collectives.majority import TIES
-
         super().__init__(comm, check=check, overlap=overlap)
         self.momentum = check_range("momentum", momentum, 0.0, 1.0)
         if collective not in ("ring", "alltoall"):
@@ -459,11 +454,13 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
         if state.iteration < state.freeze_step:
             return _exact_mean(state.comm, v).to(g.dtype)
         index, size = bucket.index(), state.comm.size
-        if state.worker_errors.changed(bucket) or index not in state.server_errors:
-            state.server_errors[index] = OneBitState(g.numel(), size, g.device)
-        one = state.server_errors[index]
         # The worker error is the parameters' (it follows a rebuild); the padding's stays zero.
-        one.worker_error = state.worker_errors.get(bucket, padded_length(g.numel(), size))
+        # A new layout gives a new buffer, and the bucket's server error starts again.
+        worker_error = state.worker_errors.get(bucket, padded_length(g.numel(), size))
+        one = state.server_errors.get(index)
+        if one is None or one.worker_error is not worker_error:
+            one = state.server_errors[index] = OneBitState(g.numel(), size, g.device)
+            one.worker_error = worker_error
         out = onebit_allreduce(state.comm, v, one, check=state.check)
         if bucket.is_last():
             for stale in [i for i in state.server_errors if i > index]:

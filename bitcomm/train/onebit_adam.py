@@ -119,11 +119,10 @@ class OneBitAdam(ExtraState, torch.optim.Optimizer):
             for p, h, avg in zip(params, has, split_like(m, params), strict=True):
                 if h:
                     self.state[p]["exp_avg"].copy_(avg)
-        at = 0
+        skip = iter([not h for h in has])
         for group in self.param_groups:
             for p in group["params"]:
-                at += 1
-                if not has[at - 1]:
+                if next(skip):
                     continue
                 state = self.state[p]
                 update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
