@@ -70,14 +70,14 @@ def check(comm):
     for n in sorted({0, 1, max(size - 1, 0), size, 1000, 2**16 + 3}):
         xs = inputs(size, n, seed=n + 17 * size)
         x = xs[rank]
-        for tie in ("negative", "positive"):
-            expect = brute_majority(xs, tie)
+        for tie in ("negative", "positive", "alternate"):
+            expect = brute_majority(xs, tie, phase=7)
             for packing in ("fixed", "radix"):
                 out, sent = counted(comm, lambda p=packing, t=tie: ring_majority(
-                    comm, x, packing=p, tie=t))
+                    comm, x, packing=p, tie=t, phase=7))
                 assert torch.equal(out, expect), (n, packing, tie)
                 assert sent == ring_majority_bytes(n, size, rank, packing=packing), (n, sent)
-            out, sent = counted(comm, lambda t=tie: alltoall_majority(comm, x, tie=t))
+            out, sent = counted(comm, lambda t=tie: alltoall_majority(comm, x, tie=t, phase=7))
             assert torch.equal(out, expect) and sent == alltoall_majority_bytes(n, size, rank)
         out, sent = counted(comm, lambda: allreduce(comm, x))
         same_everywhere(comm, out)
@@ -136,14 +136,14 @@ def check_cuda(comm):
     for n in (1, 1000, 2**16 + 3):
         xs = inputs(size, n, seed=n + 17 * size)
         x = xs[rank].to(device)
-        for tie in ("negative", "positive"):
-            expect = brute_majority(xs, tie)
+        for tie in ("negative", "positive", "alternate"):
+            expect = brute_majority(xs, tie, phase=7)
             for packing in ("fixed", "radix"):
                 out, sent = counted(comm, lambda p=packing, t=tie: ring_majority(
-                    comm, x, packing=p, tie=t))
+                    comm, x, packing=p, tie=t, phase=7))
                 assert out.device == device and torch.equal(out.cpu(), expect), (n, packing)
                 assert sent == ring_majority_bytes(n, size, rank, packing=packing), (n, sent)
-            out = alltoall_majority(comm, x, tie=tie)
+            out = alltoall_majority(comm, x, tie=tie, phase=7)
             assert out.device == device and torch.equal(out.cpu(), expect), n
         out = allreduce(comm, x)
         assert out.device == device

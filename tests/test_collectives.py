@@ -38,10 +38,14 @@ def inputs(size, n, seed, zeros=True):
     return xs
 
 
-def brute_majority(xs, tie="negative"):
+def brute_majority(xs, tie="negative", phase=0):
     votes = torch.stack([(x >= 0).to(torch.int64) for x in xs]).sum(0)
     n = len(xs)
-    plus = 2 * votes > n if tie == "negative" else 2 * votes >= n
+    if tie == "alternate":  # a tie goes up where index + phase is even
+        even = (torch.arange(votes.numel()) + phase) % 2 == 0
+        plus = (2 * votes > n) | ((2 * votes == n) & even)
+    else:
+        plus = 2 * votes > n if tie == "negative" else 2 * votes >= n
     return plus.float() * 2 - 1
 
 
@@ -55,8 +59,8 @@ def identical(results):
 def test_majority_equals_brute_force(size):
     for n in sorted({0, 1, max(size - 1, 0), size, 1000, 2**20 + 3}):
         xs = inputs(size, n, seed=size * 7 + n)
-        for tie in ("negative", "positive"):
-            expect = brute_majority(xs, tie)
+        for tie, phase in (("negative", 0), ("positive", 0), ("alternate", 0), ("alternate", 3)):
+            expect = brute_majority(xs, tie, phase)
             if size % 2 == 0 and n >= 1000:
                 # the inputs really hold ties, so the tie rule is exercised
                 votes = torch.stack([(x >= 0).long() for x in xs]).sum(0)
@@ -64,10 +68,28 @@ def test_majority_equals_brute_force(size):
             for fn, kw in ((ring_majority, {"packing": "fixed"}),
                            (ring_majority, {"packing": "radix"}),
                            (alltoall_majority, {})):
-                out = run_local(lambda c, f=fn, kw=kw, t=tie: f(c, xs[c.rank], tie=t, **kw),
-                                size, timeout=60)
+                out = run_local(lambda c, f=fn, kw=kw, t=tie, ph=phase: f(
+                    c, xs[c.rank], tie=t, phase=ph, **kw), size, timeout=60)
                 assert identical(out)
-                assert torch.equal(out[0], expect), (fn.__name__, kw, n, tie)
+                assert torch.equal(out[0], expect), (fn.__name__, kw, n, tie, phase)
+
+
+@pytest.mark.parametrize("fn", [ring_majority, alltoall_majority])
+def test_alternate_tie_is_unbiased(fn):
+    """Two workers with opposite signs tie everywhere: the fixed rules move every element the
+    same way, the alternating rule half each way within a step and back over two steps."""
+    n = 1001
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4)).abs() + 0.1
+    xs = [x, -x]
+    neg = run_local(lambda c: fn(c, xs[c.rank]), 2)[0]
+    assert torch.equal(neg, -torch.ones(n))
+    steps = [run_local(lambda c, p=p: fn(c, xs[c.rank], tie="alternate", phase=p), 2)
+             for p in (0, 1)]
+    for out in steps:
+        assert identical(out)
+    first, second = steps[0][0], steps[1][0]
+    assert first[0] == 1 and first[1] == -1 and first.sum() == 1  # 501 up, 500 down
+    assert torch.equal(first + second, torch.zeros(n))
 
 
 def test_majority_keeps_shape_dtype_and_packs():
@@ -304,6 +326,13 @@ def test_unchecked_input_skips_the_agreement():
 def test_bad_options():
     with pytest.raises(ValueError, match="tie in"):
         run_local(lambda c: ring_majority(c, torch.ones(3), tie="up"), 1)
+    with pytest.raises(TypeError, match="phase to be an int"):
+        run_local(lambda c: ring_majority(c, torch.ones(3), tie="alternate", phase=1.0), 1)
+    with pytest.raises(ValueError, match="phase >= 0"):
+        run_local(lambda c: alltoall_majority(c, torch.ones(3), tie="alternate", phase=-1), 1)
+    # ranks at different phases would decide ties differently: refused on every rank
+    with pytest.raises(ValueError, match="phase"):
+        run_local(lambda c: ring_majority(c, torch.ones(3), tie="alternate", phase=c.rank), 2)
     with pytest.raises(ValueError, match="packing in"):
         run_local(lambda c: ring_majority(c, torch.ones(3), packing="zip"), 1)
     with pytest.raises(ValueError, match="fmt in"):

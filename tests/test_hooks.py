@@ -112,6 +112,18 @@ def test_hooks_agree_on_every_rank_with_and_without_overlap(overlap):
             assert torch.equal(res[0][0][step][0], res[2][0][step][0]), hook.__name__
 
 
+def test_sign_hook_default_tie_is_unbiased():
+    """The first three elements of ``opposite`` tie (the last is +0.5 on both workers): by
+    default a tie alternates by element index and by iteration, so they are neither all -1 nor
+    all +1, and flip at the next step."""
+    res = run_hook(sign_majority_hook, lambda c: SignState(c), opposite, steps=2)
+    for outs, _ in res:
+        assert outs[0][0].tolist() == [1., -1., 1., 1.]
+        assert outs[1][0].tolist() == [-1., 1., -1., 1.]
+    negative = run_hook(sign_majority_hook, lambda c: SignState(c, tie="negative"), opposite)
+    assert negative[0][0][0][0].tolist() == [-1., -1., -1., 1.]
+
+
 def test_overlap_and_blocking_give_the_same_bits():
     def grads(rank, step):
         g = torch.Generator().manual_seed(10 * rank + step)

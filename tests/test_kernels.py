@@ -196,9 +196,9 @@ def test_fused_majorities_equal_the_numpy_path(size):
     # Each interpreted launch costs milliseconds and a ring makes 2 (size - 1) per rank, so
     # the larger rings see fewer cases.
     if size <= 3:
-        cases = [(n, tie) for n in (0, 1, 9, 4097) for tie in ("negative", "positive")]
+        cases = [(n, tie) for n in (0, 1, 9, 4097) for tie in ("negative", "positive", "alternate")]
     else:
-        cases = [(2 * size + 1, "negative"), (1001, "positive")]
+        cases = [(2 * size + 1, "negative"), (1001, "positive"), (1003, "alternate")]
     for n, tie in cases:
         g = torch.Generator().manual_seed(n * 10 + size)
         xs = [torch.randn(n, generator=g) for _ in range(size)]
@@ -208,12 +208,12 @@ def test_fused_majorities_equal_the_numpy_path(size):
         def fn(c):
             x = xs[c.rank]
             c.counters.reset()
-            ring = ring_majority(c, x, tie=tie)
+            ring = ring_majority(c, x, tie=tie, phase=1)
             ring_extra = c.counters.total_sent - ring_majority_bytes(n, size, c.rank)
             c.counters.reset()
-            a2a = alltoall_majority(c, x.half(), tie=tie)
+            a2a = alltoall_majority(c, x.half(), tie=tie, phase=1)
             a2a_extra = c.counters.total_sent - alltoall_majority_bytes(n, size, c.rank)
-            packed = ring_majority_packed(c, x.double(), tie=tie)
+            packed = ring_majority_packed(c, x.double(), tie=tie, phase=1)
             return ring, a2a, packed, ring_extra, a2a_extra
 
         ref = run_local(fn, size)
@@ -223,8 +223,11 @@ def test_fused_majorities_equal_the_numpy_path(size):
             for a, b in zip(ref[r][:3], got[r][:3], strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b), (n, size, tie)
             assert got[r][3:] == (0, 0)  # bytes sent equal the documented formulas
-        # Against a brute-force count of the votes: ties give -1, or +1 with tie="positive".
-        want = 2 * votes > size if tie == "negative" else 2 * votes >= size
+        # Against a brute-force count of the votes: ties give -1, or +1 with tie="positive",
+        # or (phase 1) +1 at odd indices with tie="alternate".
+        odd = torch.arange(n) % 2 == 1
+        want = {"negative": 2 * votes > size, "positive": 2 * votes >= size,
+                "alternate": (2 * votes > size) | ((2 * votes == size) & odd)}[tie]
         assert torch.equal(got[0][0], torch.where(want, 1.0, -1.0))
 
 
@@ -239,10 +242,12 @@ def test_count_step_adds_votes_and_repacks():
             x = torch.randn(n, generator=g)
             got = ck.count_step(counts.pack(before, i), x, counts.width(i), counts.width(i + 1))
             assert torch.equal(got, counts.pack(before + (x >= 0).long(), i + 1)), (n, i)
-            for tie, want in (("negative", 2 * (before + (x >= 0)) > i + 1),
-                              ("positive", 2 * (before + (x >= 0)) >= i + 1)):
+            twice = 2 * (before + (x >= 0))
+            even = (torch.arange(n) + 5) % 2 == 0  # tie_base 5: odd local indices go up
+            for tie, want in (("negative", twice > i + 1), ("positive", twice >= i + 1),
+                              ("alternate", (twice > i + 1) | ((twice == i + 1) & even))):
                 dec = ck.count_step(counts.pack(before, i), x, counts.width(i), 1, decide=i + 1,
-                                    tie_positive=tie == "positive")
+                                    tie=tie, tie_base=5)
                 assert torch.equal(dec, bits.pack(want.to(torch.uint8), 1)), (n, i, tie)
 
 

@@ -48,13 +48,33 @@ def test_majority_sign_sgd_two_workers_tie_goes_negative(collective):
 
     def fn(c):
         p = _param(1.0, 1.0)
-        opt = MajoritySignSGD([p], c, lr=0.1, momentum=0.0, collective=collective)
+        opt = MajoritySignSGD([p], c, lr=0.1, momentum=0.0, collective=collective,
+                              tie="negative")
         _grad(p, *grads[c.rank])
         opt.step()
         return p.detach().tolist()
 
     for out in run_local(fn, 2, timeout=30):
         assert out == pytest.approx([0.9, 1.1])
+
+
+@pytest.mark.parametrize("collective", ["ring", "alltoall"])
+def test_majority_sign_sgd_default_tie_is_unbiased(collective):
+    """Two workers with opposite gradients tie on every element. The default tie sends
+    alternate elements up and down, and flips with each step: back to the start after two."""
+    def fn(c):
+        p = _param(0.0, 0.0, 0.0)
+        opt = MajoritySignSGD([p], c, lr=0.1, momentum=0.0, collective=collective)
+        seen = []
+        for _ in range(2):
+            _grad(p, *([1.0, -2.0, 3.0] if c.rank == 0 else [-1.0, 2.0, -3.0]))
+            opt.step()
+            seen.append(p.detach().tolist())
+        return seen
+
+    for first, second in run_local(fn, 2, timeout=30):
+        assert first == pytest.approx([-0.1, 0.1, -0.1])  # votes +1, -1, +1
+        assert second == pytest.approx([0.0, 0.0, 0.0])
 
 
 @pytest.mark.parametrize("collective", ["ring", "alltoall"])
@@ -404,7 +424,7 @@ def test_step_with_a_closure_returns_its_loss():
     assert p == pytest.approx([0.8, -0.8])
 
 
-@pytest.mark.parametrize("kind", ["signum", "qsgd", "onebit"])
+@pytest.mark.parametrize("kind", ["signum", "qsgd", "onebit", "rgc"])
 def test_a_parameter_without_a_gradient_does_not_move(kind):
     """torch.optim.SGD skips a parameter whose grad is None; so does every bitcomm optimizer."""
     def make(params, comm):
@@ -413,23 +433,47 @@ def test_a_parameter_without_a_gradient_does_not_move(kind):
         if kind == "qsgd":
             return QSGDSGD(params, comm, lr=0.1, momentum=0.9, weight_decay=0.1, bits=4,
                            bucket=8, seed=1)
+        if kind == "rgc":  # 5 and 6 elements go sparsely, 2 and 3 densely
+            return RGC(params, comm, lr=0.1, momentum=0.9, weight_decay=0.1, density=0.5,
+                       compress_threshold=4)
         return OneBitAdam(params, comm, lr=0.01, weight_decay=0.1, freeze_step=2)
 
     def worker(comm):
-        live, frozen = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(3))
-        opt = make([live, frozen], comm)
+        live, small = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(2))
+        frozen, big = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(6))
+        opt = make([live, frozen, small, big], comm)
         for step in range(4):  # warm-up and compressed steps of OneBitAdam both
             opt.zero_grad()
             live.grad = torch.linspace(-1, 1, 5) * (comm.rank + 1) + step
+            small.grad = torch.tensor([1.0, -1.0])
             opt.step()
-        return live.detach().clone(), frozen.detach().clone(), len(opt.state[frozen])
+        return [p.detach().clone() for p in (live, small, frozen, big)], \
+            len(opt.state[frozen]) + len(opt.state[big])
 
-    for live, frozen, frozen_state in run_local(worker, size=2):
-        assert not torch.equal(live, torch.ones(5))
-        assert torch.equal(frozen, torch.ones(3)) and frozen_state == 0
+    for (live, small, frozen, big), frozen_state in run_local(worker, size=2):
+        assert not torch.equal(live, torch.ones(5)) and not torch.equal(small, torch.ones(2))
+        assert torch.equal(frozen, torch.ones(3)) and torch.equal(big, torch.ones(6))
+        assert frozen_state == 0
 
 
-@pytest.mark.parametrize("kind", [MajoritySignSGD, QSGDSGD, OneBitAdam])
+def test_rgc_sends_nothing_for_a_sparse_parameter_that_no_rank_has_a_gradient_for():
+    def worker(comm, with_b):
+        a, b = torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(10))
+        opt = RGC([a, b], comm, lr=0.1, density=0.2, compress_threshold=4)
+        a.grad = torch.arange(10.0)
+        if with_b:
+            b.grad = torch.arange(10.0)
+        comm.counters.reset()
+        opt.step()
+        return comm.counters.total_sent
+
+    alone = run_local(lambda c: worker(c, False), size=2)
+    both = run_local(lambda c: worker(c, True), size=2)
+    # one sparse frame fewer: the exchange of b is left out on every rank
+    assert 0 < alone[0] < both[0] and alone[1] < both[1]
+
+
+@pytest.mark.parametrize("kind", [MajoritySignSGD, QSGDSGD, OneBitAdam, RGC])
 def test_ranks_that_differ_in_which_parameters_have_gradients_raise_on_every_rank(kind):
     def worker(comm):
         a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))

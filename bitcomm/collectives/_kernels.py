@@ -43,17 +43,26 @@ def _launch(name: str, kernel, total: int, *args, **kwargs) -> None:
     launch(kernel, (triton.cdiv(total, block),), *args, BLOCK=block, num_warps=warps, **kwargs)
 
 
+TIE_CODES = {"negative": 0, "positive": 1, "alternate": 2}
+"""The kernels' TIE constant for each rule of :data:`bitcomm.collectives.majority.TIES`."""
+
+
 @triton.jit
-def _majority(count, size, TIE_POSITIVE: tl.constexpr):
-    # 1 where more than half of the ranks vote +1; a tie decides by the tie rule.
-    if TIE_POSITIVE:
+def _majority(count, size, idx, tie_base, TIE: tl.constexpr):
+    # 1 where more than half of the ranks vote +1; a tie decides by the tie rule: -1, +1, or
+    # (alternate) +1 where the element's global index plus the phase is even (tie_base is the
+    # parity of the chunk's first global index plus the phase).
+    if TIE == 1:
         return (2 * count >= size).to(tl.int32)
+    if TIE == 2:
+        even = ((idx + tie_base) & 1) == 0
+        return ((2 * count > size) | ((2 * count == size) & even)).to(tl.int32)
     return (2 * count > size).to(tl.int32)
 
 
 @triton.jit
-def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, W_IN: tl.constexpr,
-                       W_OUT: tl.constexpr, DECIDE: tl.constexpr, TIE_POSITIVE: tl.constexpr,
+def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, tie_base, W_IN: tl.constexpr,
+                       W_OUT: tl.constexpr, DECIDE: tl.constexpr, TIE: tl.constexpr,
                        WIDEN: tl.constexpr, BLOCK: tl.constexpr):
     ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
@@ -67,7 +76,7 @@ def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, W_IN: tl.constexpr
         byte = tl.load(recv_ptr + row * nb + ob, mask=ob < nb, other=0).to(tl.int32)
         count += ((byte[:, None] >> (7 - j)[None, :]) & 1) << (W_IN - 1 - row)
     if DECIDE:
-        count = _majority(count, size, TIE_POSITIVE)
+        count = _majority(count, size, idx, tie_base, TIE)
     count = tl.where(live, count, 0)
     for row in tl.static_range(W_OUT):
         bit = (count >> (W_OUT - 1 - row)) & 1
@@ -76,7 +85,7 @@ def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, W_IN: tl.constexpr
 
 
 def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out: int, *,
-               decide: int = 0, tie_positive: bool = False) -> torch.Tensor:
+               decide: int = 0, tie: str = "negative", tie_base: int = 0) -> torch.Tensor:
     """Return the planes of ``received + (x >= 0)`` at ``w_out`` bits (``counts`` fixed packing).
 
     Args:
@@ -85,7 +94,9 @@ def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out:
         w_in: planes in ``received``.
         w_out: planes to write (1 with ``decide``).
         decide: the number of ranks: write the majority decision bits instead of counts.
-        tie_positive: with ``decide``, a tie decides +1.
+        tie: with ``decide``, the tie rule (:data:`bitcomm.collectives.majority.TIES`).
+        tie_base: with ``tie="alternate"``, the global index of ``x[0]`` plus the phase (only
+            its parity matters).
 
     """
     n = x.numel()
@@ -93,13 +104,13 @@ def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out:
     out = torch.empty(w_out * nb, dtype=torch.uint8, device=x.device)
     if nb:
         _launch("count_step", _count_step_kernel, nb, x if received is None else received, x,
-                out, n, nb, max(decide, 1), W_IN=w_in, W_OUT=w_out, DECIDE=bool(decide),
-                TIE_POSITIVE=tie_positive, WIDEN=x.element_size() == 2)
+                out, n, nb, max(decide, 1), tie_base % 2, W_IN=w_in, W_OUT=w_out,
+                DECIDE=bool(decide), TIE=TIE_CODES[tie], WIDEN=x.element_size() == 2)
     return out
 
 
 @triton.jit
-def _vote_count_kernel(votes_ptr, out_ptr, n, nb, size, TIE_POSITIVE: tl.constexpr,
+def _vote_count_kernel(votes_ptr, out_ptr, n, nb, size, tie_base, TIE: tl.constexpr,
                        BLOCK: tl.constexpr):
     ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
@@ -107,18 +118,23 @@ def _vote_count_kernel(votes_ptr, out_ptr, n, nb, size, TIE_POSITIVE: tl.constex
     for r in range(size):
         byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
         count += (byte[:, None] >> (7 - j)[None, :]) & 1
-    bit = tl.where(ob[:, None] * 8 + j[None, :] < n, _majority(count, size, TIE_POSITIVE), 0)
+    idx = ob[:, None] * 8 + j[None, :]
+    bit = tl.where(idx < n, _majority(count, size, idx, tie_base, TIE), 0)
     out = tl.sum(bit << (7 - j)[None, :], axis=1)
     tl.store(out_ptr + ob, out.to(tl.uint8), mask=ob < nb)
 
 
-def vote_count(votes: torch.Tensor, n: int, *, tie_positive: bool = False) -> torch.Tensor:
-    """Return the packed majority of ``size`` rows of packed votes (``votes``: size x nb)."""
+def vote_count(votes: torch.Tensor, n: int, *, tie: str = "negative", tie_base: int = 0
+               ) -> torch.Tensor:
+    """Return the packed majority of ``size`` rows of packed votes (``votes``: size x nb).
+
+    ``tie`` and ``tie_base`` as in :func:`count_step`.
+    """
     size, nb = votes.shape
     out = torch.empty(nb, dtype=torch.uint8, device=votes.device)
     if nb:
-        _launch("vote_count", _vote_count_kernel, nb, votes, out, n, nb, size,
-                TIE_POSITIVE=tie_positive)
+        _launch("vote_count", _vote_count_kernel, nb, votes, out, n, nb, size, tie_base % 2,
+                TIE=TIE_CODES[tie])
     return out
 
 

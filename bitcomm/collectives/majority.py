@@ -1,9 +1,14 @@
 """Majority vote of signs over ranks: the ring of All-Reducible signSGD and its all-to-all twin.
 
 Both return, on every rank, ``+1`` where more than half of the ranks hold ``x >= 0`` (the sign
-codec's convention; ties ``2 * count == size`` give ``-1``, the paper's "else negative" rule, or
-``+1`` with ``tie="positive"``), as a tensor of ``x``'s dtype, shape and device. The vector is cut
-into ``size`` chunks ``[K*c//N, K*(c+1)//N)`` (any K, also K < N).
+codec's convention), as a tensor of ``x``'s dtype, shape and device. A tie ``2 * count == size``
+(only with an even number of ranks) gives ``-1`` by default, the paper's "else negative" rule;
+``+1`` with ``tie="positive"``; or, with ``tie="alternate"``, ``+1`` where the element's index
+in the flattened ``x`` plus ``phase`` is even and ``-1`` where it is odd. Both fixed rules bias
+every tied element the same way; ``"alternate"`` with a phase that counts steps (the optimizers
+and hooks pass their step number) sends a tied element up and down on alternate steps, and half
+of a step's ties each way, at no cost on the wire. The vector is cut into ``size`` chunks
+``[K*c//N, K*(c+1)//N)`` (any K, also K < N).
 
 ring_majority (All-Reducible signSGD, Section 3)
     Reduce-scatter: at step ``i = 1 .. N-1`` rank ``r`` sends to ``r + 1`` the running +1 counts
@@ -44,23 +49,43 @@ from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm, Request
 
 __all__ = ["ring_majority", "ring_majority_packed", "alltoall_majority",
-           "alltoall_majority_packed", "ring_majority_bytes", "alltoall_majority_bytes", "TIES"]
+           "alltoall_majority_packed", "ring_majority_bytes", "alltoall_majority_bytes", "TIES",
+           "check_tie"]
 
-TIES = ("negative", "positive")
-"""Tie rules for an even number of ranks: the paper's ``-1``, or ``+1``."""
+TIES = ("negative", "positive", "alternate")
+"""Tie rules for an even number of ranks: the paper's ``-1``, ``+1``, or by index and phase."""
 
 
-def _check_options(tie: object, packing: object = "fixed") -> None:
+def check_tie(tie: object, phase: object = 0) -> None:
+    """Raise ``ValueError`` unless ``tie`` is one of :data:`TIES`; ``TypeError``/``ValueError``
+    unless ``phase`` is an int >= 0."""
     if tie not in TIES:
         raise ValueError(f"expected tie in {TIES}, got {tie!r}")
+    if isinstance(phase, bool) or not isinstance(phase, int):
+        raise TypeError(f"expected phase to be an int, got {type(phase).__name__}")
+    if phase < 0:
+        raise ValueError(f"expected phase >= 0, got {phase}")
+
+
+def _check_options(tie: object, phase: object, packing: object = "fixed") -> None:
+    check_tie(tie, phase)
     if packing not in counts.PACKINGS:
         raise ValueError(f"expected packing in {counts.PACKINGS}, got {packing!r}")
 
 
-def _decide(total: torch.Tensor, size: int, tie: str) -> torch.Tensor:
-    # All-Reducible signSGD, Section 3: +1 when the count exceeds N/2, else -1.
+def _decide(total: torch.Tensor, size: int, tie: str, start: int = 0, phase: int = 0
+            ) -> torch.Tensor:
+    # All-Reducible signSGD, Section 3: +1 when the count exceeds N/2, else -1. ``total``
+    # counts the elements from global index ``start`` on (for the alternating tie).
     twice = total * 2
-    return (twice > size) | (twice == size) if tie == "positive" else twice > size
+    plus = twice > size
+    if tie == "positive":
+        plus |= twice == size
+    elif tie == "alternate" and size % 2 == 0:
+        base = start + phase
+        even = torch.arange(base, base + total.numel(), device=total.device) % 2 == 0
+        plus |= (twice == size) & even
+    return plus
 
 
 def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool) -> torch.Tensor:
@@ -71,14 +96,16 @@ def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool) -> torch.Tenso
 
 
 def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
-                  tie: str = "negative", check: bool = True) -> torch.Tensor:
+                  tie: str = "negative", phase: int = 0, check: bool = True) -> torch.Tensor:
     """Return the elementwise majority of ``x >= 0`` over ranks, computed on a ring.
 
     Args:
         comm: the transport.
         x: floating-point tensor, the same number of elements on every rank.
         packing: ``"fixed"`` (the paper's ``ceil(log2(i+1))`` bits) or ``"radix"`` counts.
-        tie: ``"negative"`` or ``"positive"``: the result where exactly half vote +1.
+        tie: the result where exactly half vote +1: ``"negative"`` (-1), ``"positive"`` (+1)
+            or ``"alternate"`` (+1 at even ``index + phase``, see the module docstring).
+        phase: the offset of the alternating tie (an int >= 0, the same on every rank).
         check: agree on the input first (raises on every rank for bad input; see
             :mod:`bitcomm.collectives._common`).
 
@@ -86,28 +113,30 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
         +-1 tensor like ``x`` (its shape and dtype), identical on every rank.
 
     """
-    return _ring_majority(comm, x, packing, tie, check, packed=False)
+    return _ring_majority(comm, x, packing, tie, phase, check, packed=False)
 
 
 def ring_majority_packed(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
-                         tie: str = "negative", check: bool = True) -> torch.Tensor:
+                         tie: str = "negative", phase: int = 0, check: bool = True
+                         ) -> torch.Tensor:
     """Return :func:`ring_majority`'s decisions as :func:`bitcomm.codecs.sign.pack` bytes.
 
     ``ceil(K / 8)`` uint8 (bit 1 = +1, MSB first), for callers that send or store the
     decisions: no +-1 tensor is made. Same arguments, same wire bytes.
     """
-    return _ring_majority(comm, x, packing, tie, check, packed=True)
+    return _ring_majority(comm, x, packing, tie, phase, check, packed=True)
 
 
-def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, check: bool,
-                   packed: bool) -> torch.Tensor:
-    v = _common.prepare(comm, x, check, "ring_majority", options={"packing": packing, "tie": tie},
-                        validate=lambda v: _check_options(tie, packing))
+def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: int,
+                   check: bool, packed: bool) -> torch.Tensor:
+    v = _common.prepare(comm, x, check, "ring_majority",
+                        options={"packing": packing, "tie": tie, "phase": phase},
+                        validate=lambda v: _check_options(tie, phase, packing))
     size, rank, n = comm.size, comm.rank, v.numel()
     if size == 1:
         return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
     if packing == "fixed" and _frame.use_triton(v):
-        return _ring_fused(comm, x, v, tie, packed)
+        return _ring_fused(comm, x, v, tie, phase, packed)
     part = _ring_chunks(n, size)
     nxt, prv = (rank + 1) % size, (rank - 1) % size
 
@@ -140,7 +169,7 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, check: b
         else:
             part(out, c).copy_(chunk).mul_(2).sub_(1)
 
-    mine = _decide(running, size, tie)
+    mine = _decide(running, size, tie, _ring_start(n, size, rank + 1), phase)
     keep(rank + 1, mine)
     _ring_allgather(comm, sign.pack_mask(mine), part, v, sends,
                     lambda c, got, length: keep(c, sign.unpack_mask(got, length)))
@@ -148,6 +177,11 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, check: b
     if decided is not None:
         return sign.pack_mask(decided)
     return out.reshape(x.shape)
+
+
+def _ring_start(n: int, size: int, c: int) -> int:
+    """Return the global index of chunk ``c mod size``'s first element."""
+    return _common.bounds(n, size)[c % size][0]
 
 
 def _ring_chunks(n: int, size: int):
@@ -176,8 +210,8 @@ def _ring_allgather(comm: Comm, forward: torch.Tensor, part, v: torch.Tensor,
         keep(c, forward, length)
 
 
-def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, packed: bool
-                ) -> torch.Tensor:
+def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, phase: int,
+                packed: bool) -> torch.Tensor:
     # ring_majority's schedule with one kernel per step (bitcomm.collectives._kernels): the
     # same bytes on the wire, and no host synchronisation between the steps.
     from bitcomm.collectives import _kernels
@@ -200,7 +234,7 @@ def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, packed: 
             message = _kernels.count_step(got, part(v, c), counts.width(i), counts.width(i + 1))
         else:
             message = _kernels.count_step(got, part(v, c), counts.width(i), 1, decide=size,
-                                          tie_positive=tie == "positive")
+                                          tie=tie, tie_base=_ring_start(n, size, c) + phase)
     # The decisions, as +-1 (in x's dtype, or float32 to be packed at the end).
     out = torch.empty(n, dtype=torch.float32 if packed else x.dtype, device=v.device)
     unpack(message, part(v, rank + 1).numel(), out.dtype, out=part(out, rank + 1))
@@ -212,33 +246,34 @@ def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, packed: 
     return out.reshape(x.shape)
 
 
-def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
+def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative", phase: int = 0,
                       check: bool = True) -> torch.Tensor:
     """Return the same majority as :func:`ring_majority`, exchanged the 1-bit Adam way.
 
     Args:
         comm: the transport.
         x: floating-point tensor, the same number of elements on every rank.
-        tie: ``"negative"`` or ``"positive"``.
+        tie: ``"negative"``, ``"positive"`` or ``"alternate"`` (as :func:`ring_majority`).
+        phase: the offset of the alternating tie.
         check: agree on the input first.
 
     Returns:
         +-1 tensor like ``x``, identical on every rank.
 
     """
-    return _alltoall_majority(comm, x, tie, check, packed=False)
+    return _alltoall_majority(comm, x, tie, phase, check, packed=False)
 
 
 def alltoall_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
-                             check: bool = True) -> torch.Tensor:
+                             phase: int = 0, check: bool = True) -> torch.Tensor:
     """Return :func:`alltoall_majority`'s decisions as :func:`bitcomm.codecs.sign.pack` bytes."""
-    return _alltoall_majority(comm, x, tie, check, packed=True)
+    return _alltoall_majority(comm, x, tie, phase, check, packed=True)
 
 
-def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, check: bool, packed: bool
-                       ) -> torch.Tensor:
-    v = _common.prepare(comm, x, check, "alltoall_majority", options={"tie": tie},
-                        validate=lambda v: _check_options(tie))
+def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check: bool,
+                       packed: bool) -> torch.Tensor:
+    v = _common.prepare(comm, x, check, "alltoall_majority", options={"tie": tie, "phase": phase},
+                        validate=lambda v: _check_options(tie, phase))
     size, rank, n = comm.size, comm.rank, v.numel()
     if size == 1:
         return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
@@ -252,8 +287,8 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, check: bool, packe
         # One kernel sums the votes of every rank, decides and packs (no host sync).
         from bitcomm.collectives import _kernels
 
-        decision = _kernels.vote_count(torch.stack(got), lengths[rank],
-                                       tie_positive=tie == "positive")
+        decision = _kernels.vote_count(torch.stack(got), lengths[rank], tie=tie,
+                                       tie_base=chunks[rank][0] + phase)
         every = comm.allgatherv(decision, every_size)
         out = torch.empty(n, dtype=torch.float32 if packed else x.dtype, device=v.device)
         for p, (lo, hi) in zip(every, chunks, strict=True):
@@ -262,7 +297,7 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, check: bool, packe
     total = torch.zeros(lengths[rank], dtype=torch.int32, device=v.device)
     for payload in got:
         total += bits.unpack(payload, lengths[rank], 1, dtype=torch.int32)
-    decision = sign.pack_mask(_decide(total, size, tie))
+    decision = sign.pack_mask(_decide(total, size, tie, chunks[rank][0], phase))
     every = comm.allgatherv(decision, every_size)
     decided = torch.cat([sign.unpack_mask(p, length)
                          for p, length in zip(every, lengths, strict=True)])
@@ -272,7 +307,7 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, check: bool, packe
 def ring_majority_bytes(n: int, size: int, rank: int, *, packing: str = "fixed",
                         check: bool = True) -> int:
     """Return the bytes rank ``rank`` sends in :func:`ring_majority` of ``n`` elements."""
-    _check_options("negative", packing)
+    _check_options("negative", 0, packing)
     if size == 1:
         return 0
     lengths = [hi - lo for lo, hi in _common.bounds(n, size)]

@@ -280,8 +280,10 @@ class SignState(_HookState):
         comm: the transport (a ``TorchComm`` over DDP's process group, or one of its own).
         momentum: Signum's beta in [0, 1); 0 votes on the raw gradient.
         collective: ``"ring"`` (ring_majority) or ``"alltoall"`` (alltoall_majority).
-        tie: the vote where exactly half the workers say +1 (see
-            :data:`bitcomm.collectives.majority.TIES`).
+        tie: the vote where exactly half the workers say +1: ``"alternate"`` (the default,
+            unbiased: +1 where the element's index in the bucket plus the iteration is even),
+            ``"negative"`` (the paper's -1) or ``"positive"``; as
+            :class:`~bitcomm.train.MajoritySignSGD`.
         check: run the collectives' input agreement (every rank raises on a NaN gradient).
         overlap: exchange on the state's thread while backward goes on.
 
@@ -291,7 +293,7 @@ class SignState(_HookState):
     _buffers = ("momenta",)
 
     def __init__(self, comm: Comm, *, momentum: float = 0.0, collective: str = "ring",
-                 tie: str = "negative", check: bool = True, overlap: bool = True):
+                 tie: str = "alternate", check: bool = True, overlap: bool = True):
         super().__init__(comm, check=check, overlap=overlap)
         self.momentum = check_range("momentum", momentum, 0.0, 1.0)
         if collective not in ("ring", "alltoall"):
@@ -437,7 +439,8 @@ def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torc
         if m is not None:
             v = torch.add(m * state.momentum, v, alpha=1 - state.momentum)
         vote = ring_majority if state.collective == "ring" else alltoall_majority
-        out = vote(state.comm, v, tie=state.tie, check=state.check).to(g.dtype)
+        out = vote(state.comm, v, tie=state.tie, phase=state.iteration,
+                   check=state.check).to(g.dtype)
         if m is not None:
             m.copy_(v)  # only once the vote went through: a refused step leaves it
         return out

@@ -23,7 +23,14 @@ Differences from the paper, on purpose: the sum is divided by ``N`` so that ``lr
 means for dense SGD (DGC does the same); Algorithm 4's line 12 adds the raw gradient to ``U``
 although line 9 added weight decay to ``G``, and here ``G`` (with weight decay) is used; the
 threshold reuse of Algorithm 5 (search every 5th step only) is not implemented, each step
-searches. Exchanges are blocking, one per compressed parameter, in parameter order.
+searches. Exchanges are blocking: the dense allreduce first, then one per compressed parameter,
+in parameter order.
+
+A parameter whose ``grad`` is None is skipped, as ``torch.optim.SGD`` skips it: it does not move
+and its residual and momentum do not change. A compressed one is not exchanged at all; a dense
+one keeps its place in the fused vector (as zeros), so every rank sends the same layout. Every
+exchange runs inside ``agree_on`` of which parameters have gradients, so ranks that differ raise
+``ValueError`` on every rank (with ``check=True``) at the dense allreduce, which every step runs.
 """
 
 from __future__ import annotations
@@ -33,9 +40,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bitcomm.collectives import allreduce, sparse_allgather
+from bitcomm.collectives import agree_on, allreduce, sparse_allgather
 from bitcomm.comm.base import Comm
-from bitcomm.train._common import check_comm, check_range, evaluate
+from bitcomm.train._common import all_params, check_comm, check_range, evaluate, with_grads
 
 __all__ = ["RGC"]
 
@@ -95,30 +102,41 @@ class RGC(torch.optim.Optimizer):
         """One RGC step: sparse exchange of the large parameters, dense of the small ones."""
         loss = evaluate(closure)
         size = self.comm.size
-        dense: list[tuple[torch.Tensor, dict, torch.Tensor]] = []
+        params = all_params(self.param_groups)
+        has, mask = with_grads(params)
+        dense: list[tuple[torch.Tensor, dict, torch.Tensor, bool]] = []
+        sparse: list[tuple[torch.Tensor, dict, torch.Tensor]] = []
+        at = 0
         for group in self.param_groups:
             for p in group["params"]:
-                g = (p.grad.detach().to(torch.float32).reshape(-1) if p.grad is not None
+                live, at = has[at], at + 1
+                g = (p.grad.detach().to(torch.float32).reshape(-1) if live
                      else torch.zeros(p.numel(), device=p.device))
-                if group["weight_decay"]:
+                if live and group["weight_decay"]:
                     g = g + group["weight_decay"] * p.detach().to(torch.float32).reshape(-1)
-                if self.compressed(p):
-                    self._sparse_step(p, g, group, size)
-                else:
-                    dense.append((p, group, g))
-        if dense:
-            flat = torch.cat([g for _, _, g in dense])
+                if not self.compressed(p):
+                    dense.append((p, group, g, live))
+                elif live:
+                    sparse.append((p, group, g))
+        with agree_on(("grads", mask)):
+            # Always, even with nothing dense: it is where ranks agree on the mask.
+            flat = (torch.cat([g for _, _, g, _ in dense]) if dense else
+                    torch.zeros(0, device=params[0].device if params else "cpu"))
             flat = allreduce(self.comm, flat, check=self.check).div_(size)
-            at = 0
-            for p, group, _ in dense:
-                d = flat[at:at + p.numel()]
-                at += p.numel()
-                if group["momentum"]:
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(d)
-                    d = state["momentum_buffer"].mul_(group["momentum"]).add_(d)
-                p.add_(d.view_as(p).to(p.dtype), alpha=-group["lr"])
+            for p, group, g in sparse:
+                self._sparse_step(p, g, group, size)
+        at = 0
+        for p, group, _, live in dense:
+            d = flat[at:at + p.numel()]
+            at += p.numel()
+            if not live:  # no gradient: no step, no momentum
+                continue
+            if group["momentum"]:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(d)
+                d = state["momentum_buffer"].mul_(group["momentum"]).add_(d)
+            p.add_(d.view_as(p).to(p.dtype), alpha=-group["lr"])
         return loss
 
     def _sparse_step(self, p: torch.Tensor, g: torch.Tensor, group: dict, size: int) -> None:

@@ -9,9 +9,17 @@ and votes with the sign of ``m`` (``m >= 0`` votes +1); every parameter then mov
 changes only the bytes and who talks to whom. Weight decay is added to the gradient
 (``g + weight_decay * p``) before the momentum, as in ``torch.optim.SGD``.
 
+With an even number of workers half of them can vote each way. The paper's rule sends every
+such tie to -1 (``tie="negative"``), which moves every tied element up at every step: a bias
+that grows with the number of ties. The default ``tie="alternate"`` decides a tie by the
+element's index in the flat vector plus the step number (even: +1, odd: -1), so within a step
+half the ties go each way and a tied element goes back and forth from step to step; the step
+number is saved in :meth:`state_dict`.
+
 Example: two workers, one parameter ``[1.0, 1.0]``, lr 0.1, momentum 0: worker gradients
-``[0.5, -2.0]`` and ``[0.3, 1.0]`` vote ``[+1, -1]`` and ``[+1, +1]``; the tie in the second
-element goes to -1 (``tie="negative"``), so both workers step to ``[0.9, 1.1]``.
+``[0.5, -2.0]`` and ``[0.3, 1.0]`` vote ``[+1, -1]`` and ``[+1, +1]``. The second element
+ties: at the first step (step 0, element 1: odd) it goes to -1, so both workers step to
+``[0.9, 1.1]``; at the next step the same tie would go to +1.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     all_params,
     check_comm,
+    ExtraState,
     check_range,
     evaluate,
     flat_grads,
@@ -38,7 +47,7 @@ __all__ = ["MajoritySignSGD"]
 COLLECTIVES = ("ring", "alltoall")
 
 
-class MajoritySignSGD(torch.optim.Optimizer):
+class MajoritySignSGD(ExtraState, torch.optim.Optimizer):
     """Signum with a majority vote of the workers' momentum signs.
 
     Args:
@@ -48,13 +57,14 @@ class MajoritySignSGD(torch.optim.Optimizer):
         momentum: Signum's ``beta`` in [0, 1); 0 is signSGD.
         weight_decay: added to the gradient as ``weight_decay * p``.
         collective: ``"ring"`` (ring_majority) or ``"alltoall"`` (alltoall_majority).
-        tie: ``"negative"`` or ``"positive"``: the vote where exactly half the workers say +1.
+        tie: the vote where exactly half the workers say +1: ``"alternate"`` (by element index
+            and step, unbiased), ``"negative"`` (the paper's -1) or ``"positive"``.
         check: run the collectives' input agreement (every rank raises on a NaN gradient).
 
     """
 
     def __init__(self, params: Iterable, comm: Comm, lr: float = 1e-3, momentum: float = 0.9,
-                 weight_decay: float = 0.0, *, collective: str = "ring", tie: str = "negative",
+                 weight_decay: float = 0.0, *, collective: str = "ring", tie: str = "alternate",
                  check: bool = True):
         self.comm = check_comm(comm)
         if collective not in COLLECTIVES:
@@ -66,6 +76,17 @@ class MajoritySignSGD(torch.optim.Optimizer):
                     "weight_decay": check_range("weight_decay", weight_decay, 0.0)}
         super().__init__(params, defaults)
         self.collective, self.tie, self.check = collective, tie, check
+        self.steps = 0  # the alternating tie's phase
+
+    def _extra_state(self) -> dict:
+        return {"steps": self.steps}
+
+    def _load_extra_state(self, state: dict) -> None:
+        steps = state.get("steps") if isinstance(state, dict) else None
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"expected the 'bitcomm' entry to hold steps (an int >= 0), got "
+                             f"{state!r}")
+        self.steps = steps
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -93,7 +114,8 @@ class MajoritySignSGD(torch.optim.Optimizer):
         flat = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
         vote = ring_majority if self.collective == "ring" else alltoall_majority
         with agree_on(("grads", mask)):
-            majority = vote(self.comm, flat, tie=self.tie, check=self.check)
+            majority = vote(self.comm, flat, tie=self.tie, phase=self.steps, check=self.check)
+        self.steps += 1
         votes = split_like(majority, params)
         at = 0
         for group in self.param_groups:
