@@ -57,8 +57,11 @@ TIES = ("negative", "positive", "alternate")
 
 
 def check_tie(tie: object, phase: object = 0) -> None:
-    """Raise ``ValueError`` unless ``tie`` is one of :data:`TIES`; ``TypeError``/``ValueError``
-    unless ``phase`` is an int >= 0."""
+    """Check a tie rule and its phase.
+
+    Raises ``ValueError`` unless ``tie`` is one of :data:`TIES`, ``TypeError`` unless ``phase``
+    is an int, ``ValueError`` if it is negative.
+    """
     if tie not in TIES:
         raise ValueError(f"expected tie in {TIES}, got {tie!r}")
     if isinstance(phase, bool) or not isinstance(phase, int):

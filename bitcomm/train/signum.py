@@ -32,9 +32,9 @@ from bitcomm.collectives import agree_on, alltoall_majority, ring_majority
 from bitcomm.collectives.majority import TIES
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
+    ExtraState,
     all_params,
     check_comm,
-    ExtraState,
     check_range,
     evaluate,
     flat_grads,
