@@ -486,3 +486,85 @@ def test_ranks_that_differ_in_which_parameters_have_gradients_raise_on_every_ran
         return torch.equal(a.detach(), torch.ones(4))
 
     assert run_local(worker, size=2) == [True, True]
+
+
+# -- loss scaling ---------------------------------------------------------------------------------
+
+def _linear():
+    # the same on every thread rank (the global RNG is shared between threads)
+    model = torch.nn.Linear(4, 2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def _amp_run(kind, comm, scaler, steps=4, overflow_at=1):
+    """Train a Linear on rank-own batches under ``scaler``; rank 0's gradients overflow at one
+    step. Return the parameters after each step and the scaler's scale after each update."""
+    model = _linear()
+    opt = _make(kind, model.parameters(), comm)
+    params, scales = [], []
+    for t in range(steps):
+        g = torch.Generator().manual_seed(10 * t + comm.rank)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if t == overflow_at and comm.rank == 0:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        params.append([p.detach().clone() for p in model.parameters()])
+        scales.append(float(scaler.get_scale()))
+    return params, scales
+
+
+@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(kind):
+    """A per-rank GradScaler skips step() where its own gradients overflowed; the optimizers
+    take the flag from the scaler instead and agree on it, so no rank steps and none falls out
+    of step with the others."""
+    def fn(c):
+        return _amp_run(kind, c, torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
+
+    (p0, s0), (p1, s1) = run_local(fn, 2, timeout=20)
+    for t in range(4):
+        for a, b in zip(p0[t], p1[t], strict=True):
+            assert torch.equal(a, b), (kind, t)
+    for a, b in zip(p0[0], p0[1], strict=True):
+        assert torch.equal(a, b)  # the overflowing step moved nothing
+    assert not all(torch.equal(a, b) for a, b in zip(p0[1], p0[2], strict=True))
+    assert s0[1] == 2.0 ** 7 and s1[1] == 2.0 ** 8  # each scaler saw only its own overflow
+
+
+def test_unscaling_by_the_optimizer_equals_unscaling_by_hand():
+    """Under a scaler the optimizer divides the gradients by the scale itself (the scaler calls
+    step() with grad_scale set): the same parameters as unscale_ before step()."""
+    def fn(c):
+        a = _amp_run("qsgd", c, torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), overflow_at=-1)
+        model = _linear()
+        opt = _make("qsgd", model.parameters(), c)
+        for t in range(4):
+            g = torch.Generator().manual_seed(10 * t + c.rank)
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return a[0][-1], [p.detach() for p in model.parameters()]
+
+    for scaled, plain in run_local(fn, 2, timeout=60):
+        for a, b in zip(scaled, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_bitcomm_grad_scaler_backs_off_on_every_rank():
+    from bitcomm.train import GradScaler
+
+    def fn(c):
+        return _amp_run("signum", c, GradScaler(c, "cpu", init_scale=2.0 ** 8))
+
+    (p0, s0), (p1, s1) = run_local(fn, 2, timeout=20)
+    assert s0 == s1 and s0[1] == 2.0 ** 7
+    for a, b in zip(p0[-1], p1[-1], strict=True):
+        assert torch.equal(a, b)

@@ -6,6 +6,7 @@
 * :class:`~bitcomm.train.onebit_adam.OneBitAdam`: DeepSpeed's 1-bit Adam.
 * :class:`~bitcomm.train.qsgd_sgd.QSGDSGD`: SGD on QSGD-quantised gradient averages.
 * :class:`~bitcomm.train.rgc.RGC`: RedSync's residual gradient compression (top-k SGD).
+* :class:`~bitcomm.train.scaler.GradScaler`: ``torch.amp.GradScaler`` agreeing on overflows.
 * :mod:`~bitcomm.train.hooks`: DDP communication hooks (sign majority, 1-bit, qsgd, top-k).
 
 Each is a ``torch.optim.Optimizer`` taking a :class:`~bitcomm.comm.base.Comm`; every rank builds
@@ -18,6 +19,7 @@ from bitcomm.train.feedback import ErrorFeedback
 from bitcomm.train.onebit_adam import OneBitAdam
 from bitcomm.train.qsgd_sgd import QSGDSGD
 from bitcomm.train.rgc import RGC
+from bitcomm.train.scaler import GradScaler
 from bitcomm.train.signum import MajoritySignSGD
 
-__all__ = ["ErrorFeedback", "MajoritySignSGD", "OneBitAdam", "QSGDSGD", "RGC"]
+__all__ = ["ErrorFeedback", "GradScaler", "MajoritySignSGD", "OneBitAdam", "QSGDSGD", "RGC"]

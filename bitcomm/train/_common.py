@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from bitcomm.collectives import allreduce
 from bitcomm.comm.base import Comm
 
 
@@ -105,3 +106,39 @@ class ExtraState:
         extra = sd.pop("bitcomm")
         super().load_state_dict(sd)  # type: ignore[misc]
         self._load_extra_state(extra)
+
+
+class ScalerAware:
+    """Mixin: ``torch.amp.GradScaler.step`` calls ``step()`` on every rank, with its flags.
+
+    A scaler that sees NaN or inf in this rank's gradients skips ``step()``; with per-rank
+    gradients (the optimizer, not DDP, averages them) only the overflowing rank would skip, and
+    its next step would be exchanged with the other ranks' current one. With
+    ``_step_supports_amp_scaling`` the scaler instead always calls ``step()`` and hands over its
+    overflow flag (``found_inf``) and scale (``grad_scale``): :meth:`_scaler_skips` sums the flag
+    over the ranks (one 4-byte allreduce) and every rank skips the step together when any rank
+    overflowed; otherwise it unscales the gradients, as ``GradScaler.unscale_`` would. Each
+    rank's scaler backs off only on its own overflow; :class:`GradScaler` agrees on the flag so
+    that they all do.
+    """
+
+    _step_supports_amp_scaling = True
+    comm: Comm
+    check: bool
+    param_groups: list[dict]
+
+    def _scaler_skips(self) -> bool:
+        """Return whether a scaler's overflow on any rank skips this step (else unscale)."""
+        found = getattr(self, "found_inf", None)
+        if found is None:  # no scaler, or one that does not pass its flags
+            return False
+        flag = found.detach().to(torch.float32).reshape(1).clone()
+        if float(allreduce(self.comm, flag, check=self.check).item()) > 0:
+            return True
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:  # None when the user called scaler.unscale_ already
+            inv = scale.detach().double().reciprocal().float()
+            for p in all_params(self.param_groups):
+                if p.grad is not None:
+                    p.grad.mul_(inv.to(p.grad.device))
+        return False

@@ -29,6 +29,7 @@ from bitcomm.collectives import OneBitState, agree_on, allreduce, onebit_allredu
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     ExtraState,
+    ScalerAware,
     all_params,
     check_comm,
     check_range,
@@ -41,7 +42,7 @@ from bitcomm.train._common import (
 __all__ = ["OneBitAdam"]
 
 
-class OneBitAdam(ExtraState, torch.optim.Optimizer):
+class OneBitAdam(ExtraState, ScalerAware, torch.optim.Optimizer):
     """1-bit Adam over a bitcomm transport.
 
     Args:
@@ -87,6 +88,8 @@ class OneBitAdam(ExtraState, torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One 1-bit Adam step (dense Adam during the warm-up)."""
         loss = evaluate(closure)
+        if self._scaler_skips():  # some rank's loss scaler found an overflow
+            return loss
         params = all_params(self.param_groups)
         has, mask = with_grads(params)
         compressing = self.compressing

@@ -25,6 +25,7 @@ from bitcomm.collectives import agree_on, qsgd_allgather
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     ExtraState,
+    ScalerAware,
     all_params,
     check_comm,
     check_range,
@@ -38,7 +39,7 @@ from bitcomm.train.feedback import ErrorFeedback
 __all__ = ["QSGDSGD"]
 
 
-class QSGDSGD(ExtraState, torch.optim.Optimizer):
+class QSGDSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
     """SGD whose gradient average is exchanged as QSGD frames.
 
     Args:
@@ -77,6 +78,8 @@ class QSGDSGD(ExtraState, torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Average the quantised gradients over workers and take one SGD step."""
         loss = evaluate(closure)
+        if self._scaler_skips():  # some rank's loss scaler found an overflow
+            return loss
         params = all_params(self.param_groups)
         has, mask = with_grads(params)
         flat = flat_grads(params)

@@ -42,12 +42,19 @@ import torch
 
 from bitcomm.collectives import agree_on, allreduce, sparse_allgather
 from bitcomm.comm.base import Comm
-from bitcomm.train._common import all_params, check_comm, check_range, evaluate, with_grads
+from bitcomm.train._common import (
+    ScalerAware,
+    all_params,
+    check_comm,
+    check_range,
+    evaluate,
+    with_grads,
+)
 
 __all__ = ["RGC"]
 
 
-class RGC(torch.optim.Optimizer):
+class RGC(ScalerAware, torch.optim.Optimizer):
     """Residual gradient compression SGD (RedSync's Algorithm 4).
 
     Args:
@@ -101,6 +108,8 @@ class RGC(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One RGC step: sparse exchange of the large parameters, dense of the small ones."""
         loss = evaluate(closure)
+        if self._scaler_skips():  # some rank's loss scaler found an overflow
+            return loss
         size = self.comm.size
         params = all_params(self.param_groups)
         has, mask = with_grads(params)

@@ -33,6 +33,7 @@ from bitcomm.collectives.majority import TIES
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     ExtraState,
+    ScalerAware,
     all_params,
     check_comm,
     check_range,
@@ -47,7 +48,7 @@ __all__ = ["MajoritySignSGD"]
 COLLECTIVES = ("ring", "alltoall")
 
 
-class MajoritySignSGD(ExtraState, torch.optim.Optimizer):
+class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
     """Signum with a majority vote of the workers' momentum signs.
 
     Args:
@@ -92,6 +93,8 @@ class MajoritySignSGD(ExtraState, torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Vote on the momentum signs and move every parameter by ``-lr`` times the majority."""
         loss = evaluate(closure)
+        if self._scaler_skips():  # some rank's loss scaler found an overflow
+            return loss
         params = all_params(self.param_groups)
         has, mask = with_grads(params)
         grads = split_like(flat_grads(params), params)
