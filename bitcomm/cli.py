@@ -158,8 +158,16 @@ def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
 
 @bench.command("collectives")
 @click.option("--ranks", type=click.IntRange(1), default=4, show_default=True,
-              help="Processes to launch (ignored under an existing mpiexec/torchrun job).")
-@click.option("--transport", type=click.Choice(TRANSPORTS), default="mpi", show_default=True)
+              help="Processes to launch (ignored when torchrun, mpiexec, mpirun or srun "
+                   "started this one).")
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="mpi", show_default=True,
+              help="mpi (mpi4py), gloo, or nccl (CUDA tensors, one GPU per rank).")
+@click.option("--launcher", default=None,
+              help="MPI launcher command for --transport mpi, e.g. mpirun, 'srun --mpi=pmix' or "
+                   "a path [default: $BITCOMM_LAUNCHER, the mpi extra's mpiexec, then mpiexec "
+                   "or mpirun on PATH].")
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Hostfile passed to the MPI launcher (--hostfile; srun: SLURM_HOSTFILE).")
 @click.option("--sizes", type=SizeList(), default="1M,8M", show_default=True,
               help="Comma-separated float32 element counts per rank.")
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True,
@@ -174,9 +182,9 @@ def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
 @click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True), default=100.0,
               show_default=True, help="Link rate (Gb/s) for the wire time (--device cuda).")
 @click.option("--worker", is_flag=True, hidden=True, help="Run as one rank of a launched job.")
-def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat: int,
-                      seed: int, out_dir: str, device: str, link_gbps: float,
-                      worker: bool) -> None:
+def bench_collectives(ranks: int, transport: str, launcher: str | None, hostfile: str | None,
+                      sizes: tuple[int, ...], repeat: int, seed: int, out_dir: str, device: str,
+                      link_gbps: float, worker: bool) -> None:
     """Time ring vs all-to-all majority, 1-bit allreduce, sparse and dense allreduce."""
     if device == "cuda":
         _check_device(device)
@@ -184,8 +192,13 @@ def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat
         return
     args = ["--transport", transport, "--sizes", ",".join(map(str, sizes)), "--repeat",
             str(repeat), "--seed", str(seed), "--out", out_dir]
-    if not worker and "PMI_RANK" not in os.environ and "RANK" not in os.environ:
-        sys.exit(_launch(ranks, transport, ["collectives", *args]))
+    if transport != "mpi" and (launcher or hostfile):
+        raise click.UsageError(f"--launcher and --hostfile start MPI jobs; --transport "
+                               f"{transport} starts its ranks here (torchrun across machines)")
+    if transport == "nccl":
+        _check_device("cuda")
+    if not worker and _launched() is None:
+        sys.exit(_launch(ranks, transport, ["collectives", *args], launcher, hostfile))
     from bitcomm.bench import collectives as bench_mod
     from bitcomm.comm.launch import world
 
@@ -208,7 +221,8 @@ def bench_collectives(ranks: int, transport: str, sizes: tuple[int, ...], repeat
                    f"{row.wire_bytes:>12} {row.expected_bytes:>12} {row.wrong:>6} {speed:>7}",
                    nl=True)
 
-    rows = bench_mod.run(comm, sizes, repeat=repeat, seed=seed, progress=show)
+    on = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else "cpu"
+    rows = bench_mod.run(comm, sizes, repeat=repeat, seed=seed, progress=show, device=on)
     comm.barrier()
     if comm.rank == 0:
         _save(Path(out_dir), f"collectives-{transport}-{comm.size}", config,
@@ -266,7 +280,7 @@ class FloatList(click.ParamType):
 
 @bench.command("hooks")
 @click.option("--ranks", type=click.IntRange(2), default=2, show_default=True,
-              help="gloo processes to launch.")
+              help="gloo processes to launch (ignored when torchrun started this one).")
 @click.option("--bucket-mb", "bucket_mbs", type=FloatList(), default="0.004,0.25,1",
               show_default=True, help="Comma-separated DDP bucket_cap_mb values.")
 @click.option("--width", type=click.IntRange(1), default=128, show_default=True,
@@ -295,7 +309,7 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
                                  f"{', '.join(bench_mod.HOOKS)}", param_hint="--hooks")
     args = ["--bucket-mb", ",".join(map(str, bucket_mbs)), "--width", str(width), "--depth",
             str(depth), "--steps", str(steps), "--hooks", ",".join(chosen), "--out", out_dir]
-    if not worker and "RANK" not in os.environ:
+    if not worker and _launched() is None:
         sys.exit(_launch(ranks, "gloo", ["hooks", *args]))
     from bitcomm.comm.launch import world
 
@@ -325,15 +339,27 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
               [r.as_dict() for r in rows])
 
 
-def _launch(ranks: int, transport: str, args: list[str]) -> int:
+def _launched():  # noqa: ANN202 - a Launched or None
+    """Return this process's place in a job a launcher started (None: start one here)."""
+    from bitcomm.comm import launch
+
+    try:
+        return launch.launched()
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _launch(ranks: int, transport: str, args: list[str], launcher: str | None = None,
+            hostfile: str | None = None) -> int:
     """Start ``ranks`` workers of ``bitcomm bench ARGS``; return the job's exit status."""
     from bitcomm.comm import launch
 
     argv = [sys.executable, "-m", "bitcomm.cli", "bench", args[0], "--worker", *args[1:]]
     with launch.job_dir(f"bench-{args[0]}") as tmp:
         try:
-            jobs = launch.commands(ranks, transport, argv, tmp)
-        except RuntimeError as e:
+            jobs = launch.commands(ranks, transport, argv, tmp, launcher=launcher,
+                                   hostfile=hostfile)
+        except (RuntimeError, ValueError) as e:
             raise click.ClickException(str(e)) from None
         procs = [launch.spawn(cmd, env) for cmd, env in jobs]
         return max(abs(p.wait()) for p in procs)

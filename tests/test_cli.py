@@ -74,6 +74,19 @@ def test_bench_device_cuda_without_a_gpu_is_a_usage_error(what, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_bench_over_nccl_without_a_gpu_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "collectives", "--transport", "nccl", "--out",
+                                       str(tmp_path)])
+    assert result.exit_code == 2 and "expected a CUDA device" in result.output
+
+
+def test_launcher_options_are_for_mpi(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "collectives", "--transport", "gloo",
+                                       "--launcher", "mpirun", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--launcher and --hostfile start MPI jobs" in result.output
+
+
 def test_topo_show_prints_links_and_the_model():
     result = CliRunner().invoke(main, ["topo", "show", "chain-16", "--size", "64K"])
     assert result.exit_code == 0, result.output

@@ -83,11 +83,111 @@ def test_launch_commands_for_each_transport(tmp_path):
     assert cmd[1:] == ["-n", "2", sys.executable, "-m", "mpi4py", "-m", "some.worker", "--flag"]
     assert cmd[0].endswith("mpiexec")
     with pytest.raises(ValueError, match="transport"):
-        commands(2, "nccl", argv, tmp_path)
+        commands(2, "tcp", argv, tmp_path)
+    with pytest.raises(ValueError, match="mpi transport"):
+        commands(2, "gloo", argv, tmp_path, launcher="mpirun")
     with pytest.raises(ValueError, match="ranks"):
         commands(0, "gloo", argv, tmp_path)
     with pytest.raises(ValueError, match="transport"):
         world("tcp")
+
+
+def _fake(directory, name):
+    """An executable ``name`` in ``directory`` (a launcher that is never run)."""
+    path = directory / name
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_mpi_launcher_is_named_or_found(tmp_path, monkeypatch):
+    import sys
+
+    from bitcomm.comm.launch import commands, find_launcher
+
+    bare, bindir = tmp_path / "venv", tmp_path / "bin"
+    bare.mkdir()
+    bindir.mkdir()
+    monkeypatch.delenv("BITCOMM_LAUNCHER", raising=False)
+    # no mpiexec next to this Python, none on PATH: a clear error naming the ways out
+    monkeypatch.setattr(sys, "executable", str(bare / "python"))
+    monkeypatch.setenv("PATH", str(bindir))
+    with pytest.raises(RuntimeError, match="--launcher"):
+        find_launcher()
+    # a cluster's mpirun on PATH (module load openmpi)
+    mpirun = _fake(bindir, "mpirun")
+    assert find_launcher() == [mpirun]
+    # mpiexec is preferred to mpirun, and the one next to this Python to either
+    mpiexec = _fake(bindir, "mpiexec")
+    assert find_launcher() == [mpiexec]
+    bundled = _fake(bare, "mpiexec")
+    assert find_launcher() == [bundled]
+    # named: an option, or BITCOMM_LAUNCHER; words after the first are kept
+    srun = _fake(bindir, "srun")
+    assert find_launcher("srun --mpi=pmix") == [srun, "--mpi=pmix"]
+    monkeypatch.setenv("BITCOMM_LAUNCHER", "mpirun --bind-to none")
+    assert find_launcher() == [mpirun, "--bind-to", "none"]
+    with pytest.raises(ValueError, match="'mpprun'"):
+        find_launcher("mpprun")
+    # the count and the hostfile in each launcher's own words
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1 slots=2\nnode2 slots=2\n")
+    argv = [sys.executable, "-m", "w"]
+    [(cmd, _)] = commands(4, "mpi", argv, tmp_path, launcher="mpirun", hostfile=hosts)
+    assert cmd == [mpirun, "--hostfile", str(hosts), "-n", "4", sys.executable, "-m", "mpi4py",
+                   "-m", "w"]
+    [(cmd, env)] = commands(4, "mpi", argv, tmp_path, launcher="srun --mpi=pmix",
+                            hostfile=hosts)
+    assert cmd[:4] == [srun, "--mpi=pmix", "--ntasks", "4"]
+    assert "--distribution=arbitrary" in cmd and env["SLURM_HOSTFILE"] == str(hosts)
+    with pytest.raises(ValueError, match="hostfile"):
+        commands(4, "mpi", argv, tmp_path, hostfile=tmp_path / "nope")
+
+
+@pytest.mark.parametrize(("environ", "expect"), [
+    ({}, None),
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, (1, 4, 1, "torchrun")),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "PMIX_RANK": "5"}, (5, 8, 1, "openmpi")),
+    ({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0"}, (2, 3, 0, "mpich")),
+    ({"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "2"}, (0, 2, 0, "mvapich")),
+    # srun --mpi=pmix: PMIx says the rank, Slurm the size
+    ({"PMIX_RANK": "3", "SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1"},
+     (3, 4, 1, "slurm")),
+    # a batch script's shell: SLURM_PROCID=0 but no step of several tasks
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, None),
+])
+def test_launched_reads_every_common_launcher(environ, expect):
+    from bitcomm.comm.launch import launched
+
+    got = launched(environ)
+    assert (None if got is None else (got.rank, got.size, got.local_rank, got.launcher)) == expect
+
+
+def test_launched_refuses_what_it_cannot_use():
+    from bitcomm.comm.launch import launched
+
+    with pytest.raises(ValueError, match="PMIX_RANK without"):
+        launched({"PMIX_RANK": "0"})
+    with pytest.raises(ValueError, match="integers"):
+        launched({"RANK": "one", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="0 <= RANK < WORLD_SIZE"):
+        launched({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_a_gloo_world_says_what_it_is_missing(monkeypatch):
+    from bitcomm.comm.launch import world
+
+    for var in ("RANK", "WORLD_SIZE", "BITCOMM_STORE", "MASTER_ADDR", "MASTER_PORT",
+                "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
+                "MV2_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="needs its rank"):
+        world("gloo")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT.*openmpi"):
+        world("gloo")
 
 
 def test_run_job_streams_progress_and_reports_failures():

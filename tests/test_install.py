@@ -26,6 +26,7 @@ def test_the_core_install_is_what_the_codecs_comm_and_collectives_need():
     assert extras["jit"] == {"numba"} and extras["plots"] == {"matplotlib"}
     assert extras["experiments"] == {"scikit-learn", "matplotlib"}
     assert {"mpi4py", "mpich"} <= extras["mpi"] and "bitarray" in extras["dev"]
+    assert extras["mpi-system"] == {"mpi4py"}  # a cluster's own MPI, no MPICH wheel
 
 
 def test_qsgd_on_the_cpu_without_numba_falls_back_and_names_the_extra(monkeypatch):

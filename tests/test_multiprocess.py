@@ -216,3 +216,71 @@ def test_bench_hooks_cli(tmp_path):
         anchor = rows[("allreduce", mb)]["step_ms"]
         assert row["vs_allreduce"] == pytest.approx(row["step_ms"] / anchor)
     assert "vs_allreduce" in r.stdout
+
+
+def _no_launcher_env():
+    e = env()
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "BITCOMM_STORE", "PMI_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
+                "BITCOMM_LAUNCHER"):
+        e.pop(var, None)
+    return e
+
+
+def _torchrun(args, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), "-m", "bitcomm.cli", "bench", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT,
+                          env=_no_launcher_env())
+
+
+@pytest.mark.timeout(2 * LIMIT + 30)
+def test_the_benchmarks_run_under_torchrun(tmp_path):
+    """torchrun starts the ranks (RANK, MASTER_ADDR/PORT): the CLI joins its env:// world."""
+    r = _torchrun(["collectives", "--transport", "gloo", "--sizes", "1000", "--repeat", "1",
+                   "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "collectives-gloo-2.json").read_text())
+    assert data["config"]["ranks"] == 2
+    assert all(row["wrong"] == 0 for row in data["rows"])
+    r = _torchrun(["hooks", "--width", "8", "--depth", "1", "--steps", "1", "--bucket-mb", "25",
+                   "--hooks", "sign", "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "hooks-gloo-2.json").read_text())["rows"]
+    assert [row["hook"] for row in rows] == ["allreduce", "sign"]
+
+
+@pytest.mark.timeout(LIMIT + 30)
+def test_bench_collectives_over_nccl(tmp_path):
+    """--transport nccl: CUDA inputs, one GPU per rank (one rank: NCCL cannot put two on one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the nccl transport carries CUDA tensors only")
+    cmd = [sys.executable, "-m", "bitcomm.cli", "bench", "collectives", "--transport", "nccl",
+           "--ranks", "1", "--sizes", "1000", "--repeat", "1", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=_no_launcher_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "collectives-nccl-1.json").read_text())["rows"]
+    assert rows and all(row["wrong"] == 0 for row in rows)
+
+
+@pytest.mark.timeout(LIMIT + 30)
+def test_bench_collectives_through_a_named_launcher_with_a_hostfile(tmp_path):
+    """--launcher names the MPI launcher (here a wrapper that logs its arguments, then runs
+    MPICH's mpiexec) and --hostfile reaches it."""
+    if not MPIEXEC.exists():
+        pytest.skip("mpiexec not installed (pip install 'bitcomm[mpi]')")
+    log, wrapper = tmp_path / "args", tmp_path / "mympirun"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" > {log}\nexec {MPIEXEC} "$@"\n')
+    wrapper.chmod(0o755)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    cmd = [sys.executable, "-m", "bitcomm.cli", "bench", "collectives", "--ranks", "2",
+           "--launcher", str(wrapper), "--hostfile", str(hosts), "--sizes", "1000", "--repeat",
+           "1", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=_no_launcher_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert log.read_text().split()[:4] == ["--hostfile", str(hosts), "-n", "2"]
+    data = json.loads((tmp_path / "collectives-mpi-2.json").read_text())
+    assert all(row["wrong"] == 0 for row in data["rows"])

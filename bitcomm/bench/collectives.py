@@ -64,7 +64,8 @@ class Row:
 
 def run(comm: Comm, sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeat: int = 3, seed: int = 0,
         algorithms: tuple[str, ...] = tuple(registry.COLLECTIVES),
-        progress: Callable[[Row], None] | None = None) -> list[Row] | None:
+        progress: Callable[[Row], None] | None = None,
+        device: torch.device | str = "cpu") -> list[Row] | None:
     """Benchmark ``algorithms`` at ``sizes`` on every rank; return the rows on rank 0.
 
     Args:
@@ -74,15 +75,16 @@ def run(comm: Comm, sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeat: int = 3, 
         seed: seed of the inputs.
         algorithms: names from :data:`bitcomm.collectives.registry.COLLECTIVES`.
         progress: called on rank 0 with each row as soon as it is measured.
+        device: where the inputs live (a CUDA device for NCCL).
 
     """
     specs = [registry.get(a) for a in algorithms]
     rows: list[Row] = []
     for n in sizes:
-        x = registry.standard_input(seed, comm.rank, n)
+        x = registry.standard_input(seed, comm.rank, n).to(device)
         measured: dict[str, Row] = {}
         for spec in specs:
-            state = spec.new_state(n, comm.size)
+            state = spec.new_state(n, comm.size, device)
             comm.counters.reset()
             out = spec(comm, x, state=state)  # warm-up, also the checked result
             sent = comm.counters.total_sent

@@ -17,7 +17,7 @@ import torch
 from bitcomm import _names
 from bitcomm.collectives import allreduce
 from bitcomm.comm.base import Comm
-from bitcomm.comm.launch import TRANSPORTS
+from bitcomm.comm.launch import CPU_TRANSPORTS
 from bitcomm.train.onebit_adam import OneBitAdam
 from bitcomm.train.qsgd_sgd import QSGDSGD
 from bitcomm.train.rgc import RGC
@@ -80,7 +80,7 @@ class TrainConfig:
     eval_every: int = 25
     seed: int = 0
     workers: int = 4
-    transports: list[str] = dataclasses.field(default_factory=lambda: list(TRANSPORTS))
+    transports: list[str] = dataclasses.field(default_factory=lambda: list(CPU_TRANSPORTS))
     name: str = "train-digits"
     description: str = ""
 
@@ -107,7 +107,7 @@ def config_from(data: object, path: str | os.PathLike) -> TrainConfig:
     bad = [m for m in cfg.methods if m not in METHODS]
     if bad:
         raise ValueError(f"{path}: unknown methods {bad}; expected some of {sorted(METHODS)}")
-    bad = [t for t in cfg.transports if t not in TRANSPORTS]
+    bad = [t for t in cfg.transports if t not in CPU_TRANSPORTS]
     if bad:
         raise ValueError(f"{path}: unknown transports {bad}; expected mpi and/or gloo")
     for key in ("steps", "batch", "eval_every", "workers"):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from bitcomm.comm.base import Comm
-from bitcomm.comm.launch import TRANSPORTS, commands, job_dir, run_job, world
+from bitcomm.comm.launch import CPU_TRANSPORTS, commands, job_dir, run_job, world
 from bitcomm.experiments.digits.config import METHODS, TrainConfig
 from bitcomm.experiments.digits.results import MethodResult
 
@@ -115,7 +115,7 @@ def launch(cfg: TrainConfig, transport: str, progress: Callable[[str], None] = p
 def main(argv: list[str] | None = None) -> None:
     """Rank program: train every method and have rank 0 write one JSON row per method."""
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--transport", choices=TRANSPORTS, required=True)
+    ap.add_argument("--transport", choices=CPU_TRANSPORTS, required=True)
     ap.add_argument("--methods", required=True)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
