@@ -92,8 +92,9 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
     from bitcomm.bench import codecs as bench_mod
 
     _check_device(device)
+    load = os.getloadavg()[0]  # the minute before this run: other processes' load
     config = _machine(device) | {
-        "sizes": list(sizes), "repeat": repeat, "seed": seed,
+        "sizes": list(sizes), "repeat": repeat, "seed": seed, "load1": round(load, 2),
     }
     click.echo("# bitcomm bench codecs: " + " ".join(f"{k}={v}" for k, v in config.items()))
     click.echo("# GB/s of fp32 input (4 bytes/element, GB = 1e9); ratio = anchor time / time")
@@ -114,6 +115,13 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
     rows = bench_mod.run(sizes, repeat=repeat, seed=seed, progress=show, device=device)
     _save(Path(out_dir), "codecs" if device == "cpu" else f"codecs-{device}", config,
           [r.as_dict() for r in rows])
+    misses = sum(1 for r in rows if not math.isnan(r.target) and r.ratio < r.target)
+    cpus = os.cpu_count() or 1
+    if misses and load > 0.5 * cpus:
+        click.echo(f"# warning: {misses} MISS on a loaded machine (load average {load:.2f} over "
+                   f"{cpus} CPUs in the minute before the run): a codec and its anchor are "
+                   "timed moments apart, so other processes can cost one and not the other; "
+                   "re-run when the machine is idle, or with more --repeat", err=True)
     wrong = sum(r.wrong for r in rows)
     if wrong:
         click.echo(f"# {wrong} wrong results: a codec is broken", err=True)

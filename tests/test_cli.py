@@ -74,6 +74,25 @@ def test_bench_device_cuda_without_a_gpu_is_a_usage_error(what, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("load", [0.0, 64.0])
+def test_bench_codecs_warns_about_load_when_it_misses(load, tmp_path, monkeypatch):
+    import json
+    import os
+
+    from bitcomm.bench import codecs as bench_codecs
+
+    # an unreachable target: every sign encode row is a MISS
+    monkeypatch.setitem(bench_codecs.TARGETS, ("sign", "encode"), ("packbits", 1e9, "never"))
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    result = CliRunner().invoke(main, ["bench", "codecs", "--sizes", "1000", "--repeat", "1",
+                                       "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert " MISS" in result.output
+    warned = "MISS on a loaded machine (load average 64.00" in result.stderr
+    assert warned == (load > 0)
+    assert json.loads((tmp_path / "codecs.json").read_text())["config"]["load1"] == load
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_bench_over_nccl_without_a_gpu_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(main, ["bench", "collectives", "--transport", "nccl", "--out",
