@@ -55,3 +55,49 @@ def test_short_digits_run_over_gloo_meets_the_accuracy_target():
     for m in ("qsgd-4bit", "signum-ring"):
         assert by[m].gap_points <= 3.0, by[m]
         assert by[m].compression > 5, by[m]
+
+
+def _rows():
+    from bitcomm.experiments.digits.results import MethodResult
+
+    rows = []
+    for t in ("gloo", "mpi"):
+        for method, end, per_step in (("dense-sgd", 0.96, 8000.0), ("signum-ring", 0.93, 300.0),
+                                      ("qsgd-4bit", 0.95, 1100.0)):
+            curve = [(0, 0.1), (50, 0.7), (100, end - 0.02), (150, end - 0.01), (200, end)]
+            rows.append(MethodResult(t, method, 4, 200, curve, end, per_step, 8000 / per_step,
+                                     1.0, 100, 0.0))
+    return rows
+
+
+def test_the_plot_shows_accuracy_against_steps_and_bytes(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need the plots extra")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from bitcomm.experiments.digits.report import plot, write_report
+
+    fig = plot(_rows())
+    axes = fig.axes
+    assert len(axes) == 4  # per transport: against steps, against bytes
+    for ax in axes:
+        lo, hi = ax.get_ylim()
+        # the late accuracies lie in 0.91..0.96: the axis spans them, not 0.5..1
+        assert 0.85 <= lo <= 0.91 and 0.96 <= hi <= 1.0, (lo, hi)
+        assert ax.get_legend() is None  # the one legend sits beside the panels
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        assert len(lines) == 3
+    by_step, by_bytes = axes[0], axes[1]
+    styles = {ln.get_label(): (ln.get_linestyle(), ln.get_marker(), ln.get_color())
+              for ln in by_step.get_lines()}
+    assert styles["dense-sgd (dense)"][0] == "--" and styles["dense-sgd (dense)"][1] == "None"
+    assert styles["signum-ring"][0] == styles["qsgd-4bit"][0] == "-"
+    assert styles["signum-ring"][1] != styles["qsgd-4bit"][1]
+    assert styles["signum-ring"][2] != styles["qsgd-4bit"][2]
+    assert by_bytes.get_xscale() == "log"
+    qsgd = [ln for ln in by_bytes.get_lines() if ln.get_color() == styles["qsgd-4bit"][2]][0]
+    assert list(qsgd.get_xdata()) == [1100.0, 50 * 1100.0, 100 * 1100.0, 150 * 1100.0,
+                                      200 * 1100.0]
+    assert len(fig.legends) == 1
+    paths = write_report(_rows(), {}, tmp_path)
+    assert (tmp_path / "accuracy.png").stat().st_size > 0 and len(paths) == 4
