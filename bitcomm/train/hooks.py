@@ -82,7 +82,7 @@ from bitcomm.collectives import (
     ring_majority,
     sparse_allgather,
 )
-from bitcomm.collectives.majority import TIES
+from bitcomm.collectives.majority import check_tie
 from bitcomm.collectives.onebit import padded_length
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import check_comm, check_range
@@ -298,8 +298,7 @@ class SignState(_HookState):
         self.momentum = check_range("momentum", momentum, 0.0, 1.0)
         if collective not in ("ring", "alltoall"):
             raise ValueError(f"expected collective 'ring' or 'alltoall', got {collective!r}")
-        if tie not in TIES:
-            raise ValueError(f"expected tie in {TIES}, got {tie!r}")
+        check_tie(tie)
         self.collective, self.tie = collective, tie
         self.momenta = ParamBuffers()
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bitcomm.collectives import agree_on, alltoall_majority, ring_majority
-from bitcomm.collectives.majority import TIES
+from bitcomm.collectives.majority import check_tie
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     ExtraState,
@@ -70,8 +70,7 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
         self.comm = check_comm(comm)
         if collective not in COLLECTIVES:
             raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
-        if tie not in TIES:
-            raise ValueError(f"expected tie in {TIES}, got {tie!r}")
+        check_tie(tie)
         defaults = {"lr": check_range("lr", lr, 0.0, lo_open=True),
                     "momentum": check_range("momentum", momentum, 0.0, 1.0),
                     "weight_decay": check_range("weight_decay", weight_decay, 0.0)}
