@@ -302,11 +302,14 @@ class FloatList(click.ParamType):
                                                      "onebit/blocking", "qsgd", "qsgd/blocking",
                                                      "topk", "topk/blocking"]),
               show_default=True, help="Comma-separated hooks (allreduce, the anchor, always).")
+@click.option("--topology", default=None,
+              help="Run the ranks in an emulated network (a shipped name such as pair, or a "
+                   ".yaml path; as root), one per node, instead of over loopback.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Directory for hooks-gloo-RANKS.json and .csv.")
 @click.option("--worker", is_flag=True, hidden=True, help="Run as one rank of a launched job.")
 def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: int, steps: int,
-                names: str, out_dir: str, worker: bool) -> None:
+                names: str, topology: str | None, out_dir: str, worker: bool) -> None:
     """Time a DDP training step with each communication hook, as ratios to allreduce_hook."""
     from bitcomm.bench import hooks as bench_mod
 
@@ -317,13 +320,18 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
                                  f"{', '.join(bench_mod.HOOKS)}", param_hint="--hooks")
     args = ["--bucket-mb", ",".join(map(str, bucket_mbs)), "--width", str(width), "--depth",
             str(depth), "--steps", str(steps), "--hooks", ",".join(chosen), "--out", out_dir]
+    if topology is not None:
+        args += ["--topology", topology]
     if not worker and _launched() is None:
+        if topology is not None:
+            sys.exit(_launch_emulated(topology, ["hooks", *args]))
         sys.exit(_launch(ranks, "gloo", ["hooks", *args]))
     from bitcomm.comm.launch import world
 
     comm = world("gloo", timeout=120)
     config = _machine() | {"ranks": comm.size, "transport": "gloo", "bucket_mb": list(bucket_mbs),
-                           "width": width, "depth": depth, "steps": steps}
+                           "width": width, "depth": depth, "steps": steps,
+                           "network": topology or "loopback"}
     if comm.rank == 0:
         click.echo("# bitcomm bench hooks: " + " ".join(f"{k}={v}" for k, v in config.items()))
         click.echo("# a DDP training step (zero_grad, forward, backward, SGD step): median over "
@@ -371,6 +379,36 @@ def _launch(ranks: int, transport: str, args: list[str], launcher: str | None = 
             raise click.ClickException(str(e)) from None
         procs = [launch.spawn(cmd, env) for cmd, env in jobs]
         return max(abs(p.wait()) for p in procs)
+
+
+def _launch_emulated(name: str, args: list[str]) -> int:
+    """Start ``bitcomm bench ARGS`` on each node of topology ``name``; return the exit status.
+
+    One gloo worker per node, inside the node's namespace, so the ranks talk over the
+    topology's shaped links instead of loopback.
+    """
+    from bitcomm.comm import launch
+
+    _, topology = _topology(name, None)
+    argv = [sys.executable, "-m", "bitcomm.cli", "bench", args[0], "--worker", *args[1:]]
+    try:
+        with launch.job_dir(f"bench-{args[0]}") as tmp, netem.Emulator(topology) as net:
+            procs = []
+            for cmd, env in launch.commands(topology.nodes, "gloo", argv, tmp):
+                rank = int(env["RANK"])
+                # gloo binds to, and tells the others, the address of this interface: the
+                # node's first link (host routes reach a node's addresses from any of its links)
+                env["GLOO_SOCKET_IFNAME"] = net.dev(topology.neighbours(rank)[0][1])
+                procs.append(net.popen(rank, cmd, env=env))
+            try:
+                return max(abs(p.wait()) for p in procs)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+    except netem.EmulatorError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.group()

@@ -330,3 +330,25 @@ def test_congestion_control_is_set_in_every_rank_or_refused_clearly():
     with pytest.raises(ValueError, match="expected a congestion control name"):
         Emulator(topo, congestion="re no")
     assert set(namespaces()) == before
+
+
+@pytest.mark.timeout(300)
+def test_bench_hooks_runs_its_ranks_over_an_emulated_link(tmp_path):
+    """--topology pair: the 2 ranks talk over a 12.5 MB/s veth, not loopback. The model's
+    gradients are 297,988 bytes; a 2-rank allreduce sends them once each way, which takes at
+    least 24 ms at that rate (about 1 ms on loopback)."""
+    import json
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "BITCOMM_STORE", "PMI_RANK", "MASTER_ADDR")}
+    cmd = [sys.executable, "-m", "bitcomm.cli", "bench", "hooks", "--topology", "pair",
+           "--width", "256", "--depth", "2", "--steps", "3", "--bucket-mb", "25", "--hooks",
+           "sign", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "hooks-gloo-2.json").read_text())
+    assert data["config"]["network"] == "pair"
+    rows = {row["hook"]: row for row in data["rows"]}
+    assert rows["allreduce"]["params"] == 74497
+    assert rows["allreduce"]["step_ms_min"] >= 4 * 74497 / 12.5e6 * 1e3
+    assert not [ns for ns in namespaces() if ns.startswith("bitcomm-")]
