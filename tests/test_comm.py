@@ -68,7 +68,7 @@ def test_isend_checks_its_arguments():
     assert run_local(fn, 2, timeout=30) == [0, 0]
 
 
-def test_launch_commands_for_each_transport(tmp_path):
+def test_launch_commands_for_each_transport(tmp_path, monkeypatch):
     import sys
 
     from bitcomm.comm.launch import commands, world
@@ -79,6 +79,11 @@ def test_launch_commands_for_each_transport(tmp_path):
     assert [e["RANK"] for _, e in jobs] == ["0", "1", "2"]
     assert {e["WORLD_SIZE"] for _, e in jobs} == {"3"}
     assert {e["BITCOMM_STORE"] for _, e in jobs} == {str(tmp_path / "store")}
+    # one thread per rank unless the caller chose (torchrun's default)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert {e["OMP_NUM_THREADS"] for _, e in commands(2, "gloo", argv, tmp_path)} == {"1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert {e["OMP_NUM_THREADS"] for _, e in commands(2, "gloo", argv, tmp_path)} == {"3"}
     [(cmd, _)] = commands(2, "mpi", argv, tmp_path)
     assert cmd[1:] == ["-n", "2", sys.executable, "-m", "mpi4py", "-m", "some.worker", "--flag"]
     assert cmd[0].endswith("mpiexec")
