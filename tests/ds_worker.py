@@ -75,6 +75,10 @@ def main():
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                            msg=f"{name} differs at n={n}, call {step}")
     print(f"OK rank {rank}", flush=True)
+    # Leave the group before the interpreter exits: a gloo thread still running at exit can
+    # abort the process ("terminate called without an active exception", seen once in CI).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
