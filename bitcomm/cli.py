@@ -295,9 +295,15 @@ class FloatList(click.ParamType):
               help="Hidden width of the MLP.")
 @click.option("--depth", type=click.IntRange(1), default=8, show_default=True,
               help="Hidden layers of the MLP.")
-@click.option("--steps", type=click.IntRange(1), default=30, show_default=True,
-              help="Timed training steps per hook and bucket size.")
-@click.option("--hooks", "names", default=",".join(["allreduce", "fp16_compress", "powerSGD",
+@click.option("--batch", type=click.IntRange(1), default=64, show_default=True,
+              help="Samples per step and rank (a larger batch lengthens backward, which an "
+                   "overlapped hook can hide its exchange behind).")
+@click.option("--steps", type=click.IntRange(1), default=10, show_default=True,
+              help="Timed training steps per hook, bucket size and repeat.")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="Measurements of each hook per bucket size, in an order shuffled per repeat.")
+@click.option("--hooks", "names", default=",".join(["allreduce", "allreduce/blocking",
+                                                     "fp16_compress", "powerSGD",
                                                      "sign", "sign/blocking", "onebit",
                                                      "onebit/blocking", "qsgd", "qsgd/blocking",
                                                      "topk", "topk/blocking"]),
@@ -308,9 +314,14 @@ class FloatList(click.ParamType):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Directory for hooks-gloo-RANKS.json and .csv.")
 @click.option("--worker", is_flag=True, hidden=True, help="Run as one rank of a launched job.")
-def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: int, steps: int,
-                names: str, topology: str | None, out_dir: str, worker: bool) -> None:
-    """Time a DDP training step with each communication hook, as ratios to allreduce_hook."""
+def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: int, batch: int,
+                steps: int, repeats: int, names: str, topology: str | None, out_dir: str,
+                worker: bool) -> None:
+    """Time a DDP training step with each communication hook, as ratios to allreduce_hook.
+
+    Also times the step with no exchange (local, under no_sync) and reports how much of each
+    hook's exchange its overlapped form hid (hooks-gloo-RANKS-overlap.json/csv).
+    """
     from bitcomm.bench import hooks as bench_mod
 
     chosen = tuple(n for n in names.split(",") if n)
@@ -319,7 +330,9 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
         raise click.BadParameter(f"unknown hooks {unknown}; choose from "
                                  f"{', '.join(bench_mod.HOOKS)}", param_hint="--hooks")
     args = ["--bucket-mb", ",".join(map(str, bucket_mbs)), "--width", str(width), "--depth",
-            str(depth), "--steps", str(steps), "--hooks", ",".join(chosen), "--out", out_dir]
+            str(depth), "--batch", str(batch), "--steps", str(steps), "--repeats", str(repeats),
+            "--hooks",
+            ",".join(chosen), "--out", out_dir]
     if topology is not None:
         args += ["--topology", topology]
     if not worker and _launched() is None:
@@ -330,29 +343,43 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
 
     comm = world("gloo", timeout=120)
     config = _machine() | {"ranks": comm.size, "transport": "gloo", "bucket_mb": list(bucket_mbs),
-                           "width": width, "depth": depth, "steps": steps,
+                           "width": width, "depth": depth, "batch": batch, "steps": steps,
+                           "repeats": repeats,
                            "network": topology or "loopback"}
     if comm.rank == 0:
         click.echo("# bitcomm bench hooks: " + " ".join(f"{k}={v}" for k, v in config.items()))
         click.echo("# a DDP training step (zero_grad, forward, backward, SGD step): median over "
                    "steps of the slowest rank; vs_allreduce = its ratio to allreduce_hook's "
-                   "median at the same bucket size in this run")
-        click.echo(f"{'bucket_mb':>9} {'buckets':>7} {'hook':<16} {'step(ms)':>9} {'min':>8} "
+                   "median at the same bucket size in this run; local = the step under no_sync "
+                   "(no exchange)")
+        click.echo(f"{'bucket_mb':>9} {'buckets':>7} {'hook':<18} {'step(ms)':>9} {'min':>8} "
                    f"{'max':>8} {'vs_allreduce':>12}")
 
     def show(row) -> None:
-        click.echo(f"{row.bucket_mb:>9g} {row.buckets:>7} {row.hook:<16} {row.step_ms:>9.2f} "
+        click.echo(f"{row.bucket_mb:>9g} {row.buckets:>7} {row.hook:<18} {row.step_ms:>9.2f} "
                    f"{row.step_ms_min:>8.2f} {row.step_ms_max:>8.2f} {row.vs_allreduce:>12.2f}")
 
     def skip(name: str, mb: float, why: str) -> None:
         click.echo(f"# {name} skipped at bucket_mb={mb:g}: {why}")
 
-    rows = bench_mod.run(comm, bucket_mbs, width=width, depth=depth, steps=steps, names=chosen,
-                         progress=show, skipped=skip)
+    rows = bench_mod.run(comm, bucket_mbs, width=width, depth=depth, batch=batch, steps=steps,
+                         repeats=repeats, names=chosen, progress=show, skipped=skip)
     comm.barrier()
     if comm.rank == 0:
-        _save(Path(out_dir), f"hooks-gloo-{comm.size}", config | {"params": rows[0].params},
-              [r.as_dict() for r in rows])
+        config |= {"params": rows[0].params}
+        _save(Path(out_dir), f"hooks-gloo-{comm.size}", config, [r.as_dict() for r in rows])
+        hid = bench_mod.overlap(rows)
+        if hid:
+            click.echo("# overlap: exchange = blocking - local step; hidden = blocking - "
+                       "overlapped step; bound = min(local, exchange) / exchange")
+            click.echo(f"{'bucket_mb':>9} {'hook':<9} {'local(ms)':>9} {'exchange':>9} "
+                       f"{'hidden':>8} {'hidden/exch':>11} {'bound':>6}")
+            for o in hid:
+                click.echo(f"{o.bucket_mb:>9g} {o.hook:<9} {o.local_ms:>9.2f} "
+                           f"{o.exchange_ms:>9.2f} {o.hidden_ms:>8.2f} {o.hidden_share:>11.2f} "
+                           f"{o.bound_share:>6.2f}")
+            _save(Path(out_dir), f"hooks-gloo-{comm.size}-overlap", config,
+                  [o.as_dict() for o in hid])
 
 
 def _launched():  # noqa: ANN202 - a Launched or None

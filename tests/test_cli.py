@@ -93,6 +93,41 @@ def test_bench_codecs_warns_about_load_when_it_misses(load, tmp_path, monkeypatc
     assert json.loads((tmp_path / "codecs.json").read_text())["config"]["load1"] == load
 
 
+def test_hook_bench_shuffles_its_order_per_repeat_alike_on_every_rank():
+    from bitcomm.bench.hooks import order
+
+    names = ("allreduce", "local", "sign", "sign/blocking", "topk", "topk/blocking")
+    assert order(names, 0) == list(names)  # the first repeat keeps the order given
+    later = [order(names, r) for r in range(1, 6)]
+    for o in later:
+        assert sorted(o) == sorted(names)
+    assert any(o != list(names) for o in later)
+    assert len({tuple(o) for o in later}) > 1  # each repeat shuffles anew
+    # a function of (names, repeat, seed) only, so every rank computes the same order
+    assert [order(names, r) for r in range(1, 6)] == later
+    assert [order(names, r, seed=1) for r in range(1, 6)] != later
+
+
+def test_hook_bench_overlap_reads_the_exchange_off_the_local_and_blocking_steps():
+    from bitcomm.bench.hooks import Row, overlap
+
+    def row(hook, mb, ms):
+        return Row(hook, mb, 2, 100, 2, ms, ms, ms, 1.0, 3)
+
+    rows = [row("allreduce", 1.0, 15.0), row("local", 1.0, 10.0), row("sign", 1.0, 22.0),
+            row("sign/blocking", 1.0, 30.0), row("topk", 1.0, 40.0),  # no blocking form
+            row("qsgd", 1.0, 31.0), row("qsgd/blocking", 1.0, 28.0),  # the thread cost more
+            row("local", 2.0, 10.0), row("sign", 2.0, 9.0), row("sign/blocking", 2.0, 9.5)]
+    got = {(o.hook, o.bucket_mb): o for o in overlap(rows)}
+    # at 2 MB the blocking step is not slower than the local one: nothing to hide, left out
+    assert sorted(got) == [("qsgd", 1.0), ("sign", 1.0)]
+    sign = got[("sign", 1.0)]
+    # exchange 30 - 10 = 20 ms, of which 30 - 22 = 8 hidden; at most min(10, 20) = 10 could be
+    assert (sign.local_ms, sign.exchange_ms, sign.hidden_ms) == (10.0, 20.0, 8.0)
+    assert sign.hidden_share == pytest.approx(0.4) and sign.bound_share == pytest.approx(0.5)
+    assert got[("qsgd", 1.0)].hidden_share == pytest.approx(-3 / 18)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_bench_over_nccl_without_a_gpu_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(main, ["bench", "collectives", "--transport", "nccl", "--out",

@@ -192,7 +192,7 @@ def test_bench_hooks_cli(tmp_path):
     import json
 
     cmd = [sys.executable, "-m", "bitcomm.cli", "bench", "hooks", "--width", "16", "--depth",
-           "3", "--steps", "2", "--bucket-mb", "0.0005,25", "--hooks",
+           "3", "--steps", "2", "--repeats", "2", "--bucket-mb", "0.0005,25", "--hooks",
            "powerSGD,sign,sign/blocking,topk", "--out", str(tmp_path)]
     e = env()
     for var in ("RANK", "PMI_RANK"):
@@ -201,21 +201,34 @@ def test_bench_hooks_cli(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "hooks-gloo-2.json").read_text())
     rows = {(row["hook"], row["bucket_mb"]): row for row in data["rows"]}
-    # the anchor is measured first at each size even when not asked for; powerSGD only where
-    # the model is one bucket, and its skip is said
+    # the anchor and the step without exchange are measured at each size even when not asked
+    # for; powerSGD only where the model is one bucket, and its skip is said
     assert sorted(rows) == sorted([(h, mb) for mb in (0.0005, 25.0) for h in (
-        "allreduce", "sign", "sign/blocking", "topk")] + [("powerSGD", 25.0)])
+        "allreduce", "local", "sign", "sign/blocking", "topk")] + [("powerSGD", 25.0)])
+    assert data["config"]["repeats"] == 2 and data["config"]["steps"] == 2
     assert "powerSGD skipped at bucket_mb=0.0005" in r.stdout
     # 32*16+16 + 2*(16*16+16) + 17 parameters; 0.0005 MB holds 131 floats, so several
     # buckets; 25 MB holds the model
     assert {row["params"] for row in rows.values()} == {1089}
     assert rows[("allreduce", 25.0)]["buckets"] == 1
     assert rows[("allreduce", 0.0005)]["buckets"] > 1
+    assert rows[("local", 0.0005)]["buckets"] == 0  # no_sync: DDP calls no hook
     for (_, mb), row in rows.items():
         assert row["ranks"] == 2 and row["step_ms_min"] <= row["step_ms"] <= row["step_ms_max"]
+        assert row["steps"] == 2 * 2  # a row pools the steps of its repeats
         anchor = rows[("allreduce", mb)]["step_ms"]
         assert row["vs_allreduce"] == pytest.approx(row["step_ms"] / anchor)
     assert "vs_allreduce" in r.stdout
+    # sign has both forms: the overlap it hid is read off its rows and the local step's
+    hid = json.loads((tmp_path / "hooks-gloo-2-overlap.json").read_text())["rows"]
+    for o in hid:
+        assert o["hook"] == "sign"
+        local, blocking, mine = (rows[(h, o["bucket_mb"])]["step_ms"]
+                                 for h in ("local", "sign/blocking", "sign"))
+        assert o["exchange_ms"] == pytest.approx(blocking - local)
+        assert o["hidden_ms"] == pytest.approx(blocking - mine)
+    assert len(hid) == sum(rows[("sign/blocking", mb)]["step_ms"] > rows[("local", mb)]["step_ms"]
+                           for mb in (0.0005, 25.0))
 
 
 def _no_launcher_env():
