@@ -8,6 +8,7 @@ One module per codec, each documenting its wire format with a worked example:
 * :mod:`~bitcomm.codecs.qsgd`: stochastic bucketed quantisation at 2, 4 or 8 bits.
 * :mod:`~bitcomm.codecs.redsync`: RedSync's sign-uniform mean of k selected elements.
 * :mod:`~bitcomm.codecs.sparse`: self-describing (index, value) frames.
+* :mod:`~bitcomm.codecs.stream`: SparCML's sparse streams, switching to dense when smaller.
 * :mod:`~bitcomm.codecs.select`: top-k, trimmed top-k and threshold binary search selectors.
 
 Every ``decode`` returns ``(result, bytes_consumed)`` (the convention of Python's ``codecs``
@@ -21,8 +22,8 @@ one refuses a header length above ``max(MIN_DECODE_LIMIT, MAX_ELEMENTS_PER_BYTE 
 bytes)``, which only outputs that no payload backs can reach.
 """
 
-from bitcomm.codecs import bits, counts, qsgd, redsync, select, sign, sparse
+from bitcomm.codecs import bits, counts, qsgd, redsync, select, sign, sparse, stream
 from bitcomm.codecs._frame import MAX_ELEMENTS_PER_BYTE, MIN_DECODE_LIMIT, backend
 
 __all__ = ["backend", "MAX_ELEMENTS_PER_BYTE", "MIN_DECODE_LIMIT", "bits", "counts", "qsgd",
-           "redsync", "select", "sign", "sparse"]
+           "redsync", "select", "sign", "sparse", "stream"]

@@ -194,7 +194,11 @@ def _empty_u8() -> torch.Tensor:
 
 def float_bytes(t: torch.Tensor) -> torch.Tensor:
     """Return the little-endian bytes of a contiguous fp16/fp32/int32/int64 tensor as uint8."""
-    return t.contiguous().view(torch.uint8).reshape(-1)
+    t = t.contiguous().reshape(-1)
+    if t.numel() <= 1 and t.stride(-1) != 1:
+        # a slice of 0 or 1 elements counts as contiguous with any stride, which view() refuses
+        t = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+    return t.view(torch.uint8)
 
 
 def from_bytes(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,6 +6,8 @@
 * :func:`onebit_allreduce`: DeepSpeed's 1-bit Adam compressed allreduce with error feedback.
 * :func:`sparse_allgather`: RedSync / SparCML quantised sparse exchange.
 * :func:`qsgd_allgather`: every rank's whole tensor as one QSGD frame, averaged (SparCML).
+* :func:`ssar_recursive_double`, :func:`ssar_split_allgather`, :func:`dsar_split_allgather`:
+  SparCML's sparse allreduces, the exact sum of every rank's sparse vector.
 * :func:`allreduce`: the dense float32 baseline.
 
 Each documents the bytes a rank sends and has a ``*_bytes`` function computing it; the
@@ -31,6 +33,14 @@ from bitcomm.collectives.onebit import (
     padded_length,
 )
 from bitcomm.collectives.quantized import qsgd_allgather, qsgd_allgather_bytes
+from bitcomm.collectives.sparcml import (
+    dsar_split_allgather,
+    dsar_split_allgather_bytes,
+    ssar_recursive_double,
+    ssar_recursive_double_bytes,
+    ssar_split_allgather,
+    ssar_split_allgather_bytes,
+)
 from bitcomm.collectives.sparse import sparse_allgather, sparse_allgather_bytes
 
 __all__ = [
@@ -52,4 +62,10 @@ __all__ = [
     "qsgd_allgather_bytes",
     "sparse_allgather",
     "sparse_allgather_bytes",
+    "ssar_recursive_double",
+    "ssar_recursive_double_bytes",
+    "ssar_split_allgather",
+    "ssar_split_allgather_bytes",
+    "dsar_split_allgather",
+    "dsar_split_allgather_bytes",
 ]

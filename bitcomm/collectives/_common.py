@@ -94,7 +94,8 @@ def _status_of(error: BaseException) -> int:
 
 def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = False,
             options: Mapping[str, object] | None = None,
-            validate: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            validate: Callable[[torch.Tensor], None] | None = None,
+            length: int | None = None) -> torch.Tensor:
     """Return ``x`` flattened after every rank agreed that the call is the same and valid.
 
     Args:
@@ -110,6 +111,8 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
         validate: checks of the other arguments, called with the flattened float tensor before
             anything is sent; the ``ValueError``, ``TypeError`` or ``OverflowError`` it raises is
             raised on every rank.
+        length: the length every rank must agree on, where it is not ``x``'s own (a sparse
+            vector's ``n``, while its values differ in number between ranks).
 
     Raises on every rank, the first that applies: ``TypeError`` if any rank's input is not a
     floating-point tensor; ``ValueError`` if the lengths differ; the exception type of the
@@ -134,7 +137,7 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
             raise error
         return x.detach().reshape(-1)
     status = _OK if is_float else _NOT_FLOAT
-    n = x.numel() if isinstance(x, torch.Tensor) else -1
+    n = (x.numel() if length is None else length) if isinstance(x, torch.Tensor) else -1
     if error is not None:
         status = _status_of(error)
     elif status == _OK and n:
@@ -157,8 +160,9 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
                         f"something else on rank(s) {bad} (here: {what})")
     sizes = [c for c, _, _ in table]
     if len(set(sizes)) > 1:
-        raise ValueError(f"{name}: expected the same number of elements on every rank, got "
-                         f"{sizes} (by rank)")
+        what = "number of elements" if length is None else "length n"
+        raise ValueError(f"{name}: expected the same {what} on every rank, got {sizes} (by "
+                         "rank)")
     bad = [r for r, (_, s, _) in enumerate(table) if s in _ARGUMENT_ERRORS]
     if bad:
         kind = _ARGUMENT_ERRORS[table[bad[0]][1]]

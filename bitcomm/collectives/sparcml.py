@@ -1,0 +1,482 @@
+"""SparCML's sparse allreduces: the exact sum of every rank's sparse vector, on every rank.
+
+Each rank holds a vector of length ``n`` as sorted ``(indices, values)``, with any number of
+entries; the result is their sum (SparCML, Renggli et al., Section 5.3), bit-identical on every
+rank. Vectors travel as :mod:`bitcomm.codecs.stream` frames, sparse or dense by the stream's own
+rule, so a sum that fills in switches to the dense form on the way.
+
+Fold (SparCML, Appendix A). For ``P`` ranks, ``pof2 = 2**floor(log2 P)`` and ``rem = P - pof2``.
+Ranks ``r < 2 * rem`` pair up: even ``r`` sends its stream to ``r + 1`` and sits out, odd ``r``
+adds it and becomes virtual rank ``r // 2``; ranks ``r >= 2 * rem`` become ``r - rem``. The
+algorithms run on the ``pof2`` virtual ranks; at the end each odd ``r < 2 * rem`` sends the
+result to ``r - 1`` (the unfold).
+
+* :func:`ssar_recursive_double` (5.3.1): in round ``t`` virtual rank ``v`` swaps its whole
+  stream with ``v ^ 2**t`` and adds it. ``log2(pof2)`` rounds; latency-optimal.
+* :func:`ssar_split_allgather` (5.3.2): ``[0, n)`` is split into ``pof2`` ranges, range ``j``
+  being ``[j*q, (j+1)*q)`` with ``q = n // pof2`` and the last one running to ``n``; every
+  virtual rank sends its part of range ``j`` (a stream of the range's length) to virtual rank
+  ``j``, which adds the parts in virtual-rank order (so the bits do not depend on which arrived
+  first); then a recursive-doubling allgather concatenates the ranges (densifying when the
+  pairs reach the whole block's limit).
+* :func:`dsar_split_allgather` (5.3.3): the same split, each owner's range dense from the
+  start; then a recursive-doubling allgather of the dense ranges, or of their QSGD frames
+  (:mod:`bitcomm.codecs.qsgd`, quantised once by the owner, so every rank decodes the same
+  bytes).
+
+Messages. A stream's frame size is known only to its sender, so a stream goes as an 8-byte
+int64 length, then the frame. DSAR's dense ranges and QSGD frames have sizes every rank can
+compute and go without a length. Nothing is sent to a rank that sits out except the unfold, and
+an empty range (``n < pof2``) is a message of no bytes, which is not sent.
+
+Bytes. What a rank sends depends on how the ranks' index sets overlap, so each ``*_bytes``
+function takes every rank's index set, replays the algorithm's representation choices and
+returns the bytes of every rank; it is exact (tests compare it with the transport's counters),
+``24 * (P - 1)`` of it the agreement with ``check``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable, Sequence
+
+import torch
+
+from bitcomm.codecs import qsgd, stream
+from bitcomm.codecs.stream import Stream
+from bitcomm.collectives import _common
+from bitcomm.comm.base import Comm
+
+__all__ = ["ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather",
+           "ssar_recursive_double_bytes", "ssar_split_allgather_bytes",
+           "dsar_split_allgather_bytes", "Fold", "ranges"]
+
+_LEN = struct.Struct("<q")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fold:
+    """Where a rank stands in the fold to a power of two (SparCML, Appendix A)."""
+
+    rank: int
+    size: int
+
+    @property
+    def pof2(self) -> int:
+        """The largest power of two <= size: the virtual ranks."""
+        return 1 << (self.size.bit_length() - 1)
+
+    @property
+    def rem(self) -> int:
+        """The ranks folded away."""
+        return self.size - self.pof2
+
+    @property
+    def vrank(self) -> int | None:
+        """The virtual rank this rank plays, or ``None`` if it sits out."""
+        r, rem = self.rank, self.rem
+        if r < 2 * rem:
+            return None if r % 2 == 0 else r // 2
+        return r - rem
+
+    def real(self, v: int) -> int:
+        """Return the rank that plays virtual rank ``v``."""
+        return 2 * v + 1 if v < self.rem else v + self.rem
+
+
+def ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """Return the split of ``[0, n)`` into ``parts`` ranges (SparCML, Appendix A).
+
+    Each holds ``n // parts`` positions; the last one takes the remainder too.
+    """
+    q = n // parts
+    return [(j * q, (j + 1) * q if j < parts - 1 else n) for j in range(parts)]
+
+
+# -- messages -------------------------------------------------------------------------------
+
+
+def _frame_message(s: Stream) -> tuple[torch.Tensor, torch.Tensor]:
+    frame = stream.encode(s)
+    return torch.frombuffer(bytearray(_LEN.pack(frame.numel())), dtype=torch.uint8), frame
+
+
+def _swap(comm: Comm, s: Stream, peer: int, n: int) -> Stream:
+    """Exchange streams of length ``n`` with ``peer``; return the peer's."""
+    length, frame = _frame_message(s)
+    theirs = comm.sendrecv(length, peer, torch.empty(_LEN.size, dtype=torch.uint8), peer)
+    size = _read_length(theirs, peer)
+    got = comm.sendrecv(frame, peer, torch.empty(size, dtype=torch.uint8, device=frame.device),
+                        peer)
+    return stream.decode(got, n=n)[0]
+
+
+def _send_stream(comm: Comm, s: Stream, peer: int) -> None:
+    length, frame = _frame_message(s)
+    comm.send(length, peer)
+    comm.send(frame, peer)
+
+
+def _recv_stream(comm: Comm, peer: int, n: int, device: torch.device) -> Stream:
+    size = _read_length(comm.recv(torch.empty(_LEN.size, dtype=torch.uint8), peer), peer)
+    got = comm.recv(torch.empty(size, dtype=torch.uint8, device=device), peer)
+    return stream.decode(got, n=n)[0]
+
+
+def _read_length(buf: torch.Tensor, peer: int) -> int:
+    (size,) = _LEN.unpack(bytes(buf.tolist()))
+    if not stream.HEADER.size <= size <= stream.HEADER.size + 12 * (1 << 40):
+        raise ValueError(f"rank {peer} announced a stream frame of {size} bytes")
+    return size
+
+
+def _swap_bytes(comm: Comm, mine: torch.Tensor, peer: int, size: int) -> torch.Tensor:
+    """Exchange byte blocks of known sizes with ``peer`` (a side with no bytes sends nothing)."""
+    out = torch.empty(size, dtype=torch.uint8, device=mine.device)
+    if mine.numel() and size:
+        return comm.sendrecv(mine, peer, out, peer)
+    if mine.numel():
+        comm.send(mine, peer)
+    elif size:
+        comm.recv(out, peer)
+    return out
+
+
+# -- the agreement and the fold ---------------------------------------------------------------
+
+
+def _prepare(comm: Comm, name: str, indices: object, values: object, n: object, check: bool,
+             options: dict | None = None, validate: Callable[[], None] | None = None) -> Stream:
+    """Agree on the call and return this rank's input as a stream (raises on every rank)."""
+    def check_input(v: torch.Tensor) -> None:
+        count = _common_n(n)
+        if not isinstance(indices, torch.Tensor):
+            raise TypeError(f"expected indices to be an integer torch.Tensor, got "
+                            f"{type(indices).__name__}")
+        if indices.dtype.is_floating_point or indices.dtype in (torch.bool, torch.complex64,
+                                                                torch.complex128):
+            raise TypeError(f"expected indices to be an integer tensor, got {indices.dtype}")
+        # finiteness is the agreement's own check (a NonFiniteError on every rank)
+        stream.check_entries(indices.detach().reshape(-1).to(v.device), v, count, finite=False)
+        if validate is not None:
+            validate()
+
+    length = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else -2
+    v = _common.prepare(comm, values, check, name, float32=True, options=options,
+                        validate=check_input, length=length)
+    return stream.from_entries(indices.detach().reshape(-1).to(v.device), v, n)
+
+
+def _common_n(n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"expected n to be an int, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"expected n >= 0, got {n}")
+    return n
+
+
+def _fold(comm: Comm, fold: Fold, s: Stream) -> Stream | None:
+    """Fold the ranks to ``pof2``: return the stream of this virtual rank, None if it sits out."""
+    if fold.rank < 2 * fold.rem:
+        if fold.rank % 2 == 0:
+            _send_stream(comm, s, fold.rank + 1)
+            return None
+        return stream.add(_recv_stream(comm, fold.rank - 1, s.n, s.values.device), s)
+    return s
+
+
+# -- the algorithms ---------------------------------------------------------------------------
+
+
+def ssar_recursive_double(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n: int, *,
+                          check: bool = True) -> Stream:
+    """Return the sum of every rank's sparse vector by recursive doubling (SSAR, 5.3.1).
+
+    Args:
+        comm: the transport.
+        indices: this rank's positions: an integer tensor, strictly increasing, in ``[0, n)``.
+        values: their float values (computed in float32), one per index, finite.
+        n: the vector's length, the same on every rank.
+        check: agree on the call first (bad input on any rank raises on every rank).
+
+    Returns:
+        the sum as a :class:`~bitcomm.codecs.stream.Stream`, identical on every rank.
+
+    """
+    s = _prepare(comm, "ssar_recursive_double", indices, values, n, check)
+    fold = Fold(comm.rank, comm.size)
+    mine = _fold(comm, fold, s)
+    if mine is not None:
+        v, mask = fold.vrank, 1
+        while mask < fold.pof2:
+            theirs = _swap(comm, mine, fold.real(v ^ mask), n)
+            # lower virtual rank first: both sides compute the same sum
+            mine = stream.add(mine, theirs) if v < v ^ mask else stream.add(theirs, mine)
+            mask <<= 1
+    return _unfold(comm, fold, mine, n, s.values.device)
+
+
+def _unfold(comm: Comm, fold: Fold, result: Stream | None, n: int,
+            device: torch.device) -> Stream:
+    if fold.rank < 2 * fold.rem:
+        if result is None:
+            return _recv_stream(comm, fold.rank + 1, n, device)
+        _send_stream(comm, result, fold.rank - 1)
+    assert result is not None
+    return result
+
+
+def _split(comm: Comm, fold: Fold, mine: Stream, bounds: list[tuple[int, int]]) -> list[Stream]:
+    """Send each virtual rank its range of ``mine``; return the parts of this rank's range.
+
+    The parts come in virtual-rank order, this rank's own included.
+    """
+    v = fold.vrank
+    sends = []
+    for s in range(1, fold.pof2):
+        dest = (v + s) % fold.pof2
+        length, frame = _frame_message(stream.part(mine, *bounds[dest]))
+        peer = fold.real(dest)
+        sends += [comm.isend(length, peer), comm.isend(frame, peer)]
+    lo, hi = bounds[v]
+    parts: list[Stream | None] = [None] * fold.pof2
+    parts[v] = stream.part(mine, lo, hi)
+    for s in range(1, fold.pof2):
+        source = (v - s) % fold.pof2
+        parts[source] = _recv_stream(comm, fold.real(source), hi - lo, mine.values.device)
+    for r in sends:
+        r.wait()
+    return parts  # type: ignore[return-value]
+
+
+def ssar_split_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n: int, *,
+                         check: bool = True) -> Stream:
+    """Return the sum of every rank's sparse vector by split and allgather (SSAR, 5.3.2).
+
+    Arguments and result as :func:`ssar_recursive_double`.
+    """
+    s = _prepare(comm, "ssar_split_allgather", indices, values, n, check)
+    fold = Fold(comm.rank, comm.size)
+    mine = _fold(comm, fold, s)
+    result = None
+    if mine is not None:
+        bounds = ranges(n, fold.pof2)
+        owned = stream.add_all(_split(comm, fold, mine, bounds))
+        v, mask = fold.vrank, 1
+        while mask < fold.pof2:
+            # blocks of mask ranges: this rank's starts at range v & ~(mask - 1)
+            peer = v ^ mask
+            base = peer & ~(mask - 1)
+            length = bounds[min(base + mask, fold.pof2) - 1][1] - bounds[base][0]
+            theirs = _swap(comm, owned, fold.real(peer), length)
+            owned = stream.concat([owned, theirs] if v < peer else [theirs, owned])
+            mask <<= 1
+        result = owned
+    return _unfold(comm, fold, result, n, s.values.device)
+
+
+def dsar_split_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n: int, *,
+                         bits: int | None = None, bucket: int = qsgd.DEFAULT_BUCKET,
+                         seed: int | None = None, check: bool = True) -> torch.Tensor:
+    """Return the sum of every rank's sparse vector, dense (DSAR split-allgather, 5.3.3).
+
+    Args:
+        comm: the transport.
+        indices: this rank's positions: an integer tensor, strictly increasing, in ``[0, n)``.
+        values: their float values (computed in float32), one per index, finite.
+        n: the vector's length, the same on every rank.
+        bits: ``None`` for exact float32 ranges, or 2, 4 or 8: each owner quantises its reduced
+            range with QSGD before the allgather (SparCML, Section 6), and every rank, the owner
+            included, decodes the same frames.
+        bucket: elements per QSGD scale.
+        seed: the owner of range ``j``, rank ``r``, quantises with ``seed + r``; ``None`` draws
+            from torch's default generator.
+        check: agree on the call first (bad input on any rank raises on every rank).
+
+    Returns:
+        the float32 sum, length ``n``, identical on every rank.
+
+    """
+    def validate() -> None:
+        if bits is not None:
+            qsgd.check_config(bits, bucket, "max")
+        qsgd.check_seed(seed)
+
+    s = _prepare(comm, "dsar_split_allgather", indices, values, n, check,
+                 options={"bits": bits, "bucket": bucket if bits is not None else None},
+                 validate=validate)
+    fold = Fold(comm.rank, comm.size)
+    mine = _fold(comm, fold, s)
+    bounds = ranges(n, fold.pof2)
+
+    def block_bytes(lo: int, hi: int) -> int:
+        if bits is None:
+            return 4 * (bounds[hi - 1][1] - bounds[lo][0])
+        return sum(_range_bytes(*bounds[j], bits, bucket) for j in range(lo, hi))
+
+    payload = None
+    if mine is not None:
+        v = fold.vrank
+        lo, hi = bounds[v]
+        owned = torch.zeros(hi - lo, dtype=torch.float32, device=s.values.device)
+        for p in _split(comm, fold, mine, bounds):
+            owned = stream.add(Stream(hi - lo, None, owned), p).values
+        if bits is None:
+            payload = owned.contiguous().view(torch.uint8)
+        else:
+            payload = _encode_range(owned, bits, bucket, seed, comm.rank)
+        mask = 1
+        while mask < fold.pof2:
+            peer = v ^ mask
+            base = peer & ~(mask - 1)
+            theirs = _swap_bytes(comm, payload, fold.real(peer), block_bytes(base, base + mask))
+            payload = torch.cat([payload, theirs] if v < peer else [theirs, payload])
+            mask <<= 1
+    if fold.rank < 2 * fold.rem:
+        if payload is None:
+            payload = torch.empty(block_bytes(0, fold.pof2), dtype=torch.uint8,
+                                  device=s.values.device)
+            if payload.numel():
+                comm.recv(payload, fold.rank + 1)
+        elif payload.numel():
+            comm.send(payload, fold.rank - 1)
+    if bits is None:
+        return payload.view(torch.float32).clone()
+    out, at = [], 0
+    for lo, hi in bounds:
+        values_, used = qsgd.decode(payload[at:], n=hi - lo)
+        out.append(values_)
+        at += used
+    return torch.cat(out)
+
+
+def _range_bytes(lo: int, hi: int, bits: int, bucket: int) -> int:
+    return qsgd.encoded_size(hi - lo, bits, bucket)
+
+
+def _encode_range(owned: torch.Tensor, bits: int, bucket: int, seed: int | None,
+                  rank: int) -> torch.Tensor:
+    return qsgd.encode(owned, bits, bucket, seed=None if seed is None else seed + rank)
+
+
+# -- bytes ------------------------------------------------------------------------------------
+
+
+def _replay_streams(index_sets: Sequence[torch.Tensor], n: int) -> list[Stream]:
+    return [stream.from_entries(torch.as_tensor(ix, dtype=torch.int64),
+                                torch.ones(len(ix)), n) for ix in index_sets]
+
+
+def _message(s: Stream) -> int:
+    return _LEN.size + s.encoded_size()
+
+
+def _replay_fold(fold_of: Callable[[int], Fold], streams: list[Stream], sent: list[int]
+                 ) -> dict[int, Stream]:
+    """Fold the replayed streams: add the fold's messages to ``sent``; return them by vrank."""
+    size = len(streams)
+    f0 = fold_of(0)
+    by_v = {}
+    for r in range(size):
+        f = fold_of(r)
+        if r < 2 * f0.rem and r % 2 == 0:
+            sent[r] += _message(streams[r])
+        elif f.vrank is not None:
+            by_v[f.vrank] = (stream.add(streams[r - 1], streams[r]) if r < 2 * f0.rem
+                             else streams[r])
+    return by_v
+
+
+def _replay_unfold(fold: Fold, result: Stream, sent: list[int]) -> None:
+    for r in range(1, 2 * fold.rem, 2):
+        sent[r] += _message(result)
+
+
+def ssar_recursive_double_bytes(index_sets: Sequence[torch.Tensor], n: int, *,
+                                check: bool = True) -> list[int]:
+    """Return the bytes each rank sends in :func:`ssar_recursive_double`, by rank.
+
+    Rank ``r`` holds the positions ``index_sets[r]`` of a vector of length ``n``.
+    """
+    size = len(index_sets)
+    sent = [0] * size
+    by_v = _replay_fold(lambda r: Fold(r, size), _replay_streams(index_sets, n), sent)
+    fold = Fold(0, size)
+    mask = 1
+    while mask < fold.pof2:
+        nxt = {}
+        for v, s in by_v.items():
+            sent[fold.real(v)] += _message(s)
+            other = by_v[v ^ mask]
+            nxt[v] = stream.add(s, other) if v < v ^ mask else stream.add(other, s)
+        by_v, mask = nxt, mask << 1
+    _replay_unfold(fold, by_v[0], sent)
+    return [b + _common.control_bytes(size, check) for b in sent]
+
+
+def _replay_split(index_sets: Sequence[torch.Tensor], n: int, sent: list[int]
+                  ) -> tuple[Fold, list[tuple[int, int]], dict[int, Stream]]:
+    """Replay fold and split; return the owned range streams by vrank."""
+    size = len(index_sets)
+    by_v = _replay_fold(lambda r: Fold(r, size), _replay_streams(index_sets, n), sent)
+    fold = Fold(0, size)
+    bounds = ranges(n, fold.pof2)
+    owned = {}
+    for v in range(fold.pof2):
+        parts = []
+        for u in range(fold.pof2):
+            p = stream.part(by_v[u], *bounds[v])
+            if u != v:
+                sent[fold.real(u)] += _message(p)
+            parts.append(p)
+        owned[v] = stream.add_all(parts)
+    return fold, bounds, owned
+
+
+def ssar_split_allgather_bytes(index_sets: Sequence[torch.Tensor], n: int, *,
+                               check: bool = True) -> list[int]:
+    """Return the bytes each rank sends in :func:`ssar_split_allgather`, by rank.
+
+    Arguments as :func:`ssar_recursive_double_bytes`.
+    """
+    size = len(index_sets)
+    sent = [0] * size
+    fold, _, owned = _replay_split(index_sets, n, sent)
+    mask = 1
+    while mask < fold.pof2:
+        nxt = {}
+        for v, s in owned.items():
+            sent[fold.real(v)] += _message(s)
+            other = owned[v ^ mask]
+            nxt[v] = stream.concat([s, other] if v < v ^ mask else [other, s])
+        owned, mask = nxt, mask << 1
+    _replay_unfold(fold, owned[0], sent)
+    return [b + _common.control_bytes(size, check) for b in sent]
+
+
+def dsar_split_allgather_bytes(index_sets: Sequence[torch.Tensor], n: int, *,
+                               bits: int | None = None, bucket: int = qsgd.DEFAULT_BUCKET,
+                               check: bool = True) -> list[int]:
+    """Return the bytes each rank sends in :func:`dsar_split_allgather`, by rank.
+
+    Arguments as :func:`ssar_recursive_double_bytes`, and the call's ``bits`` and ``bucket``.
+    """
+    size = len(index_sets)
+    sent = [0] * size
+    fold, bounds, _ = _replay_split(index_sets, n, sent)
+
+    def range_bytes(j: int) -> int:
+        lo, hi = bounds[j]
+        return 4 * (hi - lo) if bits is None else _range_bytes(lo, hi, bits, bucket)
+
+    for v in range(fold.pof2):
+        mask = 1
+        while mask < fold.pof2:
+            base = v & ~(mask - 1)
+            sent[fold.real(v)] += sum(range_bytes(j) for j in range(base, base + mask))
+            mask <<= 1
+    total = sum(range_bytes(j) for j in range(fold.pof2))
+    for r in range(1, 2 * fold.rem, 2):
+        sent[r] += total
+    return [b + _common.control_bytes(size, check) for b in sent]

@@ -1,0 +1,254 @@
+"""SparCML's sparse allreduces: exact sums, bit-identical ranks, bytes, the paper's bounds."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from bitcomm.codecs import stream
+from bitcomm.collectives import sparcml
+from bitcomm.comm import run_local
+
+SSAR = ("ssar_recursive_double", "ssar_split_allgather")
+ALL = (*SSAR, "dsar_split_allgather")
+SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16)
+
+
+def index_sets(kind, size, n, k, seed):
+    """Sorted index sets of ``k`` entries per rank (fewer where noted), by pattern."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "overlapping":  # every rank the same set
+        common = torch.randperm(n, generator=g)[:k].sort().values
+        return [common.clone() for _ in range(size)]
+    if kind == "disjoint":  # rank r takes k of r, r + size, ..., spread over [0, n)
+        out = []
+        for r in range(size):
+            mine = torch.arange(n)[r::size]
+            step = max(1, mine.numel() // max(k, 1))
+            out.append(mine[::step][:k])
+        return out
+    if kind == "empty-ranks":  # even ranks hold nothing
+        return [torch.randperm(n, generator=g)[:k].sort().values if r % 2 else
+                torch.empty(0, dtype=torch.int64) for r in range(size)]
+    return [torch.randperm(n, generator=g)[:k].sort().values for _ in range(size)]
+
+
+def integer_values(sets, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(-9, 10, (len(ix),), generator=g).float() for ix in sets]
+
+
+def brute_sum(sets, values, n):
+    total = torch.zeros(n, dtype=torch.float64)
+    for ix, v in zip(sets, values, strict=True):
+        total[ix] += v.double()
+    return total
+
+
+def run(name, sets, values, n, **kw):
+    fn = getattr(sparcml, name)
+
+    def job(c):
+        c.counters.reset()
+        out = fn(c, sets[c.rank], values[c.rank], n, **kw)
+        return out, c.counters.total_sent
+
+    return run_local(job, len(sets), timeout=60)
+
+
+def frame_bytes(out):
+    if isinstance(out, torch.Tensor):
+        return bytes(out.contiguous().view(torch.uint8).tolist())
+    return bytes(stream.encode(out).tolist())
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", ALL)
+def test_exact_sum_bit_identical_and_the_bytes_formula(name, size):
+    # 1001 is divisible by no size above 1 but 7; fewer cases at many ranks, for time
+    lengths = (1, 7, 100, 1001) if size < 8 else (7, 1001)
+    for n in lengths:
+        for density in (0.0, 0.01, 0.1, 0.3, 0.6, 1.0) if size < 8 else (0.0, 0.01, 0.3, 1.0):
+            k = min(n, math.ceil(density * n))
+            for kind in ("random", "overlapping", "disjoint", "empty-ranks"):
+                seed = size * 1000 + n + int(density * 100)
+                sets = index_sets(kind, size, n, k, seed)
+                values = integer_values(sets, seed)
+                results = run(name, sets, values, n)
+                want = brute_sum(sets, values, n)
+                first = frame_bytes(results[0][0])
+                formula = getattr(sparcml, name + "_bytes")(sets, n)
+                for rank, (out, sent) in enumerate(results):
+                    dense = out if isinstance(out, torch.Tensor) else out.to_dense()
+                    # integer-valued floats: any summation order gives the exact sum
+                    assert torch.equal(dense.double(), want), (name, size, n, density, kind)
+                    assert frame_bytes(out) == first  # the same bits, and the same frame
+                    assert sent == formula[rank], (name, size, n, density, kind, rank)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_random_floats_within_rounding(name):
+    size, n = 6, 5000
+    sets = index_sets("random", size, n, 300, 7)
+    g = torch.Generator().manual_seed(1)
+    values = [torch.randn(len(ix), generator=g) for ix in sets]
+    results = run(name, sets, values, n)
+    want = brute_sum(sets, values, n)
+    outs = [o if isinstance(o, torch.Tensor) else o.to_dense() for o, _ in results]
+    assert torch.allclose(outs[0].double(), want, atol=1e-5)
+    assert all(torch.equal(o.view(torch.int32), outs[0].view(torch.int32)) for o in outs)
+
+
+def test_ssar_results_switch_to_dense_once_the_sum_fills_in():
+    n = 1000
+    sparse_sets = index_sets("overlapping", 4, n, 50, 0)  # the sum keeps 50 entries
+    filled = index_sets("disjoint", 4, n, 200, 0)  # the sum has 800 >= 500
+    for name in SSAR:
+        out, _ = run(name, sparse_sets, integer_values(sparse_sets, 0), n)[0]
+        assert not out.dense and out.nnz == 50
+        out, _ = run(name, filled, integer_values(filled, 0), n)[0]
+        assert out.dense
+
+
+# -- the paper's bounds on the bytes (Section 5.3), P a power of two, k entries per rank ----
+
+PAIR = 8  # an int32 index and a float32 value
+OVERHEAD = 8 + stream.HEADER.size  # a stream message: its length, then the frame's header
+
+
+def test_recursive_doubling_sends_between_log2p_k_and_p_minus_1_k_pairs():
+    size, n, k = 8, 100_000, 500
+    for kind, pairs in (("overlapping", 3 * k), ("disjoint", (size - 1) * k), ("random", None)):
+        sets = index_sets(kind, size, n, k, 3)
+        for r, (_, sent) in enumerate(run("ssar_recursive_double", sets,
+                                          integer_values(sets, 3), n)):
+            payload = sent - 24 * (size - 1) - 3 * OVERHEAD  # 3 rounds
+            assert payload % PAIR == 0
+            if pairs is not None:  # the two extremes reach the bounds
+                assert payload == pairs * PAIR, (kind, r)
+            assert 3 * k * PAIR <= payload <= (size - 1) * k * PAIR
+
+
+def test_split_allgather_sends_between_2_p_minus_1_over_p_k_and_p_k_pairs():
+    # n = P * k * 16: the disjoint sets put exactly k / P of each rank's entries in each range
+    size, n, k = 8, 8 * 800 * 16, 800
+    low, high = 2 * (size - 1) / size * k, size * k
+    messages = (size - 1) + 3  # one part to each other rank, then 3 allgather rounds
+    for kind in ("random", "overlapping", "disjoint"):
+        sets = index_sets(kind, size, n, k, 4)
+        for _, sent in run("ssar_split_allgather", sets, integer_values(sets, 4), n):
+            payload = sent - 24 * (size - 1) - messages * OVERHEAD
+            assert payload % PAIR == 0
+            # the lower bound needs every range's share of the k to be k / P exactly
+            assert 0.9 * low * PAIR <= payload <= high * PAIR, kind
+
+
+def test_dsar_sends_the_split_plus_p_minus_1_over_p_of_the_dense_vector():
+    size, n, k = 8, 8000, 100
+    sets = index_sets("random", size, n, k, 5)
+    for rank, (_, sent) in enumerate(run("dsar_split_allgather", sets,
+                                         integer_values(sets, 5), n)):
+        split = sum(OVERHEAD + PAIR * int(((sets[rank] >= lo) & (sets[rank] < hi)).sum())
+                    for j, (lo, hi) in enumerate(sparcml.ranges(n, size)) if j != rank)
+        assert sent == 24 * (size - 1) + split + 4 * n * (size - 1) // size
+
+
+def test_the_fold_sends_the_left_out_ranks_their_result():
+    # 6 ranks: 0 and 2 sit out; they send their stream once and receive the result once
+    size, n = 6, 1000
+    sets = index_sets("random", size, n, 10, 6)
+    res = run("ssar_recursive_double", sets, integer_values(sets, 6), n)
+    frame = stream.encode(res[0][0]).numel()
+    for r in (0, 2):
+        assert res[r][1] == 24 * (size - 1) + OVERHEAD + PAIR * 10
+    # rank 1 receives rank 0's stream, and at the end sends it the 4 ranks' result
+    assert res[1][1] - 24 * (size - 1) >= 8 + frame
+
+
+# -- quantised DSAR ------------------------------------------------------------------------
+
+
+def test_quantised_dsar_is_identical_everywhere_bounded_and_unbiased():
+    size, n, bits, bucket = 5, 3000, 4, 128
+    sets = index_sets("random", size, n, 600, 8)
+    g = torch.Generator().manual_seed(2)
+    values = [torch.randn(len(ix), generator=g) for ix in sets]
+    exact = brute_sum(sets, values, n).float()
+    levels = 2 ** (bits - 1) - 1
+    mean = torch.zeros(n, dtype=torch.float64)
+    seeds = 100
+    for seed in range(seeds):
+        results = run("dsar_split_allgather", sets, values, n, bits=bits, bucket=bucket,
+                      seed=seed)
+        outs = [o for o, _ in results]
+        assert all(torch.equal(o.view(torch.int32), outs[0].view(torch.int32)) for o in outs)
+        if seed == 0:
+            # each owner's buckets: within one level of the bucket's max |x|
+            for lo, hi in sparcml.ranges(n, 4):
+                for b in range(lo, hi, bucket):
+                    e = min(b + bucket, hi)
+                    scale = float(exact[b:e].abs().max())
+                    assert float((outs[0][b:e] - exact[b:e]).abs().max()) <= scale / levels + 1e-6
+            formula = sparcml.dsar_split_allgather_bytes(sets, n, bits=bits, bucket=bucket)
+            assert [sent for _, sent in results] == formula
+        mean += outs[0].double()
+    mean /= seeds
+    # unbiased: the mean over seeds closes in on the exact sum (std of one level / sqrt(100))
+    scale = exact.abs().max().item()
+    assert float((mean - exact.double()).abs().max()) < 0.35 * scale / levels
+    assert float((mean - exact.double()).abs().mean()) < 0.05 * scale / levels
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def _bad(size, bad_rank, make_bad, name, **kw):
+    fn = getattr(sparcml, name)
+
+    def job(c):
+        ix, v, n = torch.tensor([1, 4, 6]), torch.tensor([1.0, 2.0, 3.0]), 10
+        if c.rank == bad_rank:
+            ix, v, n = make_bad(ix, v, n)
+        return fn(c, ix, v, n, **kw)
+
+    return run_local(job, size, return_exceptions=True, timeout=20)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("make_bad, kind, message", [
+    (lambda ix, v, n: (torch.tensor([4, 1, 6]), v, n), ValueError, "a decrease at position 1"),
+    (lambda ix, v, n: (torch.tensor([1, 4, 4]), v, n), ValueError, "a duplicate at position 2"),
+    (lambda ix, v, n: (torch.tensor([1, 4, 10]), v, n), ValueError, r"in \[0, 10\), got 10"),
+    (lambda ix, v, n: (ix, v, 11), ValueError, r"same length n on every rank, got \[10, 10, 11"),
+    (lambda ix, v, n: (ix, torch.tensor([1.0, float("inf"), 3.0]), n), ValueError,
+     r"NaN or inf on rank\(s\) \[2\]"),
+    (lambda ix, v, n: (ix, v.to(torch.int32), n), TypeError, r"rank\(s\) \[2\]"),
+    (lambda ix, v, n: (ix.float(), v, n), TypeError, r"rank\(s\) \[2\]"),
+    (lambda ix, v, n: (ix, v[:2], n), ValueError, "as many values as indices"),
+])
+def test_bad_input_raises_on_every_rank(name, make_bad, kind, message):
+    out = _bad(3, 2, make_bad, name)
+    # every rank raises the same type naming rank 2; rank 2 also says what is wrong
+    assert all(isinstance(e, kind) for e in out), out
+    assert re.search(message, str(out[2])), out[2]
+    assert all("[2]" in str(e) for e in out[:2]) or "[10, 10, 11]" in str(out[0]), out
+
+
+def test_bad_quantisation_settings_raise_on_every_rank():
+    out = _bad(3, 1, lambda ix, v, n: (ix, v, n), "dsar_split_allgather", bits=3)
+    assert all(isinstance(e, ValueError) and "bits" in str(e) for e in out), out
+
+
+def test_decoding_a_corrupt_length_is_refused():
+    with pytest.raises(ValueError, match="announced a stream frame of 3 bytes"):
+        sparcml._read_length(torch.tensor([3, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8), 1)
+
+
+def test_fold_and_ranges():
+    f = [sparcml.Fold(r, 6) for r in range(6)]
+    assert f[0].pof2 == 4 and f[0].rem == 2
+    assert [x.vrank for x in f] == [None, 0, None, 1, 2, 3]
+    assert [f[0].real(v) for v in range(4)] == [1, 3, 4, 5]
+    assert sparcml.ranges(10, 4) == [(0, 2), (2, 4), (4, 6), (6, 10)]
+    assert sparcml.ranges(3, 4) == [(0, 0), (0, 0), (0, 0), (0, 3)]

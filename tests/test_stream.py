@@ -1,0 +1,182 @@
+"""SparCML sparse streams: the frame, the dense switch, sums, concatenation and parts."""
+
+import struct
+
+import pytest
+import torch
+
+from bitcomm.codecs import stream
+
+
+def test_worked_example_sparse_frame():
+    s = stream.from_entries(torch.tensor([2, 5]), torch.tensor([-2.0, 1.0]), 8)
+    assert not s.dense and s.nnz == 2
+    golden = bytes.fromhex("0800000000000000" "0200000000000000" "00" "0200000005000000"
+                           "000000c00000803f")
+    frame = stream.encode(s)
+    assert bytes(frame.tolist()) == golden and stream.encoded_size(8, 2, False) == 33
+    back, used = stream.decode(frame)
+    assert used == 33 and torch.equal(back.indices, torch.tensor([2, 5]))
+    assert torch.equal(back.to_dense(), torch.tensor([0, 0, -2.0, 0, 0, 1, 0, 0]))
+
+
+def test_worked_example_dense_frame():
+    s = stream.from_entries(torch.tensor([2, 3]), torch.tensor([-2.0, 1.0]), 4)
+    assert s.dense and s.nnz == 4
+    golden = bytes.fromhex("0400000000000000" "0400000000000000" "01" "00000000" "00000000"
+                           "000000c0" "0000803f")
+    assert bytes(stream.encode(s).tolist()) == golden
+    back, used = stream.decode(torch.tensor(list(golden + b"\x99"), dtype=torch.uint8))
+    assert used == 33 and back.dense
+    assert torch.equal(back.values, torch.tensor([0, 0, -2.0, 1.0]))
+
+
+@pytest.mark.parametrize("n, limit", [(1, 1), (2, 1), (3, 2), (4, 2), (5, 3), (1000, 500),
+                                      (1 << 31, (1 << 33) // 12 + 1)])
+def test_the_switch_is_where_pairs_stop_being_smaller(n, limit):
+    # nnz pairs of (iw + 4) bytes against 4n dense bytes; iw = 4 below 2**31, 8 from there
+    assert stream.sparse_limit(n) == limit
+    width = 4 if n < 1 << 31 else 8
+    assert (limit - 1) * (width + 4) < 4 * n <= limit * (width + 4)
+
+
+def test_from_entries_switches_at_the_limit():
+    n = 10  # limit 5
+    four = stream.from_entries(torch.arange(4) * 2, torch.ones(4), n)
+    five = stream.from_entries(torch.arange(5) * 2, torch.ones(5), n)
+    assert not four.dense and five.dense
+    assert torch.equal(five.to_dense(), torch.tensor([1.0, 0] * 5))
+    assert stream.empty(0).dense and stream.from_entries(torch.empty(0, dtype=torch.int64),
+                                                         torch.empty(0), 0).dense
+
+
+@pytest.mark.parametrize("indices, values, message", [
+    ([3, 1], [1.0, 2.0], "a decrease at position 1"),
+    ([1, 1], [1.0, 2.0], "a duplicate at position 1"),
+    ([1, 10], [1.0, 2.0], r"indices in \[0, 10\), got 10"),
+    ([-1, 2], [1.0, 2.0], r"got -1"),
+    ([1, 2], [1.0, float("nan")], "finite"),
+    ([1, 2], [1.0], "as many values"),
+])
+def test_bad_entries_are_refused(indices, values, message):
+    with pytest.raises(ValueError, match=message):
+        stream.from_entries(torch.tensor(indices), torch.tensor(values), 10)
+
+
+def test_bad_kinds_are_type_errors():
+    with pytest.raises(TypeError):
+        stream.from_entries(torch.tensor([1.0]), torch.tensor([1.0]), 10)
+    with pytest.raises(TypeError):
+        stream.from_entries(torch.tensor([1]), torch.tensor([1]), 10)
+
+
+def _sparse(n, pairs):
+    idx = torch.tensor(sorted(pairs), dtype=torch.int64)
+    return stream.from_entries(idx, torch.tensor([float(pairs[i]) for i in sorted(pairs)]), n)
+
+
+def test_add_merges_below_the_bound_and_adds_equal_indices():
+    a, b = _sparse(20, {1: 1, 4: 2, 9: 3}), _sparse(20, {4: 10, 5: 20})
+    s = stream.add(a, b)
+    # |H1| + |H2| = 5 < 10: merged; index 4 in both adds; 4 pairs held
+    assert not s.dense
+    assert s.indices.tolist() == [1, 4, 5, 9] and s.values.tolist() == [1, 12, 20, 3]
+    assert torch.equal(stream.add(b, a).values, s.values)
+
+
+def test_add_densifies_on_the_bound_not_the_union():
+    # limit 5 at n = 10: 3 + 2 pairs reach it although their union is 3
+    a, b = _sparse(10, {1: 1, 2: 2, 3: 3}), _sparse(10, {1: 1, 2: 1})
+    s = stream.add(a, b)
+    assert s.dense and s.to_dense().tolist() == [0, 2, 3, 3, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_cancelled_entry_stays():
+    s = stream.add(_sparse(20, {3: 2}), _sparse(20, {3: -2}))
+    assert s.indices.tolist() == [3] and s.values.tolist() == [0.0]
+
+
+def test_add_with_a_dense_stream_is_dense_and_symmetric_in_bits():
+    g = torch.Generator().manual_seed(0)
+    d = stream.from_dense(torch.randn(50, generator=g))
+    sp = stream.from_entries(torch.tensor([0, 7, 49]), torch.randn(3, generator=g), 50)
+    one, two = stream.add(d, sp), stream.add(sp, d)
+    assert one.dense and torch.equal(one.values, two.values)
+    expected = d.values.clone()
+    expected[[0, 7, 49]] += sp.values
+    assert torch.equal(one.values, expected)
+    with pytest.raises(ValueError, match="same length"):
+        stream.add(d, stream.empty(49))
+
+
+def test_add_all_sums_left_to_right():
+    parts = [_sparse(100, {i: i + 1, 50: 1}) for i in range(5)]
+    s = stream.add_all(parts)
+    assert s.indices.tolist() == [0, 1, 2, 3, 4, 50] and s.values.tolist() == [1, 2, 3, 4, 5, 5]
+
+
+def test_concat_offsets_the_parts_and_densifies_on_the_whole_length():
+    a, b = _sparse(6, {1: 1}), _sparse(4, {0: 2})
+    s = stream.concat([a, b])
+    assert s.n == 10 and s.indices.tolist() == [1, 6] and s.values.tolist() == [1, 2]
+    # 3 + 2 pairs reach the limit 5 of the whole 10
+    c = stream.concat([_sparse(6, {0: 1, 2: 1, 4: 1}), _sparse(4, {0: 2, 3: 2})])
+    assert c.dense and c.to_dense().tolist() == [1, 0, 1, 0, 1, 0, 2, 0, 0, 2]
+    d = stream.concat([stream.from_dense(torch.ones(2)), _sparse(8, {7: 3})])
+    assert d.dense and d.to_dense().tolist() == [1, 1, 0, 0, 0, 0, 0, 0, 0, 3]
+
+
+def test_part_rebases_and_chooses_by_its_own_length():
+    s = _sparse(100, {3: 1, 10: 2, 11: 3, 40: 4})
+    p = stream.part(s, 10, 40)
+    assert p.n == 30 and p.indices.tolist() == [0, 1] and p.values.tolist() == [2, 3]
+    q = stream.part(s, 9, 12)  # 2 pairs in 3: dense
+    assert q.dense and q.values.tolist() == [0, 2, 3]
+    assert stream.part(s, 50, 50).n == 0
+    parts = [stream.part(s, lo, hi) for lo, hi in ((0, 10), (10, 40), (40, 100))]
+    assert torch.equal(stream.concat(parts).to_dense(), s.to_dense())
+    with pytest.raises(ValueError, match="lo <= hi"):
+        stream.part(s, 5, 4)
+
+
+def _frame(n, nnz, dense, body=b""):
+    return torch.tensor(list(struct.pack("<qqB", n, nnz, dense) + body), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("frame, message", [
+    (_frame(8, 4, 0, bytes(32)), "0 <= nnz < 4"),  # at the limit, a sparse frame is refused
+    (_frame(8, 1, 0, struct.pack("<if", 8, 1.0)), "indices in"),
+    (_frame(8, 2, 0, struct.pack("<iiff", 3, 3, 1.0, 1.0)), "duplicate"),
+    (_frame(8, 1, 0, struct.pack("<if", 1, float("inf"))), "finite"),
+    (_frame(8, 2, 0, struct.pack("<ii", 1, 2)), "truncated"),
+    (_frame(2, 3, 1, bytes(8)), "nnz to be n=2"),
+    (_frame(2, 2, 1, bytes(4)), "truncated"),
+    (_frame(2, 2, 2, bytes(8)), "dense flag"),
+    (_frame(-1, 0, 1), "n >= 0"),
+])
+def test_corrupt_frames_are_refused(frame, message):
+    with pytest.raises(ValueError, match=message):
+        stream.decode(frame)
+
+
+def test_decode_allocates_no_more_than_the_frame_justifies():
+    # a dense frame's length is backed by its bytes (checked before allocating); a sparse
+    # header claiming a huge n without its bytes needs the caller's n
+    with pytest.raises(ValueError, match="truncated"):
+        stream.decode(_frame(1 << 40, 1 << 40, 1, bytes(16)))
+    huge = _frame(1 << 40, 0, 0)
+    with pytest.raises(ValueError, match="more than a 17-byte frame can justify"):
+        stream.decode(huge)
+    s, _ = stream.decode(huge, n=1 << 40)
+    assert s.n == 1 << 40 and s.nnz == 0
+    with pytest.raises(ValueError, match="expected n=5"):
+        stream.decode(_frame(4, 4, 1, bytes(16)), n=5)
+
+
+def test_wide_indices_above_2_31():
+    n = (1 << 31) + 10
+    s = stream.from_entries(torch.tensor([0, n - 1]), torch.tensor([1.0, 2.0]), n)
+    frame = stream.encode(s)
+    assert frame.numel() == 17 + 2 * 8 + 2 * 4
+    back, _ = stream.decode(frame, n=n)
+    assert back.indices.tolist() == [0, n - 1]
