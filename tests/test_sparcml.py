@@ -11,7 +11,7 @@ from bitcomm.collectives import sparcml
 from bitcomm.comm import run_local
 
 SSAR = ("ssar_recursive_double", "ssar_split_allgather")
-ALL = (*SSAR, "dsar_split_allgather")
+ALL = (*SSAR, "dsar_split_allgather", "stream_allgather")
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16)
 
 
@@ -104,7 +104,7 @@ def test_ssar_results_switch_to_dense_once_the_sum_fills_in():
     n = 1000
     sparse_sets = index_sets("overlapping", 4, n, 50, 0)  # the sum keeps 50 entries
     filled = index_sets("disjoint", 4, n, 200, 0)  # the sum has 800 >= 500
-    for name in SSAR:
+    for name in (*SSAR, "stream_allgather"):
         out, _ = run(name, sparse_sets, integer_values(sparse_sets, 0), n)[0]
         assert not out.dense and out.nnz == 50
         out, _ = run(name, filled, integer_values(filled, 0), n)[0]
@@ -252,3 +252,58 @@ def test_fold_and_ranges():
     assert [f[0].real(v) for v in range(4)] == [1, 3, 4, 5]
     assert sparcml.ranges(10, 4) == [(0, 2), (2, 4), (4, 6), (6, 10)]
     assert sparcml.ranges(3, 4) == [(0, 0), (0, 0), (0, 0), (0, 3)]
+
+
+# -- the choice ------------------------------------------------------------------------------
+
+
+def test_choose_prices_each_algorithm_by_alpha_and_beta():
+    # 2 ranks, n = 1000, k = 10. Messages (alpha = 1, beta = 0): a stream is 2 (its length,
+    # its frame); recursive doubling 1 round; the allgather 1 stream per other rank; the split
+    # 1 stream, then 1 round of streams (SSAR) or of a dense range (DSAR); allreduce 2 log2 P
+    c = sparcml.choose(1000, 10, 2, alpha=1.0, beta=0.0)
+    assert c.seconds == {"ssar_recursive_double": 2, "ssar_split_allgather": 4,
+                         "dsar_split_allgather": 3, "stream_allgather": 2, "allreduce": 2}
+    # bytes (alpha = 0, beta = 1): a stream of m pairs is 8 + 17 + 8m; E[K] = 19.9
+    c = sparcml.choose(1000, 10, 2, alpha=0.0, beta=1.0)
+    assert c.expected_nnz == pytest.approx(1000 * (1 - 0.99 ** 2))
+    want = {"ssar_recursive_double": 105, "stream_allgather": 8 + 105,
+            "ssar_split_allgather": 65 + 25 + 8 * 19.9 / 2, "dsar_split_allgather": 65 + 2000,
+            "allreduce": 4000}
+    assert c.seconds == pytest.approx(want)
+    assert c.algorithm == "ssar_recursive_double"
+
+
+@pytest.mark.parametrize("k, beta, algorithm", [
+    (100, 1 / 12.5e9, "ssar_recursive_double"),  # small data: latency-optimal
+    (50_000, 1 / 12.5e6, "dsar_split_allgather"),  # E[K] = 56% of n: fills in
+    (250_000, 1 / 12.5e9, "dsar_split_allgather"),
+    (600_000, 1 / 12.5e9, "allreduce"),  # dense input: the dense allreduce
+])
+def test_choose_follows_the_papers_orderings(k, beta, algorithm):
+    assert sparcml.choose(1_000_000, k, 16, beta=beta).algorithm == algorithm
+
+
+@pytest.mark.parametrize("algorithm", ["auto", *sparcml.ALGORITHMS])
+def test_sparse_allreduce_runs_the_named_or_chosen_algorithm(algorithm):
+    size, n = 5, 400
+    sets = index_sets("random", size, n, 4, 9)
+    sets[3] = sets[3][:1]  # ranks differ in k: the choice uses the largest
+    values = integer_values(sets, 9)
+
+    def job(c):
+        return sparcml.sparse_allreduce(c, sets[c.rank], values[c.rank], n,
+                                        algorithm=algorithm)
+
+    out = run_local(job, size, timeout=60)
+    want = brute_sum(sets, values, n)
+    assert all(torch.equal(o.double(), want) for o, _ in out)
+    if algorithm == "auto":
+        c = out[0][1]
+        assert all(o[1] == c for o in out)  # the same choice on every rank
+        assert c.k == 4 and c.algorithm == sparcml.choose(n, 4, size).algorithm
+    else:
+        assert all(ch is None for _, ch in out)
+    with pytest.raises(ValueError, match="expected algorithm 'auto' or one of"):
+        run_local(lambda c: sparcml.sparse_allreduce(c, sets[0], values[0], n,
+                                                     algorithm="ring"), 1)

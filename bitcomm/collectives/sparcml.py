@@ -45,12 +45,13 @@ import torch
 
 from bitcomm.codecs import qsgd, stream
 from bitcomm.codecs.stream import Stream
-from bitcomm.collectives import _common
+from bitcomm.collectives import _common, dense
 from bitcomm.comm.base import Comm
 
 __all__ = ["ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather",
            "ssar_recursive_double_bytes", "ssar_split_allgather_bytes",
-           "dsar_split_allgather_bytes", "Fold", "ranges"]
+           "dsar_split_allgather_bytes", "stream_allgather", "stream_allgather_bytes",
+           "sparse_allreduce", "choose", "expected_nnz", "Choice", "ALGORITHMS", "Fold", "ranges"]
 
 _LEN = struct.Struct("<q")
 
@@ -480,3 +481,164 @@ def dsar_split_allgather_bytes(index_sets: Sequence[torch.Tensor], n: int, *,
     for r in range(1, 2 * fold.rem, 2):
         sent[r] += total
     return [b + _common.control_bytes(size, check) for b in sent]
+
+
+# -- RedSync's allgather on streams, and the choice among them ------------------------------
+
+
+def stream_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n: int, *,
+                     check: bool = True) -> Stream:
+    """Return the sum of every rank's sparse vector by an allgather of every rank's stream.
+
+    RedSync's exchange (every rank's pairs to every rank, as :func:`sparse_allgather` sends
+    them) on the vectors the SparCML algorithms take: an allgather of the 8-byte frame lengths,
+    one of the frames, then every rank adds them in rank order. Arguments and result as
+    :func:`ssar_recursive_double`.
+    """
+    s = _prepare(comm, "stream_allgather", indices, values, n, check)
+    if comm.size == 1:
+        return s
+    length, frame = _frame_message(s)
+    sizes = [_read_length(t.cpu(), r) for r, t in
+             enumerate(comm.allgatherv(length, [_LEN.size] * comm.size))]
+    frames = comm.allgatherv(frame, sizes)
+    return stream.add_all([stream.decode(f, n=n)[0] for f in frames])
+
+
+def stream_allgather_bytes(index_sets: Sequence[torch.Tensor], n: int, *,
+                           check: bool = True) -> list[int]:
+    """Return the bytes each rank sends in :func:`stream_allgather`, by rank."""
+    size = len(index_sets)
+    return [(size - 1) * _message(s) + _common.control_bytes(size, check)
+            for s in _replay_streams(index_sets, n)]
+
+
+ALGORITHMS = ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather",
+              "stream_allgather", "allreduce")
+"""What :func:`sparse_allreduce` chooses among."""
+
+
+def expected_nnz(n: int, k: float, size: int) -> float:
+    """Return E[K], the expected entries of a sum of ``size`` vectors of ``k`` entries each.
+
+    With the entries placed uniformly at random: ``n * (1 - (1 - k/n)**size)`` (SparCML,
+    Appendix B.1).
+    """
+    return n * (1 - (1 - k / n) ** size) if n else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` picked, and why.
+
+    Attributes:
+        algorithm: the name in :data:`ALGORITHMS` with the least predicted time.
+        seconds: the predicted time of each algorithm.
+        expected_nnz: E[K] of the sum, from the largest rank's entries.
+        k: the largest rank's entries.
+
+    """
+
+    algorithm: str
+    seconds: dict[str, float]
+    expected_nnz: float
+    k: int
+
+
+def _stream_cost(length: float, nnz: float) -> float:
+    # a stream message: its 8-byte length, the header, then pairs or the dense block
+    return _LEN.size + stream.HEADER.size + min(8 * nnz, 4 * length)
+
+
+def choose(n: int, k: int, size: int, *, alpha: float = 5e-6, beta: float = 1 / 12.5e9,
+           bits: int | None = None) -> Choice:
+    """Predict each algorithm's time in the alpha-beta model and pick the least (5.3).
+
+    Every rank is taken to hold ``k`` uniformly placed entries, so a sum of ``m`` of them has
+    ``expected_nnz(n, k, m)`` entries; a stream costs ``8 + 17 + min(8 nnz, 4 len)`` bytes and
+    two messages (its length, then its frame), and a message of ``b`` bytes costs
+    ``alpha + beta * b`` seconds. The fold adds its two streams for ``P`` not a power of two;
+    the dense allreduce is Rabenseifner's ``2 log2 P`` messages of ``2 (P-1)/P * 4n`` bytes in
+    all.
+
+    Under uniform indices the split-allgather never sends fewer bytes than recursive doubling
+    (about ``k + K`` against ``K``) and takes more messages, so it is never chosen: it wins when
+    the ranks' indices overlap (``K`` near ``k``, recursive doubling then sends ``k log2 P``),
+    which E[K] does not foresee; name it where that is known.
+
+    Args:
+        n: the vector's length.
+        k: the entries per rank (the largest rank's).
+        size: the ranks.
+        alpha: seconds per message (latency).
+        beta: seconds per byte (1 / bandwidth); the defaults are 5 us and 100 Gbit/s.
+        bits: DSAR's QSGD bits, or ``None`` for its exact float32 ranges.
+
+    """
+    pof2 = 1 << (size.bit_length() - 1)
+    rounds = pof2.bit_length() - 1
+    per = size / pof2  # real ranks behind a virtual one
+    kv = expected_nnz(n, k, per) if size > pof2 else float(k)  # a virtual rank's entries
+    total = expected_nnz(n, k, size)
+    fold = 0.0
+    if size > pof2:
+        fold = 4 * alpha + beta * (_stream_cost(n, k) + _stream_cost(n, total))
+    split = 2 * (pof2 - 1) * alpha + beta * (pof2 - 1) * _stream_cost(n / pof2, kv / pof2)
+    seconds = {
+        "ssar_recursive_double": fold + sum(
+            2 * alpha + beta * _stream_cost(n, expected_nnz(n, kv, 2 ** t))
+            for t in range(rounds)),
+        "ssar_split_allgather": fold + split + sum(
+            2 * alpha + beta * _stream_cost(2 ** t * n / pof2, 2 ** t * total / pof2)
+            for t in range(rounds)),
+        "dsar_split_allgather": fold + split + sum(
+            alpha + beta * 2 ** t * (4 * n / pof2 if bits is None else
+                                     qsgd.encoded_size(max(n // pof2, 1), bits))
+            for t in range(rounds)),
+        "stream_allgather": 2 * (size - 1) * alpha + beta * (size - 1) * (
+            _LEN.size + _stream_cost(n, k)),
+        "allreduce": (2 * rounds + (2 if size > pof2 else 0)) * alpha
+        + beta * 2 * (size - 1) / size * 4 * n,
+    }
+    if size == 1:
+        seconds = dict.fromkeys(seconds, 0.0)
+    best = min(ALGORITHMS, key=lambda a: seconds[a])
+    return Choice(best, seconds, total, k)
+
+
+def sparse_allreduce(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n: int, *,
+                     algorithm: str = "auto", alpha: float = 5e-6, beta: float = 1 / 12.5e9,
+                     bits: int | None = None, bucket: int = qsgd.DEFAULT_BUCKET,
+                     seed: int | None = None, check: bool = True
+                     ) -> tuple[torch.Tensor, Choice | None]:
+    """Return the dense sum of every rank's sparse vector, by ``algorithm`` or the predicted best.
+
+    With ``algorithm="auto"`` the ranks first allgather their entry counts (8 bytes each to
+    every rank), and :func:`choose` picks from the largest with ``alpha`` and ``beta`` (give a
+    topology's: its latency and 1 / its slowest rate); the choice is returned, the same on
+    every rank. ``bits``, ``bucket`` and ``seed`` are DSAR's quantisation
+    (:func:`dsar_split_allgather`); the dense ``allreduce`` sums the densified vectors with the
+    transport's own.
+
+    Returns:
+        ``(dense float32 sum, choice or None when the algorithm was named)``.
+
+    """
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        raise ValueError(f"expected algorithm 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
+    choice = None
+    if algorithm == "auto":
+        count = indices.numel() if isinstance(indices, torch.Tensor) else 0
+        k = int(max(c[0] for c in comm.allgather_floats([count]))) if comm.size > 1 else count
+        choice = choose(n if isinstance(n, int) else 0, k, comm.size, alpha=alpha, beta=beta,
+                        bits=bits)
+        algorithm = choice.algorithm
+    if algorithm == "allreduce":
+        s = _prepare(comm, "sparse_allreduce/allreduce", indices, values, n, check)
+        return dense.allreduce(comm, s.to_dense(), check=False), choice
+    if algorithm == "dsar_split_allgather":
+        return dsar_split_allgather(comm, indices, values, n, bits=bits, bucket=bucket,
+                                    seed=seed, check=check), choice
+    fn = {"ssar_recursive_double": ssar_recursive_double,
+          "ssar_split_allgather": ssar_split_allgather, "stream_allgather": stream_allgather}
+    return fn[algorithm](comm, indices, values, n, check=check).to_dense(), choice
