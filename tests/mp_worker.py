@@ -33,6 +33,7 @@ from bitcomm.collectives import (
     sparse_allgather,
     sparse_allgather_bytes,
 )
+from bitcomm.collectives import sparcml
 from bitcomm.comm.launch import world
 
 
@@ -88,6 +89,7 @@ def check(comm):
             same_everywhere(comm, dense)
             if fmt != "mean":
                 assert sent == sparse_allgather_bytes(sparse.encoded_size(n, k, fmt), size)
+    check_sparcml(comm, "cpu")
     # 1-bit allreduce over consecutive calls against the single-process reference
     n = 777
     state = OneBitState(n, size)
@@ -128,6 +130,42 @@ def check(comm):
     assert torch.equal(ring_majority(comm, torch.ones(5)), torch.ones(5))
 
 
+def check_sparcml(comm, device):
+    """SparCML's allreduces: exact integer sums, the same bits everywhere, bytes by formula."""
+    size, rank = comm.size, comm.rank
+    for n, k in ((1, 1), (100, 3), (1000, 40), (1000, 400)):
+        g = torch.Generator().manual_seed(n + k)
+        sets = [torch.randperm(n, generator=g)[:k].sort().values for _ in range(size)]
+        values = [torch.randint(-9, 10, (k,), generator=g).float() for _ in range(size)]
+        want = torch.zeros(n)
+        for ix, v in zip(sets, values):
+            want[ix] += v
+        for name in ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather",
+                     "stream_allgather"):
+            fn = getattr(sparcml, name)
+            out, sent = counted(comm, lambda fn=fn: fn(
+                comm, sets[rank].to(device), values[rank].to(device), n))
+            out = out if isinstance(out, torch.Tensor) else out.to_dense()
+            assert out.device.type == torch.device(device).type, (name, out.device)
+            assert torch.equal(out.cpu(), want), (name, n, k)
+            same_everywhere(comm, out.cpu())
+            assert sent == getattr(sparcml, name + "_bytes")(sets, n)[rank], (name, n, k, sent)
+        out, sent = counted(comm, lambda: sparcml.dsar_split_allgather(
+            comm, sets[rank].to(device), values[rank].to(device), n, bits=4, bucket=64, seed=3))
+        same_everywhere(comm, out.cpu())
+        assert sent == sparcml.dsar_split_allgather_bytes(sets, n, bits=4, bucket=64)[rank]
+    # unsorted indices on the last rank: refused on every rank, and the group stays usable
+    for fn in (sparcml.ssar_recursive_double, sparcml.ssar_split_allgather,
+               sparcml.dsar_split_allgather):
+        ix = torch.tensor([3, 1]) if rank == size - 1 else torch.tensor([1, 3])
+        try:
+            fn(comm, ix, torch.ones(2), 10)
+        except ValueError as e:
+            assert f"rank(s) [{size - 1}]" in str(e), str(e)
+        else:
+            raise AssertionError(f"{fn.__name__} accepted unsorted indices")
+
+
 def check_cuda(comm):
     """The collectives on CUDA tensors: results stay on the device and equal the CPU ones."""
     size, rank = comm.size, comm.rank
@@ -151,6 +189,7 @@ def check_cuda(comm):
         dense, _ = sparse_allgather(comm, x, min(n, 9), fmt=sparse.Qsgd(seed=5))
         assert dense.device == device
         same_everywhere(comm, dense.cpu())
+    check_sparcml(comm, device)
 
 
 def fault(comm):
