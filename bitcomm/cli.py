@@ -681,10 +681,10 @@ def compare(topology: str, size: int, repeat: int, scale: float | None, queue: f
             window: float | None, congestion: str | None, out_dir: str | None,
             overwrite: bool, algorithms: tuple[str, ...]) -> None:
     """Compare ALGORITHMS (e.g. ring-majority alltoall-majority) on one topology."""
-    bad = [a for a in algorithms if a not in registry.EMULATED]
+    bad = [a for a in algorithms if not registry.is_emulated(a)]
     if bad:
         raise click.ClickException(f"unknown algorithms {bad}; expected some of "
-                                   f"{list(registry.EMULATED)}")
+                                   f"{list(registry.EMULATED)} (SparCML's with @DENSITY)")
     _, t = _topology(topology, scale)
     algs = list(algorithms)
     if "alltoall-majority" not in algs:

@@ -30,10 +30,10 @@ from bitcomm.collectives import (
     onebit_allreduce_bytes,
     ring_majority,
     ring_majority_bytes,
+    sparcml,
     sparse_allgather,
     sparse_allgather_bytes,
 )
-from bitcomm.collectives import sparcml
 from bitcomm.comm.launch import world
 
 
@@ -138,7 +138,7 @@ def check_sparcml(comm, device):
         sets = [torch.randperm(n, generator=g)[:k].sort().values for _ in range(size)]
         values = [torch.randint(-9, 10, (k,), generator=g).float() for _ in range(size)]
         want = torch.zeros(n)
-        for ix, v in zip(sets, values):
+        for ix, v in zip(sets, values, strict=True):
             want[ix] += v
         for name in ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather",
                      "stream_allgather"):

@@ -16,7 +16,7 @@ def test_every_collective_sends_its_formula_and_agrees(name, size, n):
         x = registry.standard_input(5, c.rank, n)
         c.counters.reset()
         out = spec(c, x)
-        return out, c.counters.total_sent, spec.expected_bytes(n, c.size, c.rank)
+        return out, c.counters.total_sent, spec.expected_bytes(n, c.size, c.rank, seed=5)
 
     results = run_local(rank, size)
     for out, sent, expected in results:
@@ -88,3 +88,39 @@ def test_time_calls_runs_each_call_after_a_barrier():
 
     assert run_local(rank, 2) == [(4, 4, True)] * 2
     assert sorted(calls) == [0] * 4 + [1] * 4
+
+
+def test_sparcml_collectives_take_a_density_after_the_name():
+    five = registry.get("ssar-split-allgather@5%")
+    assert five.name == "ssar-split-allgather@0.05" and five.emulated
+    assert registry.get("dsar-split-allgather@0.25").name == "dsar-split-allgather@0.25"
+    assert registry.get("ssar-recursive-double").name == "ssar-recursive-double"  # 1%
+    assert registry.is_emulated("stream-allgather@10%")
+    assert not registry.is_emulated("allreduce") and not registry.is_emulated("ring@5%")
+    for bad in ("ssar-split-allgather@0", "ssar-split-allgather@150%", "ssar-split-allgather@x"):
+        with pytest.raises(ValueError, match="expected a density in"):
+            registry.get(bad)
+    with pytest.raises(ValueError, match="expected a collective in"):
+        registry.get("ring-majority@5%")
+    # the top 5% of every rank's standard input: 50 of 1000 entries, by increasing index
+    idx, val = registry.sparse_input(registry.standard_input(0, 1, 1000), 0.05)
+    x = registry.standard_input(0, 1, 1000)
+    assert idx.numel() == 50 and bool((idx[1:] > idx[:-1]).all())
+    assert torch.equal(val, x[idx])
+    assert float(val.abs().min()) >= float(x.abs().sort().values[-50])
+
+    def rank(c):
+        x = registry.standard_input(3, c.rank, 1000)
+        c.counters.reset()
+        out = five(c, x)
+        return out, c.counters.total_sent, five.expected_bytes(1000, c.size, c.rank, seed=3)
+
+    results = run_local(rank, 3)
+    want = torch.zeros(1000)
+    for r in range(3):
+        i, v = registry.sparse_input(registry.standard_input(3, r, 1000), 0.05)
+        want[i] += v
+    for out, sent, expected in results:
+        assert sent == expected and torch.allclose(out, want, atol=1e-6)
+    # the bytes depend on the inputs: another seed's formula differs
+    assert any(five.expected_bytes(1000, 3, r, seed=4) != results[r][2] for r in range(3))

@@ -19,6 +19,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import statistics
 import time
@@ -27,11 +28,11 @@ from collections.abc import Callable
 import torch
 
 from bitcomm.codecs import sparse as sparse_codec
-from bitcomm.collectives import dense, majority, onebit, sparse
+from bitcomm.collectives import dense, majority, onebit, sparcml, sparse
 from bitcomm.comm.base import Comm
 
-__all__ = ["Collective", "COLLECTIVES", "EMULATED", "get", "standard_input", "mismatches", "Timing",
-           "time_calls", "combine"]
+__all__ = ["Collective", "COLLECTIVES", "EMULATED", "DENSITY", "get", "is_emulated",
+           "standard_input", "sparse_input", "mismatches", "Timing", "time_calls", "combine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,11 @@ class Collective:
         is_majority: the result is the sign majority of the ranks' inputs (ties -> -1).
         state: ``state(n, size, device)`` -> per-rank state for stateful collectives.
         emulated: the network model can trace it and the emulated experiments compare it: its
-            messages have fixed sizes and are point-to-point (a native allreduce is not).
+            messages are point-to-point (a native allreduce is not), and their sizes depend on
+            n and size, or on the standard inputs' seed as well (``input_bytes``).
+        input_bytes: for collectives whose bytes depend on the values (the sparse ones):
+            ``input_bytes(n, size, rank, check, seed)`` -> the bytes rank ``rank`` sends on
+            the standard inputs of ``seed``; ``wire_bytes`` is then that at seed 0.
 
     """
 
@@ -59,6 +64,7 @@ class Collective:
     is_majority: bool = False
     state: Callable[[int, int, torch.device | str], object] | None = None
     emulated: bool = False
+    input_bytes: Callable[[int, int, int, bool, int], int] | None = None
 
     def new_state(self, n: int, size: int, device: torch.device | str = "cpu") -> object:
         """Return a fresh per-rank state (``None`` for stateless collectives)."""
@@ -71,8 +77,14 @@ class Collective:
             state = self.new_state(x.numel(), comm.size, x.device)
         return self.run(comm, x, state, check)
 
-    def expected_bytes(self, n: int, size: int, rank: int, check: bool = True) -> int:
-        """Return the bytes rank ``rank`` sends in one call, by the documented formula."""
+    def expected_bytes(self, n: int, size: int, rank: int, check: bool = True,
+                       seed: int = 0) -> int:
+        """Return the bytes rank ``rank`` sends in one call, by the documented formula.
+
+        ``seed`` is that of the standard inputs, for collectives whose bytes depend on them.
+        """
+        if self.input_bytes is not None:
+            return self.input_bytes(n, size, rank, check, seed)
         return self.wire_bytes(n, size, rank, check)
 
     def reference(self, seed: int, size: int, n: int) -> torch.Tensor | None:
@@ -118,6 +130,57 @@ def _k(n: int) -> int:
     return max(1, n // 100)  # the sparse collective keeps the top 1%
 
 
+DENSITY = 0.01
+"""The share of its input each rank's sparse vector keeps, unless a name says (``NAME@5%``)."""
+
+
+def _sparse_k(n: int, density: float) -> int:
+    return min(n, max(1, round(density * n))) if n else 0
+
+
+def sparse_input(x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the sparse vector a SparCML collective gets from a dense input.
+
+    The ``round(density * n)`` (at least 1) entries of largest ``|x|``, by increasing index.
+    """
+    v = x.reshape(-1)
+    idx = torch.topk(v.abs(), _sparse_k(v.numel(), density), sorted=False).indices.sort().values
+    return idx, v[idx]
+
+
+@functools.lru_cache(maxsize=8)
+def _standard_index_sets(seed: int, size: int, n: int, density: float) -> tuple[torch.Tensor, ...]:
+    return tuple(sparse_input(standard_input(seed, r, n), density)[0] for r in range(size))
+
+
+def _sparcml(name: str, fn: str, summary: str, density: float) -> Collective:
+    """Return a SparCML collective on the top ``density`` of every rank's input."""
+    call, count = getattr(sparcml, fn), getattr(sparcml, fn + "_bytes")
+
+    def run(comm: Comm, x: torch.Tensor, state: object, check: bool) -> torch.Tensor:
+        out = call(comm, *sparse_input(x, density), x.numel(), check=check)
+        return out if isinstance(out, torch.Tensor) else out.to_dense()
+
+    def input_bytes(n: int, size: int, rank: int, check: bool, seed: int) -> int:
+        return count(list(_standard_index_sets(seed, size, n, density)), n, check=check)[rank]
+
+    label = name if density == DENSITY else f"{name}@{density:.6g}"
+    return Collective(label, f"{summary} (top {density:.3%} per rank)", run,
+                      lambda n, size, rank, check: input_bytes(n, size, rank, check, 0),
+                      emulated=True, input_bytes=input_bytes)
+
+
+_SPARCML = {
+    "ssar-recursive-double": ("ssar_recursive_double",
+                              "SparCML's sparse allreduce by recursive doubling"),
+    "ssar-split-allgather": ("ssar_split_allgather",
+                             "SparCML's sparse allreduce: split, then allgather of ranges"),
+    "dsar-split-allgather": ("dsar_split_allgather",
+                             "SparCML's split, then a dense allgather of the reduced ranges"),
+    "stream-allgather": ("stream_allgather", "every rank's sparse stream to every rank, summed"),
+}
+
+
 COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
     Collective(
         "ring-majority", "sign majority over a ring, counts in ceil(log2(i+1)) bits",
@@ -148,6 +211,7 @@ COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
                                                               check=check)[0],
         lambda n, size, rank, check: sparse.sparse_allgather_bytes(
             sparse_codec.encoded_size(n, _k(n), "fp32"), size, check=check)),
+    *(_sparcml(name, fn, summary, DENSITY) for name, (fn, summary) in _SPARCML.items()),
     Collective(
         "allreduce", "the dense float32 sum (the baseline)",
         lambda comm, x, state, check: dense.allreduce(comm, x, check=check),
@@ -163,12 +227,38 @@ EMULATED = tuple(name for name, c in COLLECTIVES.items() if c.emulated)
 def get(name: str, *, emulated: bool = False) -> Collective:
     """Return the collective called ``name``; ``ValueError`` naming the choices otherwise.
 
-    With ``emulated=True`` only the :data:`EMULATED` ones are accepted.
+    A SparCML collective takes the share of every rank's input it keeps after ``@``:
+    ``ssar-split-allgather@5%`` or ``@0.05`` (default :data:`DENSITY`). With
+    ``emulated=True`` only the :data:`EMULATED` ones are accepted.
     """
     choices = EMULATED if emulated else tuple(COLLECTIVES)
+    base, at, density = name.partition("@") if isinstance(name, str) else (name, "", "")
+    if at and base in _SPARCML:
+        return _sparcml(base, _SPARCML[base][0], _SPARCML[base][1], _density(density, name))
     if name not in choices:
-        raise ValueError(f"expected a collective in {list(choices)}, got {name!r}")
+        raise ValueError(f"expected a collective in {list(choices)} (SparCML's with @DENSITY, "
+                         f"e.g. ssar-split-allgather@5%), got {name!r}")
     return COLLECTIVES[name]
+
+
+def is_emulated(name: object) -> bool:
+    """Return whether ``name`` is a collective the emulated experiments can run."""
+    try:
+        get(str(name), emulated=True)
+    except ValueError:
+        return False
+    return True
+
+
+def _density(text: str, name: str) -> float:
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise ValueError(f"expected a density in (0, 1] or (0%, 100%] after '@' in {name!r}, "
+                         f"got {text!r}")
+    return value
 
 
 @dataclasses.dataclass

@@ -158,7 +158,7 @@ def experiment_from(data: object, path: str | Path) -> Experiment:
                      sizes=[_size(s, f"{path}: sizes[{i}]") for i, s in
                             enumerate(data["sizes"])])
     algorithms = data.get("algorithms", list(DEFAULT_ALGORITHMS))
-    bad = [a for a in algorithms if a not in registry.EMULATED]
+    bad = [a for a in algorithms if not registry.is_emulated(a)]
     if bad:
         raise TopologyError(f"{path}: unknown algorithms {bad}; expected some of "
                             f"{list(registry.EMULATED)}")
@@ -223,7 +223,7 @@ def cores() -> int:
 
 
 def analyse(topo: Topology, rows: list[Measurement], alpha: float = 0.0,
-            ncores: int | None = None) -> list[Cell]:
+            ncores: int | None = None, seed: int = 0) -> list[Cell]:
     """Set each measured row beside the model; add speedups over the all-to-all majority.
 
     ``cpu_share`` is the ranks' CPU time per call over what ``ncores`` cores (default: this
@@ -234,7 +234,7 @@ def analyse(topo: Topology, rows: list[Measurement], alpha: float = 0.0,
     slow = topo.slowest_link()
     cells = []
     for row in rows:
-        pred = model_mod.predict(topo, row.algorithm, row.n, alpha=alpha)
+        pred = model_mod.predict(topo, row.algorithm, row.n, alpha=alpha, seed=seed)
         measured = {}
         for forward in (True, False):
             nbytes, packets = row.link_bytes[direction_key(slow.index, forward)]
@@ -278,5 +278,5 @@ def run_experiment(exp: Experiment, progress: Callable[[str], None] = print) -> 
         progress(f"# {topo.name}: {topo.nodes} ranks, slowest link "
                  f"{topo.slowest_link().rate / 1e6:.3f} MB/s (scale 1/{topo.scale:g})")
         rows = measure(topo, exp, progress)
-        cells.extend(analyse(topo, rows, exp.alpha))
+        cells.extend(analyse(topo, rows, exp.alpha, seed=exp.seed))
     return cells

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from bitcomm.collectives import registry
 from bitcomm.comm.local import LocalComm, run_local
 from bitcomm.netem.topology import Topology
@@ -53,21 +51,21 @@ HEADER = 66
 """Ethernet + IPv4 + TCP (with timestamps) header bytes of every frame."""
 
 
-def trace(algorithm: str, n: int, size: int) -> list[list[tuple[int, int, int]]]:
+def trace(algorithm: str, n: int, size: int, seed: int = 0) -> list[list[tuple[int, int, int]]]:
     """Return the phases of ``algorithm`` on ``n`` float32 elements and ``size`` ranks.
 
-    Each phase is a list of ``(src, dst, nbytes, blocking)`` messages.
+    Each phase is a list of ``(src, dst, nbytes, blocking)`` messages. The ranks hold the
+    standard inputs of ``seed``, as the experiments' ranks do: the sparse collectives' message
+    sizes depend on them.
     """
     fn = registry.get(algorithm, emulated=True)
 
     def traced(comm: LocalComm) -> list[tuple[int, int]]:
         comm.trace = []
-        # Message sizes of these collectives depend on n and size only, not on the values.
         # Traced without the input agreement (check=False), as the experiments time them: it is
         # bitcomm's guard against bad input, not part of the papers' algorithms, and its N - 1
         # latency-bound rounds are checked once, in each measurement's warm-up call.
-        fn(comm, torch.randn(n, generator=torch.Generator().manual_seed(comm.rank)),
-           check=False)
+        fn(comm, registry.standard_input(seed, comm.rank, n), check=False)
         return comm.trace
 
     traces = run_local(traced, size, timeout=600)
@@ -97,7 +95,8 @@ def payload_from_counters(nbytes: float, packets: float) -> float:
 
 
 def predict(topo: Topology, algorithm: str, n: int, *, alpha: float = 0.0,
-            phases: list[list[tuple[int, int, int]]] | None = None) -> Prediction:
+            phases: list[list[tuple[int, int, int]]] | None = None,
+            seed: int = 0) -> Prediction:
     """Return the model's time and per-link payload for ``algorithm`` on ``topo``.
 
     Args:
@@ -106,9 +105,10 @@ def predict(topo: Topology, algorithm: str, n: int, *, alpha: float = 0.0,
         n: float32 elements per rank.
         alpha: fixed cost per message in seconds (software), added to each message's arrival.
         phases: a schedule from :func:`trace` to reuse (traced when omitted).
+        seed: the standard inputs' seed the schedule is traced on.
 
     """
-    phases = trace(algorithm, n, topo.nodes) if phases is None else phases
+    phases = trace(algorithm, n, topo.nodes, seed) if phases is None else phases
     routes: dict[tuple[int, int], list] = {}
     total: dict[tuple[int, bool], int] = {}
     free: dict[tuple[int, bool], float] = {}  # link direction -> when it is next free
