@@ -202,6 +202,10 @@ def test_experiment_files_validate(tmp_path):
     bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\nalgorithms: [magic]\n")
     with pytest.raises(TopologyError, match=r"unknown algorithms \['magic'\]"):
         load_experiment(bad)
+    bad.write_text("name: x\ntopologies: [chain-16]\nsizes: [1M]\n"
+                   "algorithms: [ssar-split-allgather@5%, dsar-split-allgather@200%]\n")
+    with pytest.raises(TopologyError, match=r"unknown algorithms \['dsar-split-allgather@200%'\]"):
+        load_experiment(bad)
 
 
 @pytest.mark.timeout(300)

@@ -143,6 +143,23 @@ def test_ring_majority_over_the_chain_is_exact_and_crosses_the_links():
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed (bitcomm[mpi])")
+def test_sparcml_over_the_chain_is_identical_everywhere_and_as_modelled():
+    """The sparse collectives' messages depend on the inputs: the model traces the same
+    standard inputs the ranks hold, so the centre link carries what it predicts."""
+    topo = load(CHAIN)
+    algorithms = ["ssar-recursive-double@5%", "ssar-split-allgather@5%",
+                  "dsar-split-allgather@5%", "stream-allgather@5%"]
+    exp = Experiment("ci", [str(CHAIN)], [1 << 16], algorithms, repeat=1, seed=3)
+    rows = measure(topo, exp, progress=lambda line: None)
+    cells = analyse(topo, rows, seed=3)
+    assert [c.algorithm for c in cells] == algorithms
+    for c in cells:
+        assert c.wrong == 0, c.algorithm  # the same bytes on every rank
+        assert c.payload_vs_model == pytest.approx(1.0, abs=0.05), c.algorithm
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed (bitcomm[mpi])")
 @pytest.mark.parametrize("victim", ["rank", "controller", "compare"])
 def test_nothing_is_left_after_a_killed_run(tmp_path, victim):
     before = set(namespaces())

@@ -323,3 +323,18 @@ def test_link_check_rows_compare_iperf3_goodput_with_each_links_rate(monkeypatch
     assert all(r.goodput == 1e5 and r.ratio == 1e5 / r.rate for r in rows)
     # each client sent to its receiver's first address
     assert runs == [(r.pair[0], str(topo.addresses(r.pair[1])[0].ip)) for r in rows]
+
+
+def test_alpha_beta_of_a_topology_feeds_the_sparse_choice():
+    from bitcomm.collectives import sparcml
+
+    t = load(DATA / "chain-4.yaml")
+    alpha, beta = model.alpha_beta(t)
+    # the longest path, 0 -> 3, crosses 3 links without delay: one 1514-byte frame each
+    assert alpha == pytest.approx(1514 / 2e6 + 1514 / 0.5e6 + 1514 / 2e6)
+    assert beta == pytest.approx(1 / 0.5e6)  # the centre link
+    # 4 ranks at 1% of 1M: recursive doubling; on its slow links a filled-in sum goes dense
+    assert sparcml.choose(1 << 20, 10_000, 4, alpha=alpha, beta=beta).algorithm == \
+        "ssar_recursive_double"
+    assert sparcml.choose(1 << 20, 200_000, 4, alpha=alpha, beta=beta).algorithm == \
+        "dsar_split_allgather"

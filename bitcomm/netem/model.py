@@ -42,7 +42,7 @@ from bitcomm.collectives import registry
 from bitcomm.comm.local import LocalComm, run_local
 from bitcomm.netem.topology import Topology
 
-__all__ = ["Prediction", "trace", "predict", "payload_from_counters", "FRAME",
+__all__ = ["Prediction", "trace", "predict", "payload_from_counters", "alpha_beta", "FRAME",
            "HEADER"]
 
 FRAME = 1514
@@ -146,3 +146,16 @@ def predict(topo: Topology, algorithm: str, n: int, *, alpha: float = 0.0,
         for key, nbytes in load.items():
             total[key] = total.get(key, 0) + nbytes
     return Prediction(algorithm, n, seconds, len(phases), total)
+
+
+def alpha_beta(topo: Topology) -> tuple[float, float]:
+    """Return a topology's (alpha, beta) for the collectives' cost models.
+
+    alpha: the longest path's latency between two ranks (its links' delays plus one frame
+    serialised per hop), seconds; beta: seconds per byte on the slowest link, the one a
+    bandwidth-bound collective waits for. For
+    :func:`bitcomm.collectives.sparcml.choose` and ``sparse_allreduce``.
+    """
+    alpha = max((sum(link.delay + FRAME / link.rate for link, _ in topo.route_links(a, b))
+                 for a in range(topo.nodes) for b in range(topo.nodes) if a != b), default=0.0)
+    return alpha, 1 / topo.slowest_link().rate
