@@ -9,7 +9,8 @@ from test_collectives import onebit_reference
 
 from bitcomm.codecs import qsgd
 from bitcomm.comm import run_local
-from bitcomm.train import QSGDSGD, RGC, ErrorFeedback, MajoritySignSGD, OneBitAdam
+from bitcomm.train import QSGDSGD, RGC, ErrorFeedback, MajoritySignSGD, OneBitAdam, SparCMLSGD
+from bitcomm.train.sparcml_sgd import bucket_topk
 
 
 def _param(*values):
@@ -214,10 +215,12 @@ def _make(kind, params, comm):
         return OneBitAdam(params, comm, lr=0.01, freeze_step=2)
     if kind == "rgc":
         return RGC(params, comm, lr=0.05, density=0.4, compress_threshold=2, quantize=True)
+    if kind == "sparcml":
+        return SparCMLSGD(params, comm, lr=0.05, momentum=0.9, k=1, bucket=2, bits=4, seed=3)
     return QSGDSGD(params, comm, lr=0.05, momentum=0.9, bits=4, error_feedback=True, seed=3)
 
 
-@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc"])
+@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml"])
 def test_state_dict_round_trip_resumes_bit_identically(kind):
     def batches(rank, t):
         g = torch.Generator().manual_seed(100 * t + rank)
@@ -424,7 +427,7 @@ def test_step_with_a_closure_returns_its_loss():
     assert p == pytest.approx([0.8, -0.8])
 
 
-@pytest.mark.parametrize("kind", ["signum", "qsgd", "onebit", "rgc"])
+@pytest.mark.parametrize("kind", ["signum", "qsgd", "onebit", "rgc", "sparcml"])
 def test_a_parameter_without_a_gradient_does_not_move(kind):
     """torch.optim.SGD skips a parameter whose grad is None; so does every bitcomm optimizer."""
     def make(params, comm):
@@ -436,6 +439,9 @@ def test_a_parameter_without_a_gradient_does_not_move(kind):
         if kind == "rgc":  # 5 and 6 elements go sparsely, 2 and 3 densely
             return RGC(params, comm, lr=0.1, momentum=0.9, weight_decay=0.1, density=0.5,
                        compress_threshold=4)
+        if kind == "sparcml":
+            return SparCMLSGD(params, comm, lr=0.1, momentum=0.9, weight_decay=0.1, k=2,
+                              bucket=4)
         return OneBitAdam(params, comm, lr=0.01, weight_decay=0.1, freeze_step=2)
 
     def worker(comm):
@@ -473,7 +479,7 @@ def test_rgc_sends_nothing_for_a_sparse_parameter_that_no_rank_has_a_gradient_fo
     assert 0 < alone[0] < both[0] and alone[1] < both[1]
 
 
-@pytest.mark.parametrize("kind", [MajoritySignSGD, QSGDSGD, OneBitAdam, RGC])
+@pytest.mark.parametrize("kind", [MajoritySignSGD, QSGDSGD, OneBitAdam, RGC, SparCMLSGD])
 def test_ranks_that_differ_in_which_parameters_have_gradients_raise_on_every_rank(kind):
     def worker(comm):
         a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
@@ -481,7 +487,9 @@ def test_ranks_that_differ_in_which_parameters_have_gradients_raise_on_every_ran
         a.grad = torch.ones(4)
         if comm.rank == 0:
             b.grad = torch.ones(4)  # the same element count either way: only the mask differs
-        with pytest.raises(ValueError, match="same collective with the same options"):
+        # SparCMLSGD lays out only the parameters with gradients: the lengths differ first
+        with pytest.raises(ValueError, match="same collective with the same options|"
+                                             "same length n on every rank"):
             opt.step()
         return torch.equal(a.detach(), torch.ones(4))
 
@@ -520,7 +528,7 @@ def _amp_run(kind, comm, scaler, steps=4, overflow_at=1):
     return params, scales
 
 
-@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc"])
+@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml"])
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(kind):
     """A per-rank GradScaler skips step() where its own gradients overflowed; the optimizers
     take the flag from the scaler instead and agree on it, so no rank steps and none falls out
@@ -568,3 +576,71 @@ def test_bitcomm_grad_scaler_backs_off_on_every_rank():
     assert s0 == s1 and s0[1] == 2.0 ** 7
     for a, b in zip(p0[-1], p1[-1], strict=True):
         assert torch.equal(a, b)
+
+
+# -- SparCML ----------------------------------------------------------------------------------
+
+
+def test_bucket_topk_by_hand():
+    acc = torch.tensor([0.1, -5.0, 2.0, 0.0, 3.0, -1.0, 0.5, 4.0, -0.2, 0.3])
+    # buckets of 4: [0.1 -5 2 0] -> 1, 2; [3 -1 .5 4] -> 4, 7; the tail [-.2 .3] -> both
+    assert bucket_topk(acc, 2, 4).tolist() == [1, 2, 4, 7, 8, 9]
+    assert bucket_topk(acc, 9, 4).tolist() == list(range(10))  # k beyond a bucket: all
+    assert bucket_topk(torch.zeros(0), 2, 4).numel() == 0
+
+
+def test_sparcml_sgd_two_workers_by_hand():
+    """Two workers, 6 elements in buckets of 3, k = 1: each sends its largest |acc| per bucket,
+    keeps the rest as residual, and both apply the same mean of the sums."""
+    grads = {0: [[1.0, -4.0, 2.0, 0.5, 0.1, 0.2]], 1: [[3.0, 0.0, 0.0, 0.0, 0.0, -1.0]]}
+
+    def fn(c):
+        p = torch.nn.Parameter(torch.zeros(6))
+        opt = SparCMLSGD([p], c, lr=0.5, k=1, bucket=3, algorithm="ssar_recursive_double")
+        p.grad = torch.tensor(grads[c.rank][0])
+        opt.step()
+        first = p.detach().clone()
+        p.grad = torch.zeros(6)
+        opt.step()  # the residual alone
+        return first, p.detach().clone(), opt.state[p]["residual"].clone()
+
+    out = run_local(fn, 2, timeout=30)
+    # rank 0 sends -4 at 1 and 0.5 at 3; rank 1 sends 3 at 0 and -1 at 5
+    total = torch.tensor([3.0, -4.0, 0.0, 0.5, 0.0, -1.0])
+    for first, _, _ in out:
+        assert torch.equal(first, -0.5 * total / 2)
+    # second step: rank 0's residual [1, 0, 2, 0, .1, .2] sends 2 and .2; rank 1's [0]*5 + ...
+    r0 = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.1, 0.0])
+    torch.testing.assert_close(out[0][2], r0)
+    assert torch.equal(out[1][2], torch.zeros(6))
+    second = torch.tensor([0.0, 0.0, 2.0, 0.0, 0.0, 0.2])
+    for _, after, _ in out:
+        torch.testing.assert_close(after, -0.5 * (total + second) / 2)
+
+
+def test_sparcml_sgd_quantised_keeps_every_rank_identical_and_reports_its_choice():
+    def fn(c):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 4)
+        with torch.no_grad():
+            for q in model.parameters():
+                q.copy_(torch.linspace(-1, 1, q.numel()).view_as(q))
+        opt = SparCMLSGD(model.parameters(), c, lr=0.1, k=4, bucket=64, bits=4, seed=1)
+        auto = SparCMLSGD([torch.nn.Parameter(torch.zeros(8))], c, lr=0.1, k=1, bucket=8)
+        for t in range(3):
+            g = torch.Generator().manual_seed(t * 10 + c.rank)
+            x, y = torch.randn(16, 64, generator=g), torch.randn(16, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        auto.param_groups[0]["params"][0].grad = torch.ones(8)
+        auto.step()
+        return [q.detach().clone() for q in model.parameters()], opt.sent, auto.last_choice
+
+    out = run_local(fn, 3, timeout=60)
+    for params, sent, choice in out:
+        for a, b in zip(params, out[0][0], strict=True):
+            assert torch.equal(a, b)
+        assert sent == 4 * 4 + 1 * 4  # 256 weights in 4 buckets, 4 biases in a short one
+        assert choice == out[0][2] and choice.algorithm in ("ssar_recursive_double",
+                                                            "stream_allgather", "allreduce")

@@ -6,6 +6,8 @@
 * :class:`~bitcomm.train.onebit_adam.OneBitAdam`: DeepSpeed's 1-bit Adam.
 * :class:`~bitcomm.train.qsgd_sgd.QSGDSGD`: SGD on QSGD-quantised gradient averages.
 * :class:`~bitcomm.train.rgc.RGC`: RedSync's residual gradient compression (top-k SGD).
+* :class:`~bitcomm.train.sparcml_sgd.SparCMLSGD`: SparCML's bucketed top-k SGD over a sparse
+  allreduce.
 * :class:`~bitcomm.train.scaler.GradScaler`: ``torch.amp.GradScaler`` agreeing on overflows.
 * :mod:`~bitcomm.train.hooks`: DDP communication hooks (sign majority, 1-bit, qsgd, top-k).
 
@@ -21,5 +23,7 @@ from bitcomm.train.qsgd_sgd import QSGDSGD
 from bitcomm.train.rgc import RGC
 from bitcomm.train.scaler import GradScaler
 from bitcomm.train.signum import MajoritySignSGD
+from bitcomm.train.sparcml_sgd import SparCMLSGD
 
-__all__ = ["ErrorFeedback", "GradScaler", "MajoritySignSGD", "OneBitAdam", "QSGDSGD", "RGC"]
+__all__ = ["ErrorFeedback", "GradScaler", "MajoritySignSGD", "OneBitAdam", "QSGDSGD", "RGC",
+           "SparCMLSGD"]
