@@ -45,14 +45,14 @@ def test_bytes_per_step_match_the_collectives():
 
 @pytest.mark.timeout(300)
 def test_short_digits_run_over_gloo_meets_the_accuracy_target():
-    cfg = digits.TrainConfig(methods=["dense-sgd", "qsgd-4bit", "signum-ring"], steps=150,
-                             eval_every=50, workers=4, transports=["gloo"])
+    cfg = digits.TrainConfig(methods=["dense-sgd", "qsgd-4bit", "signum-ring", "sparcml-topk"],
+                             steps=150, eval_every=50, workers=4, transports=["gloo"])
     rows = digits.summarise(digits.launch(cfg, "gloo", progress=lambda line: None,
                                           timeout=240))
     by = {r.method: r for r in rows}
     assert all(r.identical_on_ranks for r in rows)
     assert by["dense-sgd"].accuracy > 0.9
-    for m in ("qsgd-4bit", "signum-ring"):
+    for m in ("qsgd-4bit", "signum-ring", "sparcml-topk"):
         assert by[m].gap_points <= 3.0, by[m]
         assert by[m].compression > 5, by[m]
 

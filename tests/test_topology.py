@@ -338,3 +338,20 @@ def test_alpha_beta_of_a_topology_feeds_the_sparse_choice():
         "ssar_recursive_double"
     assert sparcml.choose(1 << 20, 200_000, 4, alpha=alpha, beta=beta).algorithm == \
         "dsar_split_allgather"
+
+
+@pytest.mark.parametrize("density", ["1%", "25%"])
+def test_the_sparse_choice_prices_as_the_traced_model_does(density):
+    """sparcml.choose's closed form (uniform indices, E[K]) against the model's trace of the
+    collectives on a star's alpha and beta: within 5% for every algorithm."""
+    from bitcomm.collectives import sparcml
+
+    t = load(CONFIGS / "star-16.yaml")
+    alpha, beta = model.alpha_beta(t)
+    n = 1 << 15
+    k = round(float(density[:-1]) / 100 * n)
+    priced = sparcml.choose(n, k, 16, alpha=alpha, beta=beta).seconds
+    for name in ("ssar-recursive-double", "ssar-split-allgather", "dsar-split-allgather",
+                 "stream-allgather"):
+        traced = model.predict(t, f"{name}@{density}", n).seconds
+        assert priced[name.replace("-", "_")] == pytest.approx(traced, rel=0.05), name

@@ -22,6 +22,7 @@ from bitcomm.train.onebit_adam import OneBitAdam
 from bitcomm.train.qsgd_sgd import QSGDSGD
 from bitcomm.train.rgc import RGC
 from bitcomm.train.signum import MajoritySignSGD
+from bitcomm.train.sparcml_sgd import SparCMLSGD
 
 __all__ = ["METHODS", "BASELINES", "DenseAllreduce", "TrainConfig", "load_config", "config_from"]
 
@@ -62,11 +63,18 @@ METHODS: dict[str, Factory] = {
                                        compress_threshold=1000, quantize=True, check=False),
     "qsgd-4bit": lambda ps, c: QSGDSGD(ps, c, lr=0.05, momentum=0.9, bits=4, bucket=512,
                                        error_feedback=True, check=False),
+    # SparCML's CIFAR-10 setup: 16 of every 512 (3%); 4810 parameters give 151 entries per
+    # worker, k >= 4P at 4 workers
+    "sparcml-topk": lambda ps, c: SparCMLSGD(ps, c, lr=0.05, momentum=0.9, k=16, bucket=512,
+                                             check=False),
+    "sparcml-topk-4bit": lambda ps, c: SparCMLSGD(ps, c, lr=0.05, momentum=0.9, k=16,
+                                                  bucket=512, bits=4, seed=0, check=False),
 }
 """Methods by name, each ``factory(params, comm)`` with the hyper-parameters the experiment uses
 (chosen once for the dense baselines and reused by the compressed method of the same family)."""
 BASELINES = {"signum-ring": "dense-sgd", "onebit-adam": "dense-adam", "rgc-topk": "dense-sgd",
-             "rgc-topk-mean": "dense-sgd", "qsgd-4bit": "dense-sgd"}
+             "rgc-topk-mean": "dense-sgd", "qsgd-4bit": "dense-sgd",
+             "sparcml-topk": "dense-sgd", "sparcml-topk-4bit": "dense-sgd"}
 """The dense counterpart each compressed method's accuracy is compared with."""
 
 
