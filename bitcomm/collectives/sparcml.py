@@ -373,20 +373,31 @@ def _message(s: Stream) -> int:
     return _LEN.size + s.encoded_size()
 
 
-def _replay_fold(fold_of: Callable[[int], Fold], streams: list[Stream], sent: list[int]
-                 ) -> dict[int, Stream]:
+def _replay_fold(size: int, streams: list[Stream], sent: list[int]) -> dict[int, Stream]:
     """Fold the replayed streams: add the fold's messages to ``sent``; return them by vrank."""
-    size = len(streams)
-    f0 = fold_of(0)
+    rem = Fold(0, size).rem
     by_v = {}
     for r in range(size):
-        f = fold_of(r)
-        if r < 2 * f0.rem and r % 2 == 0:
+        f = Fold(r, size)
+        if r < 2 * rem and r % 2 == 0:
             sent[r] += _message(streams[r])
         elif f.vrank is not None:
-            by_v[f.vrank] = (stream.add(streams[r - 1], streams[r]) if r < 2 * f0.rem
-                             else streams[r])
+            by_v[f.vrank] = stream.add(streams[r - 1], streams[r]) if r < 2 * rem else streams[r]
     return by_v
+
+
+def _replay_doubling(fold: Fold, by_v: dict[int, Stream], sent: list[int],
+                     combine: Callable[[Stream, Stream], Stream]) -> Stream:
+    """Replay the recursive-doubling rounds (``combine(lower, upper)``); return the result."""
+    mask = 1
+    while mask < fold.pof2:
+        nxt = {}
+        for v, s in by_v.items():
+            sent[fold.real(v)] += _message(s)
+            other = by_v[v ^ mask]
+            nxt[v] = combine(s, other) if v < v ^ mask else combine(other, s)
+        by_v, mask = nxt, mask << 1
+    return by_v[0]
 
 
 def _replay_unfold(fold: Fold, result: Stream, sent: list[int]) -> None:
@@ -402,17 +413,9 @@ def ssar_recursive_double_bytes(index_sets: Sequence[torch.Tensor], n: int, *,
     """
     size = len(index_sets)
     sent = [0] * size
-    by_v = _replay_fold(lambda r: Fold(r, size), _replay_streams(index_sets, n), sent)
     fold = Fold(0, size)
-    mask = 1
-    while mask < fold.pof2:
-        nxt = {}
-        for v, s in by_v.items():
-            sent[fold.real(v)] += _message(s)
-            other = by_v[v ^ mask]
-            nxt[v] = stream.add(s, other) if v < v ^ mask else stream.add(other, s)
-        by_v, mask = nxt, mask << 1
-    _replay_unfold(fold, by_v[0], sent)
+    by_v = _replay_fold(size, _replay_streams(index_sets, n), sent)
+    _replay_unfold(fold, _replay_doubling(fold, by_v, sent, stream.add), sent)
     return [b + _common.control_bytes(size, check) for b in sent]
 
 
@@ -420,7 +423,7 @@ def _replay_split(index_sets: Sequence[torch.Tensor], n: int, sent: list[int]
                   ) -> tuple[Fold, list[tuple[int, int]], dict[int, Stream]]:
     """Replay fold and split; return the owned range streams by vrank."""
     size = len(index_sets)
-    by_v = _replay_fold(lambda r: Fold(r, size), _replay_streams(index_sets, n), sent)
+    by_v = _replay_fold(size, _replay_streams(index_sets, n), sent)
     fold = Fold(0, size)
     bounds = ranges(n, fold.pof2)
     owned = {}
@@ -444,15 +447,9 @@ def ssar_split_allgather_bytes(index_sets: Sequence[torch.Tensor], n: int, *,
     size = len(index_sets)
     sent = [0] * size
     fold, _, owned = _replay_split(index_sets, n, sent)
-    mask = 1
-    while mask < fold.pof2:
-        nxt = {}
-        for v, s in owned.items():
-            sent[fold.real(v)] += _message(s)
-            other = owned[v ^ mask]
-            nxt[v] = stream.concat([s, other] if v < v ^ mask else [other, s])
-        owned, mask = nxt, mask << 1
-    _replay_unfold(fold, owned[0], sent)
+    result = _replay_doubling(fold, owned, sent, lambda lower, upper: stream.concat([lower,
+                                                                                   upper]))
+    _replay_unfold(fold, result, sent)
     return [b + _common.control_bytes(size, check) for b in sent]
 
 
