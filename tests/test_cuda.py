@@ -119,6 +119,36 @@ def test_collectives_on_cuda_tensors_match_cpu():
             torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-6)
 
 
+def test_sparcml_on_cuda_tensors_matches_cpu():
+    """SparCML's allreduces keep CUDA inputs on the device and give the CPU's bits: the same
+    streams, the same two-operand sums, the same qsgd frames (the hash stream is per device
+    identical)."""
+    from bitcomm.collectives import sparcml
+    from bitcomm.comm import run_local
+
+    size, n = 5, 20011
+    g = torch.Generator().manual_seed(0)
+    sets = [torch.randperm(n, generator=g)[:700].sort().values for _ in range(size)]
+    values = [torch.randn(700, generator=g) for _ in range(size)]
+
+    def every(device):
+        def fn(c):
+            ix, v = sets[c.rank].to(device), values[c.rank].to(device)
+            outs = [sparcml.ssar_recursive_double(c, ix, v, n).to_dense(),
+                    sparcml.ssar_split_allgather(c, ix, v, n).to_dense(),
+                    sparcml.dsar_split_allgather(c, ix, v, n),
+                    sparcml.dsar_split_allgather(c, ix, v, n, bits=4, seed=2)]
+            assert all(o.device.type == torch.device(device).type for o in outs)
+            return [o.cpu() for o in outs]
+        return run_local(fn, size)[0]
+
+    results = list(zip(every("cpu"), every("cuda"), strict=True))
+    for i, (cpu, gpu) in enumerate(results[:3]):
+        assert torch.equal(gpu.view(torch.int32), cpu.view(torch.int32)), i
+    # the quantised ranges: the same frames; their decode is test_decoders_agree's business
+    torch.testing.assert_close(results[3][1], results[3][0], rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("size", [2, 5])
 def test_fused_majorities_do_not_synchronise(size):
     """No host synchronisation inside ring_majority / alltoall_majority (check=False)."""
