@@ -88,7 +88,7 @@ def run(comm: Comm, sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeat: int = 3, 
             comm.counters.reset()
             out = spec(comm, x, state=state)  # warm-up, also the checked result
             sent = comm.counters.total_sent
-            expected = spec.expected_bytes(n, comm.size, comm.rank)
+            expected = spec.expected_bytes(n, comm.size, comm.rank, seed=seed)
             wrong = registry.mismatches(comm, out, spec.reference(seed, comm.size, n))
             timing = registry.combine(comm, registry.time_calls(
                 comm, lambda spec=spec, state=state, x=x: spec(comm, x, state=state), repeat))
