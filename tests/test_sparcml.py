@@ -240,9 +240,15 @@ def test_bad_quantisation_settings_raise_on_every_rank():
     assert all(isinstance(e, ValueError) and "bits" in str(e) for e in out), out
 
 
-def test_decoding_a_corrupt_length_is_refused():
-    with pytest.raises(ValueError, match="announced a stream frame of 3 bytes"):
-        sparcml._read_length(torch.tensor([3, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8), 1)
+def test_an_announced_length_is_bounded_before_anything_is_allocated():
+    def length(v):
+        return torch.tensor(list(v.to_bytes(8, "little", signed=True)), dtype=torch.uint8)
+
+    # a stream of length 10 takes at most its dense frame: 17 + 40 bytes
+    assert sparcml._read_length(length(57), 1, 10) == 57
+    for bad in (3, 58, 1 << 50, -1):
+        with pytest.raises(ValueError, match=f"announced a stream frame of {bad} bytes"):
+            sparcml._read_length(length(bad), 1, 10)
 
 
 def test_fold_and_ranges():

@@ -107,7 +107,7 @@ def _swap(comm: Comm, s: Stream, peer: int, n: int) -> Stream:
     """Exchange streams of length ``n`` with ``peer``; return the peer's."""
     length, frame = _frame_message(s)
     theirs = comm.sendrecv(length, peer, torch.empty(_LEN.size, dtype=torch.uint8), peer)
-    size = _read_length(theirs, peer)
+    size = _read_length(theirs, peer, n)
     got = comm.sendrecv(frame, peer, torch.empty(size, dtype=torch.uint8, device=frame.device),
                         peer)
     return stream.decode(got, n=n)[0]
@@ -120,15 +120,19 @@ def _send_stream(comm: Comm, s: Stream, peer: int) -> None:
 
 
 def _recv_stream(comm: Comm, peer: int, n: int, device: torch.device) -> Stream:
-    size = _read_length(comm.recv(torch.empty(_LEN.size, dtype=torch.uint8), peer), peer)
+    size = _read_length(comm.recv(torch.empty(_LEN.size, dtype=torch.uint8), peer), peer, n)
     got = comm.recv(torch.empty(size, dtype=torch.uint8, device=device), peer)
     return stream.decode(got, n=n)[0]
 
 
-def _read_length(buf: torch.Tensor, peer: int) -> int:
+def _read_length(buf: torch.Tensor, peer: int, n: int) -> int:
+    # Bounded before anything is allocated: a stream of length n takes at most its dense form
+    # (a sparse one is smaller by the switch rule).
     (size,) = _LEN.unpack(bytes(buf.tolist()))
-    if not stream.HEADER.size <= size <= stream.HEADER.size + 12 * (1 << 40):
-        raise ValueError(f"rank {peer} announced a stream frame of {size} bytes")
+    if not stream.HEADER.size <= size <= stream.HEADER.size + 4 * n:
+        raise ValueError(f"rank {peer} announced a stream frame of {size} bytes, beyond "
+                         f"{stream.HEADER.size}..{stream.HEADER.size + 4 * n} for a stream of "
+                         f"length {n}")
     return size
 
 
@@ -496,7 +500,7 @@ def stream_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n:
     if comm.size == 1:
         return s
     length, frame = _frame_message(s)
-    sizes = [_read_length(t.cpu(), r) for r, t in
+    sizes = [_read_length(t.cpu(), r, n) for r, t in
              enumerate(comm.allgatherv(length, [_LEN.size] * comm.size))]
     frames = comm.allgatherv(frame, sizes)
     return stream.add_all([stream.decode(f, n=n)[0] for f in frames])
