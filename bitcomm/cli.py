@@ -287,8 +287,9 @@ class FloatList(click.ParamType):
 
 
 @bench.command("hooks")
-@click.option("--ranks", type=click.IntRange(2), default=2, show_default=True,
-              help="gloo processes to launch (ignored when torchrun started this one).")
+@click.option("--ranks", type=click.IntRange(1), default=2, show_default=True,
+              help="Processes to launch (ignored when torchrun started this one); one per GPU "
+                   "with nccl.")
 @click.option("--bucket-mb", "bucket_mbs", type=FloatList(), default="0.004,0.25,1",
               show_default=True, help="Comma-separated DDP bucket_cap_mb values.")
 @click.option("--width", type=click.IntRange(1), default=128, show_default=True,
@@ -311,16 +312,20 @@ class FloatList(click.ParamType):
 @click.option("--topology", default=None,
               help="Run the ranks in an emulated network (a shipped name such as pair, or a "
                    ".yaml path; as root), one per node, instead of over loopback.")
+@click.option("--transport", type=click.Choice(["gloo", "nccl"]), default="gloo",
+              show_default=True,
+              help="gloo (CPU model), or nccl (the model on each rank's GPU; the hooks' CUDA "
+                   "stream path).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
-              show_default=True, help="Directory for hooks-gloo-RANKS.json and .csv.")
+              show_default=True, help="Directory for hooks-TRANSPORT-RANKS.json and .csv.")
 @click.option("--worker", is_flag=True, hidden=True, help="Run as one rank of a launched job.")
 def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: int, batch: int,
-                steps: int, repeats: int, names: str, topology: str | None, out_dir: str,
-                worker: bool) -> None:
+                steps: int, repeats: int, names: str, topology: str | None, transport: str,
+                out_dir: str, worker: bool) -> None:
     """Time a DDP training step with each communication hook, as ratios to allreduce_hook.
 
     Also times the step with no exchange (local, under no_sync) and reports how much of each
-    hook's exchange its overlapped form hid (hooks-gloo-RANKS-overlap.json/csv).
+    hook's exchange its overlapped form hid (hooks-TRANSPORT-RANKS-overlap.json/csv).
     """
     from bitcomm.bench import hooks as bench_mod
 
@@ -334,15 +339,31 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
             "--hooks",
             ",".join(chosen), "--out", out_dir]
     if topology is not None:
+        if transport != "gloo":
+            raise click.UsageError("--topology runs gloo ranks in network namespaces; "
+                                   f"--transport {transport} is for GPUs")
         args += ["--topology", topology]
+    if transport == "nccl":
+        _check_device("cuda")
+        args += ["--transport", "nccl"]
     if not worker and _launched() is None:
         if topology is not None:
             sys.exit(_launch_emulated(topology, ["hooks", *args]))
-        sys.exit(_launch(ranks, "gloo", ["hooks", *args]))
+        sys.exit(_launch(ranks, transport, ["hooks", *args]))
     from bitcomm.comm.launch import world
 
-    comm = world("gloo", timeout=120)
-    config = _machine() | {"ranks": comm.size, "transport": "gloo", "bucket_mb": list(bucket_mbs),
+    comm = world(transport, timeout=120)
+    hook_comm, device = comm, torch.device("cpu")
+    if transport == "nccl":
+        import torch.distributed as dist
+
+        from bitcomm.comm.torchdist import TorchComm
+
+        # The hooks' exchange thread gets a communicator of its own (bitcomm.train.hooks).
+        hook_comm = TorchComm(dist.new_group())
+        device = torch.device("cuda", torch.cuda.current_device())
+    config = _machine() | {"ranks": comm.size, "transport": transport,
+                           "bucket_mb": list(bucket_mbs),
                            "width": width, "depth": depth, "batch": batch, "steps": steps,
                            "repeats": repeats,
                            "network": topology or "loopback"}
@@ -363,11 +384,13 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
         click.echo(f"# {name} skipped at bucket_mb={mb:g}: {why}")
 
     rows = bench_mod.run(comm, bucket_mbs, width=width, depth=depth, batch=batch, steps=steps,
-                         repeats=repeats, names=chosen, progress=show, skipped=skip)
+                         repeats=repeats, names=chosen, progress=show, skipped=skip,
+                         hook_comm=hook_comm, device=device)
     comm.barrier()
     if comm.rank == 0:
         config |= {"params": rows[0].params}
-        _save(Path(out_dir), f"hooks-gloo-{comm.size}", config, [r.as_dict() for r in rows])
+        _save(Path(out_dir), f"hooks-{transport}-{comm.size}", config,
+              [r.as_dict() for r in rows])
         hid = bench_mod.overlap(rows)
         if hid:
             click.echo("# overlap: exchange = blocking - local step; hidden = blocking - "
@@ -378,7 +401,7 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
                 click.echo(f"{o.bucket_mb:>9g} {o.hook:<9} {o.local_ms:>9.2f} "
                            f"{o.exchange_ms:>9.2f} {o.hidden_ms:>8.2f} {o.hidden_share:>11.2f} "
                            f"{o.bound_share:>6.2f}")
-            _save(Path(out_dir), f"hooks-gloo-{comm.size}-overlap", config,
+            _save(Path(out_dir), f"hooks-{transport}-{comm.size}-overlap", config,
                   [o.as_dict() for o in hid])
 
 

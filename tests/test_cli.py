@@ -135,6 +135,15 @@ def test_bench_over_nccl_without_a_gpu_is_a_usage_error(tmp_path):
     assert result.exit_code == 2 and "expected a CUDA device" in result.output
 
 
+def test_bench_hooks_over_nccl_needs_a_gpu_and_no_topology(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "hooks", "--transport", "nccl", "--out",
+                                       str(tmp_path)])
+    assert result.exit_code == 2 and "expected a CUDA device" in result.output
+    result = CliRunner().invoke(main, ["bench", "hooks", "--transport", "nccl", "--topology",
+                                       "pair", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--topology runs gloo ranks" in result.output
+
+
 def test_launcher_options_are_for_mpi(tmp_path):
     result = CliRunner().invoke(main, ["bench", "collectives", "--transport", "gloo",
                                        "--launcher", "mpirun", "--out", str(tmp_path)])

@@ -205,3 +205,23 @@ def test_gpu_benchmarks_run_and_check_their_results():
     steps = ring_steps(1 << 16, 4, repeat=2)
     assert [r.what for r in steps][-2:] == ["rank-total", "call"]
     assert all(r.seconds > 0 for r in steps)
+
+
+def test_bench_hooks_over_nccl_runs_the_hooks_cuda_path(tmp_path):
+    """One NCCL rank per GPU (NCCL refuses two on one device): DDP on the GPU with every
+    bitcomm hook, overlapped (its CUDA stream) and blocking, against allreduce_hook."""
+    import json
+    import subprocess
+    import sys
+
+    ranks = torch.cuda.device_count()
+    cmd = [sys.executable, "-m", "bitcomm.cli", "bench", "hooks", "--transport", "nccl",
+           "--ranks", str(ranks), "--width", "64", "--depth", "3", "--steps", "3",
+           "--repeats", "2", "--bucket-mb", "0.004,25", "--hooks",
+           "sign,sign/blocking,onebit,qsgd,topk,topk/blocking", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / f"hooks-nccl-{ranks}.json").read_text())
+    assert data["config"]["transport"] == "nccl"
+    hooks = {row["hook"] for row in data["rows"]}
+    assert {"allreduce", "local", "sign", "sign/blocking", "onebit", "qsgd", "topk"} <= hooks

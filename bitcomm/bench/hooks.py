@@ -176,7 +176,9 @@ def run(comm: Comm, bucket_mbs: tuple[float, ...] = (0.004, 0.25, 1.0), *, width
         depth: int = 8, batch: int = 64, steps: int = 30, warmup: int = 5, repeats: int = 1,
         seed: int = 0, names: tuple[str, ...] = tuple(HOOKS),
         progress: Callable[[Row], None] | None = None,
-        skipped: Callable[[str, float, str], None] | None = None) -> list[Row] | None:
+        skipped: Callable[[str, float, str], None] | None = None,
+        hook_comm: Comm | None = None,
+        device: torch.device | str = "cpu") -> list[Row] | None:
     """Time a DDP training step with each hook in ``names`` at each bucket size.
 
     Args:
@@ -195,6 +197,10 @@ def run(comm: Comm, bucket_mbs: tuple[float, ...] = (0.004, 0.25, 1.0), *, width
             always measured.
         progress: called on rank 0 with each row as soon as all its repeats are measured.
         skipped: called on rank 0 with (hook, bucket_mb, reason) for each hook not measured.
+        hook_comm: the bitcomm hooks' transport (default ``comm``; with NCCL a group of its
+            own, so the exchange thread and the timing loop never share a communicator).
+        device: where the model and batches live (a CUDA device for NCCL: each step then
+            ends with ``torch.cuda.synchronize()``, so its time holds the GPU's work).
 
     Returns:
         the rows on rank 0, None elsewhere.
@@ -209,10 +215,13 @@ def run(comm: Comm, bucket_mbs: tuple[float, ...] = (0.004, 0.25, 1.0), *, width
     chosen = ["allreduce", LOCAL, *[n for n in names if n != "allreduce"]]
     g = torch.Generator().manual_seed(1000 + comm.rank)
     x, y = torch.randn(batch, 32, generator=g), torch.randn(batch, 1, generator=g)
+    device = torch.device(device)
+    x, y = x.to(device), y.to(device)
+    hooked = comm if hook_comm is None else hook_comm
     rows: list[Row] = []
     for mb in bucket_mbs:
         # The anchor's bucket count decides powerSGD's skip, so the anchor goes first once.
-        first = _measure(comm, "allreduce", mb, x, y, width, depth, steps, warmup)
+        first = _measure(comm, hooked, "allreduce", mb, x, y, width, depth, steps, warmup)
         buckets = first[1]
         todo = [n for n in chosen if not (n == "powerSGD" and buckets > 1)]
         if len(todo) < len(chosen) and comm.rank == 0 and skipped is not None:
@@ -227,8 +236,8 @@ def run(comm: Comm, bucket_mbs: tuple[float, ...] = (0.004, 0.25, 1.0), *, width
             for name in order(tuple(todo), r, seed):
                 if r == 0 and name == "allreduce":
                     continue
-                seconds, counts[name], _ = _measure(comm, name, mb, x, y, width, depth, steps,
-                                                    warmup)
+                seconds, counts[name], _ = _measure(comm, hooked, name, mb, x, y, width, depth,
+                                                    steps, warmup)
                 times[name] += seconds
         anchor = statistics.median(times["allreduce"]) * 1e3
         for name in todo:
@@ -242,15 +251,18 @@ def run(comm: Comm, bucket_mbs: tuple[float, ...] = (0.004, 0.25, 1.0), *, width
     return rows if comm.rank == 0 else None
 
 
-def _measure(comm: Comm, name: str, mb: float, x: torch.Tensor, y: torch.Tensor, width: int,
-             depth: int, steps: int, warmup: int) -> tuple[list[float], int, int]:
+def _measure(comm: Comm, hooked: Comm, name: str, mb: float, x: torch.Tensor,
+             y: torch.Tensor, width: int, depth: int, steps: int, warmup: int
+             ) -> tuple[list[float], int, int]:
     """Return (seconds per step on the slowest rank, buckets, parameters) of one hook."""
     torch.manual_seed(0)
-    model = DistributedDataParallel(mlp(width, depth), bucket_cap_mb=mb)
+    cuda = x.device.type == "cuda"
+    model = DistributedDataParallel(mlp(width, depth).to(x.device), bucket_cap_mb=mb,
+                                    device_ids=[x.device.index] if cuda else None)
     buckets = [0]
     state = None
     if name != LOCAL:
-        state, hook = HOOKS[name](comm)
+        state, hook = HOOKS[name](hooked)
 
         # DDP reads the hook's signature: ``bucket`` must be called so, unannotated here
         # (this module's annotations are strings). The wrapper costs every hook one call.
@@ -265,6 +277,8 @@ def _measure(comm: Comm, name: str, mb: float, x: torch.Tensor, y: torch.Tensor,
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
 
     def unsynced() -> None:
         with model.no_sync():
