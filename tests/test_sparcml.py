@@ -313,3 +313,18 @@ def test_sparse_allreduce_runs_the_named_or_chosen_algorithm(algorithm):
     with pytest.raises(ValueError, match="expected algorithm 'auto' or one of"):
         run_local(lambda c: sparcml.sparse_allreduce(c, sets[0], values[0], n,
                                                      algorithm="ring"), 1)
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.05, 0.25])
+def test_the_experiments_inputs_fill_in_as_e_k_says(density):
+    """The registry's sparse inputs (each rank's top share of randn) have nearly uniform
+    indices: their union, the reduced result's support, is E[K] = n(1 - (1 - d)^P) to 2%."""
+    from bitcomm.collectives import registry
+
+    n, size = 1 << 16, 16
+    union = torch.zeros(n, dtype=torch.bool)
+    for r in range(size):
+        idx, _ = registry.sparse_input(registry.standard_input(0, r, n), density)
+        union[idx] = True
+    k = idx.numel()
+    assert int(union.sum()) == pytest.approx(sparcml.expected_nnz(n, k, size), rel=0.02)
