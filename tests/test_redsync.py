@@ -29,6 +29,8 @@ def test_selects_same_signed_extremes_and_their_mean(method, side):
     assert bool((signed[idx] > 0).all())
     if method == "threshold":
         assert k <= idx.numel() <= 2 * k
+    elif method in select.SIDCO:  # a one-stage fit of a clamped Gaussian: near k, not at it
+        assert k / 5 <= idx.numel() <= 5 * k
     else:
         assert idx.tolist() == torch.topk(signed, k).indices.sort().values.tolist()
     mean = float(x[idx].double().mean())

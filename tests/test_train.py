@@ -7,9 +7,18 @@ import pytest
 import torch
 from test_collectives import onebit_reference
 
-from bitcomm.codecs import qsgd
+from bitcomm.codecs import qsgd, sidco
+from bitcomm.collectives import sparse_allgather
 from bitcomm.comm import run_local
-from bitcomm.train import QSGDSGD, RGC, ErrorFeedback, MajoritySignSGD, OneBitAdam, SparCMLSGD
+from bitcomm.train import (
+    QSGDSGD,
+    RGC,
+    ErrorFeedback,
+    MajoritySignSGD,
+    OneBitAdam,
+    SIDCoSGD,
+    SparCMLSGD,
+)
 from bitcomm.train.sparcml_sgd import bucket_topk
 
 
@@ -217,10 +226,12 @@ def _make(kind, params, comm):
         return RGC(params, comm, lr=0.05, density=0.4, compress_threshold=2, quantize=True)
     if kind == "sparcml":
         return SparCMLSGD(params, comm, lr=0.05, momentum=0.9, k=1, bucket=2, bits=4, seed=3)
+    if kind == "sidco":
+        return SIDCoSGD(params, comm, lr=0.05, density=0.4, compress_threshold=2, dist="sidco-p")
     return QSGDSGD(params, comm, lr=0.05, momentum=0.9, bits=4, error_feedback=True, seed=3)
 
 
-@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml"])
+@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml", "sidco"])
 def test_state_dict_round_trip_resumes_bit_identically(kind):
     def batches(rank, t):
         g = torch.Generator().manual_seed(100 * t + rank)
@@ -407,6 +418,49 @@ def test_rgc_selection_follows_the_layer_size():
     assert methods == ["topk", "trimmed", "trimmed", "threshold"] and big
 
 
+def test_sidco_sgd_sends_what_crosses_the_threshold_and_keeps_the_rest_by_hand():
+    # density 0.25 of 8: k = 2. The exponential threshold of V = g = [4, 3, 2, 1, 0, 0, 0, 0]
+    # is 4 * (10 / 32) * ln 4 = 1.73 (the sidco module's worked example): 4, 3 and 2 go, 1 stays.
+    # Two workers with the same gradient: the mean is the sent entries themselves.
+    def fn(c):
+        p = _param(*[0.0] * 8)
+        opt = SIDCoSGD([p], c, lr=0.5, density=0.25, compress_threshold=0)
+        _grad(p, 4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+        opt.step()
+        return p.detach().tolist(), opt.state[p]["residual"].tolist(), opt.state[p]["sidco"]
+
+    for w, res, control in run_local(fn, 2, timeout=30):
+        assert w == pytest.approx([-2.0, -1.5, -1.0, 0, 0, 0, 0, 0])
+        assert res == pytest.approx([0, 0, 0, 1.0, 0, 0, 0, 0])
+        assert control == {"stages": 1, "sum": 1.5, "calls": 1}  # 3 selected for k = 2
+
+
+def test_sidco_selectors_take_rank_own_stages_without_disagreeing():
+    """Each rank adapts its stages to its own counts, so the agreement must not compare them."""
+    torch.manual_seed(0)
+    xs = [torch.randn(2000) for _ in range(2)]
+
+    def fn(c):
+        return sparse_allgather(c, xs[c.rank], 20, method="sidco-p",
+                                options={"stages": 1 + c.rank})[1][0]
+
+    sent = run_local(fn, 2, timeout=30)
+    for r in range(2):
+        want = sidco.sidco(xs[r].abs(), 20, "pareto", 1 + r)
+        assert torch.equal(sent[r], want)
+
+
+def test_sidco_sgd_refuses_a_non_sidco_selector():
+    def fn(c):
+        with pytest.raises(ValueError, match="dist"):
+            SIDCoSGD([_param(1.0)], c, dist="topk")
+        with pytest.raises(ValueError, match="method"):
+            RGC([_param(1.0)], c, method="sort")
+        return RGC([_param(1.0)], c, method="sidco-gp").method(10**7)
+
+    assert run_local(fn, 1, timeout=30) == ["sidco-gp"]
+
+
 def test_step_with_a_closure_returns_its_loss():
     def fn(c):
         p = _param(1.0, -1.0)
@@ -479,7 +533,8 @@ def test_rgc_sends_nothing_for_a_sparse_parameter_that_no_rank_has_a_gradient_fo
     assert 0 < alone[0] < both[0] and alone[1] < both[1]
 
 
-@pytest.mark.parametrize("kind", [MajoritySignSGD, QSGDSGD, OneBitAdam, RGC, SparCMLSGD])
+@pytest.mark.parametrize("kind", [MajoritySignSGD, QSGDSGD, OneBitAdam, RGC, SparCMLSGD,
+                                  SIDCoSGD])
 def test_ranks_that_differ_in_which_parameters_have_gradients_raise_on_every_rank(kind):
     def worker(comm):
         a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
@@ -528,7 +583,7 @@ def _amp_run(kind, comm, scaler, steps=4, overflow_at=1):
     return params, scales
 
 
-@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml"])
+@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml", "sidco"])
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(kind):
     """A per-rank GradScaler skips step() where its own gradients overflowed; the optimizers
     take the flag from the scaler instead and agree on it, so no rank steps and none falls out

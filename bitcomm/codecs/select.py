@@ -22,8 +22,13 @@ and returning int64 indices in ascending order:
   ``nnz > 2k`` raises the lower bound. When fewer than k scores exceed the mean (k is a large
   fraction of n, outside the paper's regime), it falls back to :func:`topk`.
 
-Both refuse ``eps`` below :data:`MIN_EPS`: finer steps than that cannot change which float32
-scores exceed the threshold, and a bisection below double precision's resolution never ends.
+and, from SIDCo (:mod:`bitcomm.codecs.sidco`), threshold fits that select about k in one pass per
+stage: ``"sidco-e"`` (exponential), ``"sidco-p"`` (generalized Pareto) and ``"sidco-gp"``
+(gamma, then Pareto), with options ``stages`` and ``first``.
+
+The RedSync threshold selectors refuse ``eps`` below :data:`MIN_EPS`: finer steps than that
+cannot change which float32 scores exceed the threshold, and a bisection below double
+precision's resolution never ends.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ import math
 
 import torch
 
-from bitcomm.codecs import _frame
+from bitcomm.codecs import _frame, sidco
 
-__all__ = ["topk", "trimmed_topk", "threshold_search", "select", "METHODS", "MIN_EPS"]
+__all__ = ["topk", "trimmed_topk", "threshold_search", "select", "METHODS", "SIDCO", "MIN_EPS"]
 
-METHODS = ("topk", "trimmed", "threshold")
+SIDCO = {"sidco-e": "exponential", "sidco-p": "pareto", "sidco-gp": "gamma-pareto"}
+"""SIDCo's selectors by name, and the distribution each fits."""
+METHODS = ("topk", "trimmed", "threshold", *SIDCO)
 """Selector names accepted by :func:`select`."""
 MIN_EPS = 1e-12
 """The finest ``eps`` the threshold selectors accept."""
@@ -170,7 +177,7 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
 
 def select(scores: torch.Tensor, k: int, method: str = "topk", *, check: bool = True,
            **options: float) -> torch.Tensor:
-    """Dispatch to a selector by name (``"topk"``, ``"trimmed"`` or ``"threshold"``)."""
+    """Dispatch to a selector by name (one of :data:`METHODS`) with its options."""
     if method == "topk":
         if options:
             raise TypeError(f"topk takes no options, got {sorted(options)}")
@@ -179,4 +186,6 @@ def select(scores: torch.Tensor, k: int, method: str = "topk", *, check: bool = 
         return trimmed_topk(scores, k, check=check, **options)
     if method == "threshold":
         return threshold_search(scores, k, check=check, **options)
+    if method in SIDCO:
+        return sidco.sidco(scores, k, SIDCO[method], check=check, **options)
     raise ValueError(f"expected method in {METHODS}, got {method!r}")

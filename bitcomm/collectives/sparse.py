@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from collections.abc import Mapping
 
 import torch
 
@@ -32,7 +33,8 @@ _LEN = struct.Struct("<q")
 
 
 def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFormat = "fp32",
-                     method: str = "topk", side: str | None = None, check: bool = True
+                     method: str = "topk", side: str | None = None,
+                     options: Mapping[str, float] | None = None, check: bool = True
                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Sum every rank's k selected elements into a dense tensor.
 
@@ -44,7 +46,12 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
             or a :class:`bitcomm.codecs.sparse.Qsgd` with its settings. With a qsgd seed ``s``,
             rank ``r`` rounds with seed ``s + r``, so the ranks' rounding errors are
             independent.
-        method: selector: ``"topk"``, ``"trimmed"`` or ``"threshold"``.
+        method: selector, one of :data:`bitcomm.codecs.select.METHODS`: ``"topk"``,
+            ``"trimmed"``, ``"threshold"``, or SIDCo's ``"sidco-e"``, ``"sidco-p"``,
+            ``"sidco-gp"`` (these select about k; the frames carry however many they chose).
+        options: the selector's options (``eps``; SIDCo's ``stages`` and ``first``). They may
+            differ between ranks (SIDCo adapts its stages to each rank's own counts), so the
+            agreement leaves them out.
         side: ``"top"`` (default) or ``"bottom"``: the signed tail a ``fmt="mean"`` frame
             sends (RedSync alternates them); other formats select by ``|x|`` and take none.
         check: agree on the input first (raises on every rank for bad input).
@@ -79,9 +86,9 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
     n = v.numel()
     fmt = sparse.value_format(fmt)
     if fmt == "mean":
-        frame = redsync.encode(v, k, side or "top", method)
+        frame = redsync.encode(v, k, side or "top", method, **(options or {}))
     else:
-        idx = select.select(v.abs(), k, method, check=False)
+        idx = select.select(v.abs(), k, method, check=False, **(options or {}))
         if isinstance(fmt, sparse.Qsgd) and fmt.seed is not None:
             fmt = dataclasses.replace(fmt, seed=fmt.seed + comm.rank)
         frame = sparse.encode(idx, v[idx], n, fmt)

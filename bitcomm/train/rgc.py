@@ -18,6 +18,11 @@ Selection by the parameter's size (Algorithm 5): below ``thresholds[0]`` element
 (Alg. 3, which sends k to 2k elements). ``k = ceil(density * size)``. With ``quantize=True`` each
 worker sends only same-signed elements and their mean (RedSync 5.2.3), alternating the largest
 positive (top) and the most negative (bottom) elements from one step to the next, per parameter.
+``method`` names one selector for every size instead, for instance SIDCo's ``"sidco-e"``
+(:mod:`bitcomm.codecs.sidco`); a SIDCo selector keeps a :class:`~bitcomm.codecs.sidco.
+StageControl` per parameter, which adapts its number of stages to the counts this rank selects
+(saved in ``state_dict``). :class:`SIDCoSGD` is SIDCo's own training loop (its Appendix A:
+error compensation, a SIDCo selector and an allgather of the selected entries) on this class.
 
 Differences from the paper, on purpose: the sum is divided by ``N`` so that ``lr`` means what it
 means for dense SGD (DGC does the same); Algorithm 4's line 12 adds the raw gradient to ``U``
@@ -40,6 +45,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from bitcomm.codecs import select
+from bitcomm.codecs.sidco import StageControl
 from bitcomm.collectives import agree_on, allreduce, sparse_allgather
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
@@ -51,7 +58,7 @@ from bitcomm.train._common import (
     with_grads,
 )
 
-__all__ = ["RGC"]
+__all__ = ["RGC", "SIDCoSGD"]
 
 
 class RGC(ScalerAware, torch.optim.Optimizer):
@@ -68,6 +75,8 @@ class RGC(ScalerAware, torch.optim.Optimizer):
         thresholds: ``(thsd1, thsd2)`` element counts switching top-k -> trimmed top-k ->
             threshold binary search.
         quantize: send same-signed elements and their mean (RedSync 5.2.3), alternating sides.
+        method: one selector (:data:`bitcomm.codecs.select.METHODS`) for every compressed
+            parameter, in place of the size-based switch of ``thresholds``.
         check: run the collectives' input agreement (every rank raises on a NaN gradient).
 
     """
@@ -75,8 +84,10 @@ class RGC(ScalerAware, torch.optim.Optimizer):
     def __init__(self, params: Iterable, comm: Comm, lr: float = 0.1, momentum: float = 0.9,
                  weight_decay: float = 0.0, *, density: float = 0.01,
                  compress_threshold: int = 1024, thresholds: tuple[int, int] = (1 << 15, 1 << 20),
-                 quantize: bool = False, check: bool = True):
+                 quantize: bool = False, method: str | None = None, check: bool = True):
         self.comm = check_comm(comm)
+        if method is not None and method not in select.METHODS:
+            raise ValueError(f"expected method None or one of {select.METHODS}, got {method!r}")
         self.density = check_range("density", density, 0.0, 1.0 + 1e-12, lo_open=True)
         if isinstance(compress_threshold, bool) or not isinstance(compress_threshold, int) \
                 or compress_threshold < 0:
@@ -92,10 +103,12 @@ class RGC(ScalerAware, torch.optim.Optimizer):
                     "weight_decay": check_range("weight_decay", weight_decay, 0.0)}
         super().__init__(params, defaults)
         self.compress_threshold, self.thresholds = compress_threshold, tuple(thresholds)
-        self.quantize, self.check = quantize, check
+        self.quantize, self.check, self.selector = quantize, check, method
 
     def method(self, numel: int) -> str:
-        """Return the selection method Algorithm 5 uses for a parameter of ``numel`` elements."""
+        """Return the selector for a parameter of ``numel`` elements (the named one, if any)."""
+        if self.selector is not None:
+            return self.selector
         if numel < self.thresholds[0]:
             return "topk"
         return "trimmed" if numel < self.thresholds[1] else "threshold"
@@ -161,15 +174,50 @@ class RGC(ScalerAware, torch.optim.Optimizer):
         else:
             v.add_(g)
         k = max(1, math.ceil(self.density * v.numel()))
+        method = self.method(v.numel())
+        control = None
+        if method in select.SIDCO:
+            control = StageControl()
+            if "sidco" in state:
+                control.load_state_dict(state["sidco"])
+        options = {"stages": control.stages} if control else None
         if self.quantize:
             side = "top" if state["top"] else "bottom"
             state["top"] = not state["top"]
-            total, (idx, _) = sparse_allgather(self.comm, v, k, fmt="mean",
-                                               method=self.method(v.numel()), side=side,
-                                               check=self.check)
+            total, (idx, _) = sparse_allgather(self.comm, v, k, fmt="mean", method=method,
+                                               side=side, options=options, check=self.check)
         else:
-            total, (idx, _) = sparse_allgather(self.comm, v, k, fmt="fp32",
-                                               method=self.method(v.numel()), check=self.check)
+            total, (idx, _) = sparse_allgather(self.comm, v, k, fmt="fp32", method=method,
+                                               options=options, check=self.check)
+        if control:
+            control.update(idx.numel(), k, v.numel())
+            state["sidco"] = control.state_dict()
         v[idx] = 0
         u[idx] = 0
         p.add_(total.div_(size).view_as(p).to(p.dtype), alpha=-group["lr"])
+
+
+class SIDCoSGD(RGC):
+    """SIDCo's distributed SGD (its Appendix A): error compensation and a SIDCo selector.
+
+    Each worker adds its gradient to its residual, selects about ``density * n`` entries of
+    every compressed parameter with a SIDCo threshold (stages adapted per parameter), allgathers
+    them (:func:`~bitcomm.collectives.sparse_allgather`), keeps what it did not send as the next
+    residual and steps with the mean. It is :class:`RGC` with ``method`` set to a SIDCo selector
+    and, as the paper's loop, no momentum by default (``momentum`` turns on RGC's momentum
+    correction).
+
+    Args:
+        params, comm, lr, weight_decay, density, compress_threshold, check: as :class:`RGC`.
+        dist: ``"sidco-e"`` (exponential, the paper's default), ``"sidco-p"`` or ``"sidco-gp"``.
+        momentum: as :class:`RGC` (0 here by default).
+
+    """
+
+    def __init__(self, params: Iterable, comm: Comm, lr: float = 0.1, momentum: float = 0.0,
+                 weight_decay: float = 0.0, *, density: float = 0.01, dist: str = "sidco-e",
+                 compress_threshold: int = 1024, check: bool = True):
+        if dist not in select.SIDCO:
+            raise ValueError(f"expected dist in {tuple(select.SIDCO)}, got {dist!r}")
+        super().__init__(params, comm, lr, momentum, weight_decay, density=density,
+                         compress_threshold=compress_threshold, method=dist, check=check)

@@ -1,0 +1,144 @@
+import math
+
+import pytest
+import torch
+
+from bitcomm.codecs import select, sidco
+from bitcomm.codecs.sidco import StageControl
+
+
+def test_worked_example_of_the_module_docstring():
+    s = torch.tensor([4.0, 3, 2, 1, 0, 0, 0, 0])
+    # mean of s / 4 is 10 / 32; eta = 4 * 0.3125 * ln 4
+    assert sidco.threshold(s, 0.25) == pytest.approx(4 * 0.3125 * math.log(4), rel=1e-12)
+    assert sidco.sidco(s, 2).tolist() == [0, 1, 2]
+
+
+def test_pareto_moments_by_hand():
+    # s / 4 = [0.25, 0.5, 0.75, 1]: mean 0.625, variance 0.078125, mu^2 / s2 = 5,
+    # xi = (1 - 5) / 2 = -2, beta = 0.625 * 6 / 2 = 1.875; at delta 0.5:
+    # eta = 1.875 / -2 * (0.5**2 - 1) = 0.703125 of the largest, 2.8125
+    s = torch.tensor([1.0, 2, 3, 4])
+    assert sidco.threshold(s, 0.5, "pareto") == pytest.approx(2.8125, rel=1e-12)
+    assert sidco.sidco(s, 2, "pareto").tolist() == [2, 3]
+
+
+def test_exponential_second_stage_fits_the_shifted_exceedances_by_hand():
+    # delta 1/16 in 2 stages: stage 1 at 0.25, stage 2 at (1/16 / 0.25) = 0.25.
+    s = torch.tensor([8.0, 4, 2, 1, 1, 1, 1, 0])
+    y = [v / 8 for v in s.tolist()]
+    eta1 = sum(y) / 8 * math.log(4)
+    over = [v - eta1 for v in y if v >= eta1]
+    eta2 = eta1 + sum(over) / len(over) * math.log(4)
+    assert sidco.threshold(s, 1 / 16, "exponential", 2) == pytest.approx(8 * eta2, rel=1e-12)
+
+
+def test_gamma_threshold_is_the_exact_quantile_of_the_closed_form_fit():
+    special = pytest.importorskip("scipy.special")
+    g = torch.Generator().manual_seed(0)
+    s = torch.empty(10000).exponential_(1.0, generator=g) ** 2  # heavier than exponential
+    y = s.double() / float(s.max())
+    mu = float(y.mean())
+    t = math.log(mu) - float(y.log().mean())
+    alpha = (3 - t + math.sqrt((t - 3) ** 2 + 24 * t)) / (12 * t)
+    for delta in (0.1, 0.01, 0.001):
+        want = float(s.max()) * mu / alpha * special.gammaincinv(alpha, 1 - delta)
+        assert sidco.threshold(s, delta, "gamma-pareto") == pytest.approx(want, rel=1e-9)
+
+
+def _samples(name: str, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    u = torch.rand(n, generator=g, dtype=torch.float64).clamp_(1e-300, 1)
+    if name == "laplace":
+        return (-u.log()).float()  # |Laplace| is exponential
+    if name == "gauss":
+        return torch.randn(n, generator=g).abs()
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("dist", sidco.DISTRIBUTIONS)
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_every_fit_hits_k_on_laplace_gradients(dist, stages):
+    """|Laplace| is exponential, which every fit can represent: the count is near k."""
+    s = _samples("laplace", 1 << 18)
+    k = (1 << 18) // 100
+    got = sidco.sidco(s, k, dist, stages).numel()
+    assert 0.9 * k <= got <= 1.1 * k
+
+
+def test_stages_fix_the_far_tail_of_a_light_tailed_vector():
+    """Section 2.4: one exponential fit of |Gaussian| at delta 0.001 is orders of magnitude
+    off; three Pareto stages over the exceedances come within 20%."""
+    s = _samples("gauss", 1 << 18)
+    k = (1 << 18) // 1000
+    assert sidco.sidco(s, k, "exponential", 1).numel() < 0.1 * k
+    assert 0.8 * k <= sidco.sidco(s, k, "pareto", 3).numel() <= 1.2 * k
+
+
+def test_guards():
+    zeros = torch.zeros(10)
+    assert sidco.sidco(zeros, 3).numel() == 0 and sidco.threshold(zeros, 0.1) == math.inf
+    assert sidco.sidco(torch.empty(0), 3).numel() == 0
+    equal = torch.full((10,), 2.0)
+    for dist in sidco.DISTRIBUTIONS:  # no fit separates equal values: all of them
+        assert sidco.sidco(equal, 3, dist, 3).tolist() == list(range(10)), dist
+    x = torch.tensor([5.0, 1, 1, 1, 1, 1, 1, 1])
+    assert sidco.sidco(x, 0).numel() == 0
+    assert sidco.sidco(x, 8).tolist() == list(range(8))
+    # the exceedances over stage 1 all equal 5: stage 2 has zero variance and keeps stage 1
+    assert sidco.sidco(x, 1, "pareto", 3).tolist() == [0]
+    gaps = torch.tensor([0.0, 0, 0, 0, 3, 0, 0, 7])  # zeros in the log of the gamma fit
+    assert sidco.sidco(gaps, 1, "gamma-pareto").tolist() in ([7], [4, 7])
+
+
+def test_bad_input():
+    x = torch.ones(8)
+    with pytest.raises(ValueError, match="finite"):
+        sidco.sidco(torch.tensor([1.0, float("nan")]), 1)
+    with pytest.raises(ValueError, match="non-negative"):
+        sidco.threshold(torch.tensor([1.0, -1.0]), 0.5)
+    with pytest.raises(ValueError, match="delta"):
+        sidco.threshold(x, 0.0)
+    with pytest.raises(ValueError, match="dist"):
+        sidco.threshold(x, 0.5, "normal")
+    with pytest.raises(ValueError, match="stages"):
+        sidco.threshold(x, 0.5, stages=0)
+    with pytest.raises(TypeError, match="stages"):
+        sidco.threshold(x, 0.5, stages=1.5)
+    with pytest.raises(TypeError):
+        sidco.sidco(torch.ones(4, dtype=torch.int32), 1)
+
+
+def test_stage_control_means_over_the_whole_period():
+    """Four calls at 0.9 k and one at 1.6 k average 1.04 k: no change. (Algorithm 1 as printed
+    sums the first Q - 1 and divides by Q, 0.72 k, and would add a stage.)"""
+    c = StageControl(stages=2)
+    for ratio in (0.9, 0.9, 0.9, 0.9, 1.6):
+        c.update(round(100 * ratio), 100, 100_000)
+    assert c.stages == 2
+
+
+def test_stage_control_moves_one_stage_per_period_within_bounds():
+    c = StageControl(stages=2)
+    for _ in range(4):
+        assert c.update(300, 100, 100_000) == 2  # nothing moves before the period ends
+    assert c.update(300, 100, 100_000) == 1  # too many: one stage fewer
+    for _ in range(5):
+        c.update(300, 100, 100_000)
+    assert c.stages == 1  # never below one
+    for _ in range(100):
+        c.update(0, 100, 100_000)  # k_hat = 0 counts as too few
+    assert c.stages == sidco.max_stages(100 / 100_000) == 10
+    assert c.update(5, 0, 100) == 10  # k = 0 is not recorded
+    again = StageControl()
+    again.load_state_dict(c.state_dict())
+    assert again == c
+
+
+def test_select_dispatches_by_name_with_options():
+    s = _samples("gauss", 4096)
+    for name, dist in select.SIDCO.items():
+        assert torch.equal(select.select(s, 40, name, stages=2),
+                           sidco.sidco(s, 40, dist, 2))
+    with pytest.raises(TypeError):
+        select.select(s, 40, "sidco-e", eps=0.1)
