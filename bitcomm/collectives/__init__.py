@@ -8,6 +8,8 @@
 * :func:`qsgd_allgather`: every rank's whole tensor as one QSGD frame, averaged (SparCML).
 * :func:`ssar_recursive_double`, :func:`ssar_split_allgather`, :func:`dsar_split_allgather`:
   SparCML's sparse allreduces, the exact sum of every rank's sparse vector.
+* :func:`oktopk_allreduce`: Ok-Topk's O(k) sparse allreduce, ``Topk(sum Topk)`` with reused
+  thresholds and balanced regions (state in an :class:`OkTopkState`).
 * :func:`allreduce`: the dense float32 baseline.
 
 Each documents the bytes a rank sends and has a ``*_bytes`` function computing it; the
@@ -26,6 +28,7 @@ from bitcomm.collectives.majority import (
     ring_majority_bytes,
     ring_majority_packed,
 )
+from bitcomm.collectives.oktopk import OkTopkState, oktopk_allreduce, oktopk_allreduce_bytes
 from bitcomm.collectives.onebit import (
     OneBitState,
     onebit_allreduce,
@@ -54,6 +57,9 @@ __all__ = [
     "ring_majority",
     "ring_majority_bytes",
     "ring_majority_packed",
+    "OkTopkState",
+    "oktopk_allreduce",
+    "oktopk_allreduce_bytes",
     "OneBitState",
     "onebit_allreduce",
     "onebit_allreduce_bytes",

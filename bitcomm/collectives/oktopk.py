@@ -1,0 +1,464 @@
+"""Ok-Topk's O(k) sparse allreduce: ``Topk(sum_i Topk(acc_i))`` in under ``6k(P-1)/P`` words.
+
+Li and Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning" (PPoPP 2022),
+Section 3 and Algorithm 1. Each rank ``i`` of ``P`` holds an accumulator ``acc_i`` of ``n``
+elements; one call, with an :class:`OkTopkState` carried from call to call:
+
+1. **Local selection.** ``L_i = {j : |acc_i[j]| >= th_i, acc_i[j] != 0}``. Every ``tau_prime``
+   calls ``th_i`` is the exact k-th largest ``|acc_i|`` (so ``|L_i| = k`` without ties); in
+   between it is reused.
+2. **Space repartition** every ``tau`` calls: each rank proposes ``P - 1`` boundaries that cut
+   its sorted ``L_i`` into equal counts (the first index of each chunk; an even split of
+   ``[0, n)`` when ``|L_i| < P``); every rank averages the proposals (an allgather of int64,
+   floored: the same on every rank). Region ``j`` is ``[b_j, b_{j+1})`` and rank ``j`` owns it.
+3. **Split and reduce.** An all-to-all of entry counts, then ``P - 1`` steps in which rank ``i``
+   sends its entries in region ``(i + s) mod P`` to that region's owner and receives from
+   ``(i - s) mod P`` (destination rotation: no rank is everyone's target at once), at most
+   ``throttle`` sends in flight. The owner adds the pieces in rank order, so the bits of a sum
+   depend on neither arrival order, throttle nor boundaries (the paper overlaps each piece's
+   scatter-add with the next transfer; that would make the sum's rounding depend on arrival).
+4. **Global selection.** Every ``tau_prime`` calls (the same calls as 1) all reduced entries
+   are allgathered (values only, in region order) and the global threshold is the exact k-th
+   largest ``|value|``; in between it is reused. ``G = {j : |R[j]| >= global_th}`` over the
+   reduced entries ``R``.
+5. **Balance and allgatherv.** The counts ``|G ∩ region_j|`` are allgathered (on recompute calls
+   every rank already has them); when balancing, the entries, seen as one sorted sequence, are
+   cut into ``P`` even blocks and the pieces moved point to point to their block's rank; then an
+   allgatherv of the blocks. The result equals an allgatherv of each region's ``G`` entries.
+6. **Output.** ``u``: the dense float32 sum over ``G`` (the SGD divides by ``P``), identical on
+   every rank, and ``indexes = L_i ∩ G``: the local entries that made it into ``u`` (Ok-Topk SGD
+   zeroes only those in its residual).
+
+Choices the paper leaves open, from the authors' public code where it settles them:
+
+* ``feedback`` (default on): a reused local threshold is raised by 1.03 up to 5 times while more
+  than ``4k/3`` entries pass it; after each call it is divided by 1.012 when fewer than ``2k/3``
+  passed and multiplied by 1.012 when more than ``5k/4``; a reused global threshold is divided
+  by 1.008 when fewer than ``2k/3`` entries were selected and multiplied when more than
+  ``4k/3``.
+* ``balance``: ``"auto"`` (the paper's rule: when the largest count exceeds 4 times the mean),
+  ``"always"`` or ``"never"`` (the public code hard-wires one or the other).
+* Thresholds select with ``>=`` and never select a zero entry; ties at the k-th value are all
+  kept. With ``P = 1`` or fewer than ``P`` local entries the repartition falls back to an even
+  split (the public code crashes on both).
+
+Oracle: with ``R = sum_i acc_i * [j in L_i]`` (rank order), the output is ``R * [G]``; with
+``tau_prime = 1`` and no feedback that is ``Topk(sum_i Topk(acc_i))``.
+
+Wire. An entry is an index (int32 when ``n < 2**31``, else int64) and a float32 value: one
+word each, 4 bytes a word with int32 indices. A piece travels as its indices then its values;
+counts go as int64. Bytes a rank sends (:func:`oktopk_allreduce_bytes`, from the call's
+:class:`OkTopkStats`; ``w`` the bytes of an entry)::
+
+    24 (P-1)                 the agreement, with check
+    + 8 (P-1)^2              repartition calls: P-1 proposals to each other rank
+    + 8 (P-1)                the count all-to-all
+    + w * pieces             entries sent to other regions' owners
+    + 8 (P-1) + 4 (P-1) * reduced    recompute calls: counts and values of the own region
+    + 8 (P-1)                other calls: the selected count
+    + w * moved + w (P-1) * block    balancing, then the allgatherv
+
+With balanced regions ``pieces ~ k(P-1)/P`` and ``block <= |G|/P + 1``, so the payload stays
+below ``6k(P-1)/P`` words plus the counts (Section 3.1, equation 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from bitcomm.codecs import stream
+from bitcomm.collectives import _common
+from bitcomm.comm.base import Comm, Request
+
+__all__ = ["OkTopkState", "OkTopkStats", "oktopk_allreduce", "oktopk_allreduce_bytes",
+           "BALANCE"]
+
+BALANCE = ("auto", "always", "never")
+"""When to balance before the allgatherv."""
+_RAISE, _RAISE_TRIES = 1.03, 5
+_LOCAL_STEP, _GLOBAL_STEP = 1.012, 1.008
+
+
+@dataclasses.dataclass(frozen=True)
+class OkTopkStats:
+    """What one call selected and moved (for the byte count and the selection quality).
+
+    Attributes:
+        local: entries this rank selected, ``|L_i|``.
+        selected: entries of the result, ``|G|`` (the same on every rank).
+        recomputed: the thresholds were recomputed exactly in this call.
+        repartitioned: the region boundaries were recomputed in this call.
+        balanced: the entries were balanced before the allgatherv.
+        pieces: entries this rank sent to other regions' owners.
+        reduced: entries of this rank's region after the reduction.
+        moved: entries this rank sent while balancing.
+        block: entries this rank contributed to the allgatherv.
+
+    """
+
+    local: int
+    selected: int
+    recomputed: bool
+    repartitioned: bool
+    balanced: bool
+    pieces: int
+    reduced: int
+    moved: int
+    block: int
+
+
+@dataclasses.dataclass
+class OkTopkState:
+    """Ok-Topk's state for one accumulator, carried from call to call (Algorithm 1).
+
+    The options must be equal on every rank; the thresholds and boundaries are kept equal by
+    the algorithm where they must be (``global_th``, ``boundaries``) and per rank where not
+    (``local_th``). The agreement compares the shared part on every call.
+
+    Attributes:
+        tau: calls between space repartitions (the paper's 64).
+        tau_prime: calls between exact thresholds (the paper's 32; 128 for BERT).
+        throttle: sends in flight during split and reduce (``min(throttle, P - 1)``).
+        balance: ``"auto"``, ``"always"`` or ``"never"``.
+        feedback: adjust reused thresholds by the selected counts (the public code's rules).
+        iteration: calls so far.
+        local_th: this rank's local threshold.
+        global_th: the global threshold (equal on every rank).
+        boundaries: the ``P - 1`` inner region boundaries (equal on every rank).
+        last: what the last call selected and moved.
+
+    """
+
+    tau: int = 64
+    tau_prime: int = 32
+    throttle: int = 4
+    balance: str = "auto"
+    feedback: bool = True
+    iteration: int = 0
+    local_th: float | None = None
+    global_th: float | None = None
+    boundaries: list[int] | None = None
+    last: OkTopkStats | None = None
+
+    def check(self) -> None:
+        """Raise ``ValueError``/``TypeError`` for options outside their ranges."""
+        for name in ("tau", "tau_prime", "throttle"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"expected {name} to be an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"expected {name} >= 1, got {v}")
+        if self.balance not in BALANCE:
+            raise ValueError(f"expected balance in {BALANCE}, got {self.balance!r}")
+
+    def state_dict(self) -> dict:
+        """Return the state to resume from (``last`` is not kept)."""
+        d = dataclasses.asdict(self)
+        d.pop("last")
+        return d
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        for key, value in state.items():
+            setattr(self, key, list(value) if key == "boundaries" and value is not None
+                    else value)
+
+    def _shared(self) -> dict[str, object]:
+        return {"tau": self.tau, "tau_prime": self.tau_prime, "balance": self.balance,
+                "feedback": self.feedback, "iteration": self.iteration,
+                "global_th": self.global_th, "boundaries": self.boundaries}
+
+
+def _entry_bytes(n: int) -> int:
+    return stream.index_width(n) + 4
+
+
+def oktopk_allreduce_bytes(size: int, n: int, stats: OkTopkStats, *, check: bool = True) -> int:
+    """Return the bytes one rank sent in a call that reported ``stats`` (module docstring)."""
+    if size == 1:
+        return 0
+    p1, w = size - 1, _entry_bytes(n)
+    total = _common.control_bytes(size, check) + 8 * p1 + w * stats.pieces
+    if stats.repartitioned:
+        total += 8 * p1 * p1
+    total += 8 * p1 + (4 * p1 * stats.reduced if stats.recomputed else 0)
+    return total + w * stats.moved + w * p1 * stats.block
+
+
+# -- pieces of the call -----------------------------------------------------------------------
+
+
+def _kth_largest(a: torch.Tensor, k: int) -> float:
+    """Return the threshold keeping the k largest of ``a`` (non-negative): all if fewer."""
+    if a.numel() == 0 or k == 0:
+        return math.inf
+    if k >= a.numel():
+        return float(a.min())
+    return float(torch.topk(a, k, sorted=False).values.min())
+
+
+def _local(acc: torch.Tensor, k: int, state: OkTopkState, recompute: bool) -> torch.Tensor:
+    mag = acc.abs()
+    nonzero = mag > 0
+    if recompute or state.local_th is None:
+        state.local_th = _kth_largest(mag[nonzero], k)
+    keep = nonzero & (mag >= state.local_th)
+    if state.feedback and not recompute:
+        for _ in range(_RAISE_TRIES):
+            if 3 * int(keep.sum()) <= 4 * k:
+                break
+            state.local_th *= _RAISE
+            keep = nonzero & (mag >= state.local_th)
+    return torch.nonzero(keep).reshape(-1)
+
+
+def _proposal(local: torch.Tensor, n: int, size: int) -> list[int]:
+    m = local.numel()
+    if m < size:
+        return [j * n // size for j in range(1, size)]
+    return [int(local[j * m // size]) for j in range(1, size)]
+
+
+def _repartition(comm: Comm, local: torch.Tensor, n: int) -> list[int]:
+    mine = torch.tensor(_proposal(local, n, comm.size), dtype=torch.int64)
+    got = comm.allgatherv(mine.view(torch.uint8), [8 * (comm.size - 1)] * comm.size)
+    props = torch.stack([g.cpu().view(torch.int64) for g in got])
+    if bool((props < 0).any()) or bool((props > n).any()):
+        raise ValueError(f"oktopk_allreduce: a rank proposed a region boundary outside [0, {n}]")
+    # floor of the mean of non-decreasing proposals: non-decreasing, the same on every rank
+    return (props.sum(0) // comm.size).tolist()
+
+
+def _pack(idx: torch.Tensor, val: torch.Tensor, n: int) -> torch.Tensor:
+    itype = torch.int32 if stream.index_width(n) == 4 else torch.int64
+    return torch.cat([idx.to(itype).view(torch.uint8), val.contiguous().view(torch.uint8)])
+
+
+def _unpack(buf: torch.Tensor, count: int, n: int, lo: int, hi: int, peer: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    iw = stream.index_width(n)
+    itype = torch.int32 if iw == 4 else torch.int64
+    idx = buf[: iw * count].view(itype).to(torch.int64)
+    val = buf[iw * count:].view(torch.float32)
+    if count and (int(idx.min()) < lo or int(idx.max()) >= hi
+                  or (count > 1 and not bool((idx[1:] > idx[:-1]).all()))):
+        raise ValueError(f"oktopk_allreduce: rank {peer} sent indices outside [{lo}, {hi}) or "
+                         "out of order")
+    return idx, val
+
+
+def _counts(comm: Comm, mine: list[int]) -> list[int]:
+    """All-to-all of one int64 count per rank."""
+    bufs = [torch.tensor([c], dtype=torch.int64).view(torch.uint8) for c in mine]
+    got = comm.alltoallv(bufs, [8] * comm.size)
+    return [int(g.cpu().view(torch.int64)[0]) for g in got]
+
+
+def _allgather_counts(comm: Comm, c: int) -> list[int]:
+    mine = torch.tensor([c], dtype=torch.int64).view(torch.uint8)
+    return [int(g.cpu().view(torch.int64)[0]) for g in comm.allgatherv(mine, [8] * comm.size)]
+
+
+def _checked(counts: list[int], limit: int, what: str) -> list[int]:
+    bad = [r for r, c in enumerate(counts) if not 0 <= c <= limit]
+    if bad:
+        raise ValueError(f"oktopk_allreduce: rank(s) {bad} announced {what} beyond 0..{limit} "
+                         f"entries")
+    return counts
+
+
+def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: list[int],
+                      n: int, throttle: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Send each region's entries to its owner; return the own region's sum and pieces sent."""
+    size, rank = comm.size, comm.rank
+    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype, device=idx.device))
+    edges = [0, *cuts.tolist(), idx.numel()]
+    parts = [(idx[edges[j]:edges[j + 1]], val[edges[j]:edges[j + 1]]) for j in range(size)]
+    lo, hi = ([0, *bounds][rank], [*bounds, n][rank])
+    counts = _checked(_counts(comm, [p[0].numel() for p in parts]), hi - lo, "a piece of")
+    w = _entry_bytes(n)
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {rank: parts[rank]}
+    steps = list(range(1, size))
+    for at in range(0, len(steps), throttle):
+        batch = steps[at:at + throttle]
+        sends: list[Request] = []
+        for s in batch:
+            dest = (rank + s) % size
+            if parts[dest][0].numel():
+                sends.append(comm.isend(_pack(*parts[dest], n), dest))
+        for s in batch:
+            src = (rank - s) % size
+            if counts[src]:
+                buf = comm.recv(torch.empty(w * counts[src], dtype=torch.uint8,
+                                            device=val.device), src)
+                got[src] = _unpack(buf, counts[src], n, lo, hi, src)
+        Request.wait_all(sends)
+    dense = torch.zeros(hi - lo, dtype=torch.float32, device=val.device)
+    present = torch.zeros(hi - lo, dtype=torch.bool, device=val.device)
+    for r in range(size):  # rank order: the bits do not depend on arrival
+        if r in got and got[r][0].numel():
+            dense.index_add_(0, got[r][0] - lo, got[r][1])
+            present[got[r][0] - lo] = True
+    where = torch.nonzero(present).reshape(-1)
+    pieces = sum(p[0].numel() for j, p in enumerate(parts) if j != rank)
+    return where + lo, dense[where], pieces
+
+
+def _balance(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts: list[int], n: int
+             ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Move entries so that rank j holds block j of the virtual concatenation; return it."""
+    size, rank = comm.size, comm.rank
+    offsets = [sum(counts[:r]) for r in range(size + 1)]
+    total = offsets[-1]
+    blocks = _common.bounds(total, size)
+    mine_lo, mine_hi = offsets[rank], offsets[rank + 1]
+    w = _entry_bytes(n)
+    sends: list[Request] = []
+    moved = 0
+    for j, (b_lo, b_hi) in enumerate(blocks):
+        lo, hi = max(mine_lo, b_lo), min(mine_hi, b_hi)
+        if j != rank and lo < hi:
+            a, b = lo - mine_lo, hi - mine_lo
+            sends.append(comm.isend(_pack(idx[a:b], val[a:b], n), j))
+            moved += hi - lo
+    b_lo, b_hi = blocks[rank]
+    out_i, out_v = [], []
+    for h in range(size):
+        lo, hi = max(offsets[h], b_lo), min(offsets[h + 1], b_hi)
+        if lo >= hi:
+            continue
+        if h == rank:
+            a, b = lo - mine_lo, hi - mine_lo
+            out_i.append(idx[a:b])
+            out_v.append(val[a:b])
+        else:
+            buf = comm.recv(torch.empty(w * (hi - lo), dtype=torch.uint8, device=val.device), h)
+            i, v = _unpack(buf, hi - lo, n, 0, n, h)
+            out_i.append(i)
+            out_v.append(v)
+    Request.wait_all(sends)
+    if not out_i:
+        return idx[:0], val[:0], moved
+    return torch.cat(out_i), torch.cat(out_v), moved
+
+
+def _allgatherv_entries(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts: list[int],
+                        n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = _entry_bytes(n)
+    got = comm.allgatherv(_pack(idx, val, n), [w * c for c in counts])
+    parts = [(idx, val) if r == comm.rank else _unpack(g.to(val.device), counts[r], n, 0, n, r)
+             for r, g in enumerate(got)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+# -- the collective ---------------------------------------------------------------------------
+
+
+def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, *,
+                     check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return Ok-Topk's sparse allreduce of ``acc`` and the local entries it used.
+
+    Args:
+        comm: the transport.
+        acc: this rank's accumulator (float; computed in float32), the same length everywhere.
+        k: the target count of local and global selections, ``0 <= k <= n``.
+        state: the :class:`OkTopkState` of this accumulator; updated in place.
+        check: agree on the call first: bad input, options or diverged state (iteration,
+            global threshold, boundaries) on any rank raise on every rank.
+
+    Returns:
+        ``(u, indexes)``: the float32 sum of the globally selected entries (``acc``'s shape,
+        identical on every rank) and this rank's selected indices (ascending int64) that are
+        in it.
+
+    """
+    def validate(v: torch.Tensor) -> None:
+        state.check()
+        count = _frame_count(k)
+        if count > v.numel():
+            raise ValueError(f"expected 0 <= k <= {v.numel()} elements, got k={k}")
+        if state.boundaries is not None and len(state.boundaries) != comm.size - 1:
+            raise ValueError(f"expected {comm.size - 1} boundaries in the state, got "
+                             f"{len(state.boundaries)}")
+
+    if not isinstance(state, OkTopkState):
+        raise TypeError(f"expected state to be an OkTopkState, got {type(state).__name__}")
+    options = {"k": k, **state._shared()}
+    v = _common.prepare(comm, acc, check, "oktopk_allreduce", float32=True, options=options,
+                        validate=validate).to(torch.float32)
+    n, size = v.numel(), comm.size
+    t = state.iteration + 1
+    recompute = (t - 1) % state.tau_prime == 0 or state.global_th is None
+    repartition = (t - 1) % state.tau == 0 or state.boundaries is None
+
+    local = _local(v, k, state, recompute)
+    if repartition:
+        state.boundaries = _repartition(comm, local, n) if size > 1 else []
+    bounds = state.boundaries
+    if size > 1:
+        r_idx, r_val, pieces = _split_and_reduce(comm, local, v[local], bounds, n,
+                                                 min(state.throttle, size - 1))
+    else:
+        r_idx, r_val, pieces = local, v[local], 0
+    edges = [0, *bounds, n]
+    mag = r_val.abs()
+    if recompute:
+        sizes = _checked(_allgather_counts(comm, r_idx.numel()) if size > 1 else [r_idx.numel()],
+                         n, "a region of")
+        if size > 1:
+            got = comm.allgatherv(r_val.contiguous().view(torch.uint8), [4 * c for c in sizes])
+            every = [g.to(v.device).view(torch.float32).abs() for g in got]
+        else:
+            every = [mag]
+        state.global_th = _kth_largest(torch.cat(every), k)
+        counts = [int((e >= state.global_th).sum()) for e in every]
+    keep = mag >= state.global_th
+    g_idx, g_val = r_idx[keep], r_val[keep]
+    if not recompute:
+        counts = (_checked(_allgather_counts(comm, g_idx.numel()), edges[-1], "a selection of")
+                  if size > 1 else [g_idx.numel()])
+    total = sum(counts)
+    balanced = size > 1 and (state.balance == "always" or (
+        state.balance == "auto" and max(counts) * size > 4 * total))
+    moved = 0
+    if size > 1:
+        if balanced:
+            g_idx, g_val, moved = _balance(comm, g_idx, g_val, counts, n)
+            counts = [hi - lo for lo, hi in _common.bounds(total, size)]
+        block = g_idx.numel()
+        all_idx, all_val = _allgatherv_entries(comm, g_idx, g_val, counts, n)
+    else:
+        block, all_idx, all_val = 0, g_idx, g_val
+    u = torch.zeros(n, dtype=torch.float32, device=v.device)
+    u[all_idx] = all_val
+    chosen = torch.zeros(n, dtype=torch.bool, device=v.device)
+    chosen[all_idx] = True
+    indexes = local[chosen[local]]
+
+    if state.feedback:
+        m = local.numel()
+        if 3 * m < 2 * k:
+            state.local_th /= _LOCAL_STEP
+        elif 4 * m > 5 * k:
+            state.local_th *= _LOCAL_STEP
+        if not recompute:
+            if 3 * total < 2 * k:
+                state.global_th /= _GLOBAL_STEP
+            elif 3 * total > 4 * k:
+                state.global_th *= _GLOBAL_STEP
+    state.iteration = t
+    state.last = OkTopkStats(local=local.numel(), selected=total, recomputed=recompute,
+                             repartitioned=repartition and size > 1, balanced=balanced,
+                             pieces=pieces, reduced=r_idx.numel(), moved=moved, block=block)
+    return u.reshape(acc.shape), indexes
+
+
+def _frame_count(k: object) -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"expected k to be an int, got {type(k).__name__}")
+    if k < 0:
+        raise ValueError(f"expected k >= 0, got {k}")
+    return k

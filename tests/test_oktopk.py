@@ -1,0 +1,191 @@
+import dataclasses
+
+import pytest
+import torch
+
+from bitcomm.collectives.oktopk import OkTopkState, oktopk_allreduce, oktopk_allreduce_bytes
+from bitcomm.comm import run_local
+
+
+def _accs(size: int, n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for _ in range(size)]
+
+
+def _top(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (ascending) of the k largest |a| among its nonzero entries."""
+    nz = torch.nonzero(a).reshape(-1)
+    if k >= nz.numel():
+        return nz
+    return nz[torch.topk(a[nz].abs(), k).indices].sort().values
+
+
+def oracle(accs: list[torch.Tensor], k: int, ths: list[float] | None = None,
+           global_th: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """R = sum_i acc_i [j in L_i] in rank order; G its top k (or |R| >= global_th); u = R[G]."""
+    n = accs[0].numel()
+    r = torch.zeros(n)
+    present = torch.zeros(n, dtype=torch.bool)
+    locals_ = []
+    for i, a in enumerate(accs):
+        li = _top(a, k) if ths is None else torch.nonzero((a.abs() >= ths[i]) & (a != 0)
+                                                           ).reshape(-1)
+        r.index_add_(0, li, a[li])
+        present[li] = True
+        locals_.append(li)
+    where = torch.nonzero(present).reshape(-1)
+    if global_th is None:
+        g = where[torch.topk(r[where].abs(), min(k, where.numel())).indices]
+    else:
+        g = where[r[where].abs() >= global_th]
+    u = torch.zeros(n)
+    u[g] = r[g]
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[g] = True
+    return u, [li[chosen[li]] for li in locals_]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8])
+def test_one_call_is_topk_of_the_sum_of_topk_on_every_rank(size):
+    n, k = 1001, 37
+    accs = _accs(size, n, seed=size)
+
+    def fn(c):
+        state = OkTopkState(tau_prime=1, feedback=False)
+        u, idx = oktopk_allreduce(c, accs[c.rank], k, state)
+        return u, idx, state.last, c.counters.total_sent
+
+    out = run_local(fn, size, timeout=60)
+    want, want_idx = oracle(accs, k)
+    for r, (u, idx, stats, sent) in enumerate(out):
+        assert torch.equal(u, want), r
+        assert torch.equal(idx, want_idx[r]), r
+        assert stats.local == k and stats.selected == k
+        assert sent == oktopk_allreduce_bytes(size, n, stats)
+
+
+@pytest.mark.parametrize("balance", ["always", "never", "auto"])
+@pytest.mark.parametrize("throttle", [1, 4])
+@pytest.mark.parametrize("boundaries", [None, "low", "high", "odd"])
+def test_the_result_does_not_depend_on_boundaries_throttle_or_balance(balance, throttle,
+                                                                       boundaries):
+    size, n, k = 5, 600, 40
+    accs = _accs(size, n, seed=7)
+    preset = {None: None, "low": [0, 0, 0, 0], "high": [n, n, n, n], "odd": [5, 7, 300, 599]}
+
+    def fn(c):
+        state = OkTopkState(tau_prime=1, feedback=False, throttle=throttle, balance=balance)
+        if boundaries is not None:  # not a repartition call: the preset regions are used
+            state.iteration, state.boundaries = 1, preset[boundaries]
+        u, idx = oktopk_allreduce(c, accs[c.rank], k, state)
+        return u, idx, state.last, c.counters.total_sent
+
+    out = run_local(fn, size, timeout=60)
+    want, want_idx = oracle(accs, k)
+    for r, (u, idx, stats, sent) in enumerate(out):
+        assert torch.equal(u, want) and torch.equal(idx, want_idx[r])
+        assert stats.balanced == (balance == "always" or (
+            balance == "auto" and boundaries in ("low", "high")))  # all in one region
+        assert sent == oktopk_allreduce_bytes(size, n, stats)
+
+
+def test_reused_thresholds_select_by_value_on_the_next_call():
+    size, n, k = 4, 800, 30
+    first, second = _accs(size, n, seed=1), _accs(size, n, seed=2)
+
+    def fn(c):
+        state = OkTopkState(tau_prime=4, tau=4, feedback=False)
+        oktopk_allreduce(c, first[c.rank], k, state)
+        ths = (state.local_th, state.global_th)
+        u, idx = oktopk_allreduce(c, second[c.rank], k, state)
+        return ths, u, idx, state.last
+
+    out = run_local(fn, size, timeout=60)
+    ths = [o[0][0] for o in out]
+    global_th = out[0][0][1]
+    assert all(o[0][1] == global_th for o in out)
+    want, want_idx = oracle(second, k, ths, global_th)
+    for r, (_, u, idx, stats) in enumerate(out):
+        assert not stats.recomputed and not stats.repartitioned
+        assert torch.equal(u, want) and torch.equal(idx, want_idx[r])
+
+
+def test_feedback_moves_reused_thresholds_as_the_reference_does():
+    # one rank: acc = 1..100; k = 10 -> th = 91. Next call with 2 * acc: 55 pass 91 (> 4k/3),
+    # so th rises by 1.03 five times (105.5): 48 pass, still > 5k/4 after, so th *= 1.012.
+    acc = torch.arange(1.0, 101.0)
+
+    def fn(c):
+        state = OkTopkState(tau_prime=8)
+        oktopk_allreduce(c, acc, 10, state)
+        th1 = state.local_th
+        oktopk_allreduce(c, 2 * acc, 10, state)
+        return th1, state.local_th, state.last.local
+
+    th1, th2, local = run_local(fn, 1, timeout=30)[0]
+    assert th1 == 91.0
+    assert th2 == pytest.approx(91.0 * 1.03 ** 5 * 1.012)
+    assert local == sum(1 for v in range(1, 101) if 2 * v >= 91 * 1.03 ** 5)
+
+
+def test_the_payload_stays_within_6k_words_while_the_allgather_grows():
+    """Section 3.1: per rank, pieces + balancing + allgatherv stay under 6k(P-1)/P words (an
+    entry is two 4-byte words); allgathering every rank's top-k sends 2k(P-1) words."""
+    n, k = 8192, 64
+    for size in (4, 8):
+        accs = _accs(size, n, seed=size)
+
+        def fn(c, accs=accs):
+            state = OkTopkState(tau_prime=1, feedback=False, balance="always")
+            oktopk_allreduce(c, accs[c.rank], k, state)
+            s = state.last
+            return 2 * (s.pieces + s.moved + (size - 1) * s.block)
+
+        words = run_local(fn, size, timeout=60)
+        assert max(words) <= 6 * k * (size - 1) / size, (size, words)
+        assert max(words) < 2 * k * (size - 1)
+
+
+def test_fewer_local_entries_than_ranks_and_zero_k():
+    size, n = 4, 50
+    accs = [torch.zeros(n) for _ in range(size)]
+    accs[2][7] = 3.0  # one nonzero entry in all: fewer than P selected on every rank
+
+    def fn(c):
+        state = OkTopkState()
+        u, idx = oktopk_allreduce(c, accs[c.rank], 5, state)
+        z, zi = oktopk_allreduce(c, accs[c.rank], 0, OkTopkState())
+        return u, idx, state.boundaries, z, zi
+
+    for r, (u, idx, bounds, z, zi) in enumerate(run_local(fn, size, timeout=60)):
+        assert u.tolist() == accs[2].tolist()
+        assert idx.tolist() == ([7] if r == 2 else [])
+        assert bounds == [12, 25, 37]  # the even split every rank proposed
+        assert not z.any() and zi.numel() == 0
+
+
+def test_bad_input_raises_on_every_rank():
+    def fn(c):
+        errors = []
+        for acc, k, state in [
+            (torch.ones(8), 9 if c.rank == 1 else 2, OkTopkState()),
+            (torch.ones(8), 2, OkTopkState(balance="sometimes" if c.rank == 0 else "auto")),
+            (torch.ones(8) if c.rank else torch.ones(8, dtype=torch.int64), 2, OkTopkState()),
+            (torch.ones(8), 2, OkTopkState(iteration=c.rank)),  # diverged state
+        ]:
+            try:
+                oktopk_allreduce(c, acc, k, state)
+                errors.append(None)
+            except (TypeError, ValueError) as e:
+                errors.append(type(e).__name__)
+        return errors
+
+    out = run_local(fn, 3, timeout=60)
+    assert out[0] == out[1] == out[2] == ["ValueError", "ValueError", "TypeError", "ValueError"]
+
+
+def test_state_round_trips():
+    s = OkTopkState(tau=3, iteration=5, local_th=0.5, global_th=0.25, boundaries=[4, 9])
+    t = OkTopkState()
+    t.load_state_dict(s.state_dict())
+    assert dataclasses.asdict(t) == dataclasses.asdict(s)
