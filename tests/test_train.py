@@ -15,6 +15,7 @@ from bitcomm.train import (
     RGC,
     ErrorFeedback,
     MajoritySignSGD,
+    OkTopkSGD,
     OneBitAdam,
     SIDCoSGD,
     SparCMLSGD,
@@ -226,12 +227,16 @@ def _make(kind, params, comm):
         return RGC(params, comm, lr=0.05, density=0.4, compress_threshold=2, quantize=True)
     if kind == "sparcml":
         return SparCMLSGD(params, comm, lr=0.05, momentum=0.9, k=1, bucket=2, bits=4, seed=3)
+    if kind == "oktopk":
+        return OkTopkSGD(params, comm, lr=0.05, momentum=0.9, weight_decay=0.01, density=0.4,
+                         tau=2, tau_prime=2)
     if kind == "sidco":
         return SIDCoSGD(params, comm, lr=0.05, density=0.4, compress_threshold=2, dist="sidco-p")
     return QSGDSGD(params, comm, lr=0.05, momentum=0.9, bits=4, error_feedback=True, seed=3)
 
 
-@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml", "sidco"])
+@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml", "sidco",
+                                  "oktopk"])
 def test_state_dict_round_trip_resumes_bit_identically(kind):
     def batches(rank, t):
         g = torch.Generator().manual_seed(100 * t + rank)
@@ -435,6 +440,46 @@ def test_sidco_sgd_sends_what_crosses_the_threshold_and_keeps_the_rest_by_hand()
         assert control == {"stages": 1, "sum": 1.5, "calls": 1}  # 3 selected for k = 2
 
 
+def test_oktopk_sgd_two_workers_by_hand():
+    # k = ceil(0.5 * 4) = 2 of a flat buffer [w (3), b (1)]. Step 1: worker 0 acc = [4, 1, 0, 3],
+    # worker 1 acc = [2, 0, 5, 1]; local top-2: {0, 3} and {0, 2}. R = [6, 0, 5, 3]; global
+    # top-2: {0, 2}. u / 2 = [3, 0, 2.5, 0]. Residuals: worker 0 keeps [0, 1, 0, 3] (3 was
+    # selected locally but not globally), worker 1 keeps [0, 0, 0, 1].
+    grads = {0: ([4.0, 1.0, 0.0], [3.0]), 1: ([2.0, 0.0, 5.0], [1.0])}
+
+    def fn(c):
+        w, b = _param(0.0, 0.0, 0.0), _param(0.0)
+        opt = OkTopkSGD([w, b], c, lr=0.1, density=0.5, tau_prime=1, feedback=False)
+        w.grad, b.grad = torch.tensor(grads[c.rank][0]), torch.tensor(grads[c.rank][1])
+        opt.step()
+        first = w.detach().tolist() + b.detach().tolist()
+        res = opt.state[w]["residual"].tolist() + opt.state[b]["residual"].tolist()
+        b.grad = None  # b frozen: its residual waits and it does not move
+        w.grad = torch.zeros(3)
+        opt.step()
+        return first, res, w.detach().tolist() + b.detach().tolist(), \
+            opt.state[b]["residual"].tolist(), opt.collective.last.selected
+
+    (f0, r0, s0, rb0, sel), (f1, r1, s1, rb1, _) = run_local(fn, 2, timeout=30)
+    assert f0 == f1 == pytest.approx([-0.3, 0.0, -0.25, 0.0])
+    assert r0 == pytest.approx([0.0, 1.0, 0.0, 3.0]) and r1 == pytest.approx([0, 0, 0, 1.0])
+    # step 2: acc_0 = [0, 1, 0, (b frozen: 0)], acc_1 = [0, 0, 0, 0] -> only w[1] = 1 goes
+    assert s0 == s1 == pytest.approx([-0.3, -0.05, -0.25, 0.0])
+    assert rb0 == [3.0] and rb1 == [1.0] and sel == 1
+
+
+def test_oktopk_sgd_warmup_steps_are_dense_sgd():
+    def fn(c):
+        w = _param(0.0, 0.0)
+        opt = OkTopkSGD([w], c, lr=1.0, density=0.5, warmup=1)
+        w.grad = torch.tensor([1.0, 3.0]) * (c.rank + 1)
+        opt.step()
+        return w.detach().tolist(), opt.state[w]["residual"].tolist()
+
+    for w, res in run_local(fn, 2, timeout=30):
+        assert w == pytest.approx([-1.5, -4.5]) and res == [0.0, 0.0]
+
+
 def test_sidco_selectors_take_rank_own_stages_without_disagreeing():
     """Each rank adapts its stages to its own counts, so the agreement must not compare them."""
     torch.manual_seed(0)
@@ -534,7 +579,7 @@ def test_rgc_sends_nothing_for_a_sparse_parameter_that_no_rank_has_a_gradient_fo
 
 
 @pytest.mark.parametrize("kind", [MajoritySignSGD, QSGDSGD, OneBitAdam, RGC, SparCMLSGD,
-                                  SIDCoSGD])
+                                  SIDCoSGD, OkTopkSGD])
 def test_ranks_that_differ_in_which_parameters_have_gradients_raise_on_every_rank(kind):
     def worker(comm):
         a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
@@ -583,7 +628,8 @@ def _amp_run(kind, comm, scaler, steps=4, overflow_at=1):
     return params, scales
 
 
-@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml", "sidco"])
+@pytest.mark.parametrize("kind", ["signum", "onebit", "qsgd", "rgc", "sparcml", "sidco",
+                                  "oktopk"])
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(kind):
     """A per-rank GradScaler skips step() where its own gradients overflowed; the optimizers
     take the flag from the scaler instead and agree on it, so no rank steps and none falls out

@@ -6,6 +6,8 @@
 * :class:`~bitcomm.train.onebit_adam.OneBitAdam`: DeepSpeed's 1-bit Adam.
 * :class:`~bitcomm.train.qsgd_sgd.QSGDSGD`: SGD on QSGD-quantised gradient averages.
 * :class:`~bitcomm.train.rgc.RGC`: RedSync's residual gradient compression (top-k SGD).
+* :class:`~bitcomm.train.oktopk_sgd.OkTopkSGD`: Ok-Topk's sparse SGD over its O(k) sparse
+  allreduce.
 * :class:`~bitcomm.train.rgc.SIDCoSGD`: SIDCo's error-compensated SGD with statistical
   thresholds.
 * :class:`~bitcomm.train.sparcml_sgd.SparCMLSGD`: SparCML's bucketed top-k SGD over a sparse
@@ -20,6 +22,7 @@ rank. This layer imports the collectives, the transports and the codecs, never t
 """
 
 from bitcomm.train.feedback import ErrorFeedback
+from bitcomm.train.oktopk_sgd import OkTopkSGD
 from bitcomm.train.onebit_adam import OneBitAdam
 from bitcomm.train.qsgd_sgd import QSGDSGD
 from bitcomm.train.rgc import RGC, SIDCoSGD
@@ -27,5 +30,5 @@ from bitcomm.train.scaler import GradScaler
 from bitcomm.train.signum import MajoritySignSGD
 from bitcomm.train.sparcml_sgd import SparCMLSGD
 
-__all__ = ["ErrorFeedback", "GradScaler", "MajoritySignSGD", "OneBitAdam", "QSGDSGD", "RGC",
-           "SIDCoSGD", "SparCMLSGD"]
+__all__ = ["ErrorFeedback", "GradScaler", "MajoritySignSGD", "OkTopkSGD", "OneBitAdam",
+           "QSGDSGD", "RGC", "SIDCoSGD", "SparCMLSGD"]
