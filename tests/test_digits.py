@@ -57,6 +57,23 @@ def test_short_digits_run_over_gloo_meets_the_accuracy_target():
         assert by[m].compression > 5, by[m]
 
 
+def test_threshold_selecting_methods_train_a_wider_model_and_report_their_counts():
+    """Ok-Topk and SIDCo at 1% on a 64-256-10 MLP, 2 thread ranks: identical parameters on
+    every rank, accuracy near dense SGD's, and a selected/k figure for each."""
+    data = digits.load_digits_split(0)
+    cfg = digits.TrainConfig(steps=100, eval_every=50, hidden=256)
+    rows = {m: run_local(lambda c, m=m: digits.train(c, m, cfg, data), 2, timeout=120)
+            for m in ("dense-sgd", "oktopk-sgd", "sidco-sgd")}
+    assert rows["dense-sgd"][0].params == 64 * 256 + 256 + 256 * 10 + 10
+    assert rows["dense-sgd"][0].selected_ratio is None
+    for m in ("oktopk-sgd", "sidco-sgd"):
+        a, b = rows[m]
+        assert a.digest == b.digest
+        assert a.accuracy >= rows["dense-sgd"][0].accuracy - 0.03, m
+        assert a.compression > 10, m
+        assert 0.5 < a.selected_ratio < 2 and a.selected_deviation < 1, m
+
+
 def _rows():
     from bitcomm.experiments.digits.results import MethodResult
 

@@ -429,7 +429,7 @@ def test_sidco_sgd_sends_what_crosses_the_threshold_and_keeps_the_rest_by_hand()
     # Two workers with the same gradient: the mean is the sent entries themselves.
     def fn(c):
         p = _param(*[0.0] * 8)
-        opt = SIDCoSGD([p], c, lr=0.5, density=0.25, compress_threshold=0)
+        opt = SIDCoSGD([p], c, lr=0.5, density=0.25, compress_threshold=0, dist="sidco-e")
         _grad(p, 4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0)
         opt.step()
         return p.detach().tolist(), opt.state[p]["residual"].tolist(), opt.state[p]["sidco"]

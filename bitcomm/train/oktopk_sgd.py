@@ -81,6 +81,14 @@ class OkTopkSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.warmup, self.check = warmup, check
         self.steps = 0
+        self._target = 0
+
+    @property
+    def selection(self) -> tuple[int, int] | None:
+        """``(selected, k)`` of the last sparse step: the global top-k's entries and the target."""
+        last = self.collective.last
+        return None if last is None or self.steps <= self.warmup else (last.selected,
+                                                                        self._target)
 
     def _extra_state(self) -> dict:
         return {"steps": self.steps, "collective": self.collective.state_dict()}
@@ -114,7 +122,7 @@ class OkTopkSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
             if self.steps < self.warmup:
                 mean = allreduce(self.comm, acc, check=self.check).div_(size)
             else:
-                k = math.ceil(self.density * acc.numel())
+                k = self._target = math.ceil(self.density * acc.numel())
                 u, indexes = oktopk_allreduce(self.comm, acc, k, self.collective,
                                               check=self.check)
                 acc[indexes] = 0

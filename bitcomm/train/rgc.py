@@ -104,6 +104,12 @@ class RGC(ScalerAware, torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.compress_threshold, self.thresholds = compress_threshold, tuple(thresholds)
         self.quantize, self.check, self.selector = quantize, check, method
+        self._selection = [0, 0]
+
+    @property
+    def selection(self) -> tuple[int, int]:
+        """``(selected, k)`` summed over the compressed parameters in the last step."""
+        return self._selection[0], self._selection[1]
 
     def method(self, numel: int) -> str:
         """Return the selector for a parameter of ``numel`` elements (the named one, if any)."""
@@ -140,6 +146,7 @@ class RGC(ScalerAware, torch.optim.Optimizer):
                     dense.append((p, group, g, live))
                 elif live:
                     sparse.append((p, group, g))
+        self._selection = [0, 0]
         with agree_on(("grads", mask)):
             # Always, even with nothing dense: it is where ranks agree on the mask.
             flat = (torch.cat([g for _, _, g, _ in dense]) if dense else
@@ -192,6 +199,8 @@ class RGC(ScalerAware, torch.optim.Optimizer):
         if control:
             control.update(idx.numel(), k, v.numel())
             state["sidco"] = control.state_dict()
+        self._selection[0] += idx.numel()
+        self._selection[1] += k
         v[idx] = 0
         u[idx] = 0
         p.add_(total.div_(size).view_as(p).to(p.dtype), alpha=-group["lr"])
@@ -209,13 +218,18 @@ class SIDCoSGD(RGC):
 
     Args:
         params, comm, lr, weight_decay, density, compress_threshold, check: as :class:`RGC`.
-        dist: ``"sidco-e"`` (exponential, the paper's default), ``"sidco-p"`` or ``"sidco-gp"``.
+        dist: ``"sidco-p"`` (generalized Pareto), ``"sidco-e"`` (exponential, the paper's
+            default) or ``"sidco-gp"`` (gamma, then Pareto). The default is not the paper's:
+            the residual that error compensation leaves has a short tail (what crossed the
+            threshold was sent), which an exponential over-estimates; on train-digits at 1%
+            SIDCo-E selects nothing at two stages and 1.3k at three, alternating with every
+            adaptation, while SIDCo-P stays within 15% of k.
         momentum: as :class:`RGC` (0 here by default).
 
     """
 
     def __init__(self, params: Iterable, comm: Comm, lr: float = 0.1, momentum: float = 0.0,
-                 weight_decay: float = 0.0, *, density: float = 0.01, dist: str = "sidco-e",
+                 weight_decay: float = 0.0, *, density: float = 0.01, dist: str = "sidco-p",
                  compress_threshold: int = 1024, check: bool = True):
         if dist not in select.SIDCO:
             raise ValueError(f"expected dist in {tuple(select.SIDCO)}, got {dist!r}")

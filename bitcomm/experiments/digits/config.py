@@ -18,9 +18,10 @@ from bitcomm import _names
 from bitcomm.collectives import allreduce
 from bitcomm.comm.base import Comm
 from bitcomm.comm.launch import CPU_TRANSPORTS
+from bitcomm.train.oktopk_sgd import OkTopkSGD
 from bitcomm.train.onebit_adam import OneBitAdam
 from bitcomm.train.qsgd_sgd import QSGDSGD
-from bitcomm.train.rgc import RGC
+from bitcomm.train.rgc import RGC, SIDCoSGD
 from bitcomm.train.signum import MajoritySignSGD
 from bitcomm.train.sparcml_sgd import SparCMLSGD
 
@@ -69,12 +70,21 @@ METHODS: dict[str, Factory] = {
                                              check=False),
     "sparcml-topk-4bit": lambda ps, c: SparCMLSGD(ps, c, lr=0.05, momentum=0.9, k=16,
                                                   bucket=512, bits=4, seed=0, check=False),
+    # 1% of every parameter: Ok-Topk over one flat buffer, SIDCo per compressed layer
+    "oktopk-sgd": lambda ps, c: OkTopkSGD(ps, c, lr=0.05, momentum=0.9, density=0.01,
+                                          check=False),
+    "sidco-sgd": lambda ps, c: SIDCoSGD(ps, c, lr=0.05, momentum=0.9, density=0.01,
+                                        compress_threshold=1000, check=False),
+    "sidco-e-sgd": lambda ps, c: SIDCoSGD(ps, c, lr=0.05, momentum=0.9, density=0.01,
+                                          dist="sidco-e", compress_threshold=1000, check=False),
 }
 """Methods by name, each ``factory(params, comm)`` with the hyper-parameters the experiment uses
 (chosen once for the dense baselines and reused by the compressed method of the same family)."""
 BASELINES = {"signum-ring": "dense-sgd", "onebit-adam": "dense-adam", "rgc-topk": "dense-sgd",
              "rgc-topk-mean": "dense-sgd", "qsgd-4bit": "dense-sgd",
-             "sparcml-topk": "dense-sgd", "sparcml-topk-4bit": "dense-sgd"}
+             "sparcml-topk": "dense-sgd", "sparcml-topk-4bit": "dense-sgd",
+             "oktopk-sgd": "dense-sgd", "sidco-sgd": "dense-sgd",
+             "sidco-e-sgd": "dense-sgd"}
 """The dense counterpart each compressed method's accuracy is compared with."""
 
 
@@ -88,6 +98,7 @@ class TrainConfig:
     eval_every: int = 25
     seed: int = 0
     workers: int = 4
+    hidden: int = 64
     transports: list[str] = dataclasses.field(default_factory=lambda: list(CPU_TRANSPORTS))
     name: str = "train-digits"
     description: str = ""
@@ -118,7 +129,7 @@ def config_from(data: object, path: str | os.PathLike) -> TrainConfig:
     bad = [t for t in cfg.transports if t not in CPU_TRANSPORTS]
     if bad:
         raise ValueError(f"{path}: unknown transports {bad}; expected mpi and/or gloo")
-    for key in ("steps", "batch", "eval_every", "workers"):
+    for key in ("steps", "batch", "eval_every", "workers", "hidden"):
         value = getattr(cfg, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{path}: expected {key} to be an int >= 1, got {value!r}")

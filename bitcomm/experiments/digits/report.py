@@ -43,11 +43,15 @@ def write_report(rows: list[MethodResult], config: dict, out: os.PathLike) -> li
         for r in rows:
             w.writerow([getattr(r, k) for k in keys])
     lines = ["| transport | method | test accuracy | vs dense (points) | bytes/step/worker | "
-             "less than fp32 | wall s |", "|---|---|---|---|---|---|---|"]
+             "less than fp32 | selected / k (mean, mean abs. deviation) | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gap = "" if r.gap_points is None else f"{-r.gap_points:+.1f} ({r.baseline})"
+        sel = ("" if r.selected_ratio is None else
+               f"{r.selected_ratio:.2f}, {r.selected_deviation:.2f}")
         lines.append(f"| {r.transport} | {r.method} | {r.accuracy:.3f} | {gap} | "
-                     f"{r.bytes_per_step:.0f} | {r.compression:.1f}x | {r.seconds:.1f} |")
+                     f"{r.bytes_per_step:.0f} | {r.compression:.1f}x | {sel} | "
+                     f"{r.seconds:.1f} |")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     fig = plot(rows)

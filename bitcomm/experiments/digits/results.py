@@ -23,6 +23,9 @@ class MethodResult:
         seconds: wall time of the training loop.
         params: model parameters.
         digest: the sum of the final parameters, compared across ranks.
+        selected_ratio: for threshold-selecting methods (``selection`` on the optimizer), the
+            mean over steps of the entries selected over the target k (rank 0's view).
+        selected_deviation: the mean over steps of ``|selected / k - 1|``.
         identical_on_ranks: every rank ended with the same digest.
         baseline: the dense method it is compared with (set by :func:`summarise`).
         gap_points: the baseline's accuracy minus this one's, in points (likewise).
@@ -40,6 +43,8 @@ class MethodResult:
     seconds: float
     params: int
     digest: float
+    selected_ratio: float | None = None
+    selected_deviation: float | None = None
     identical_on_ranks: bool = True
     baseline: str | None = None
     gap_points: float | None = None

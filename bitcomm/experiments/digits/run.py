@@ -48,10 +48,11 @@ def load_digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
             torch.from_numpy((xte - mean) / std), torch.from_numpy(yte).long())
 
 
-def _model(seed: int) -> torch.nn.Module:
+def _model(seed: int, hidden: int = 64) -> torch.nn.Module:
     # Initialised from its own generator (torch's default init range), not the global RNG, so
     # ranks that are threads of one process get the same weights too.
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
+    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, 10))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in (model[0], model[2]):
@@ -72,11 +73,12 @@ def train(comm: Comm, method: str, cfg: TrainConfig,
     if method not in METHODS:
         raise ValueError(f"expected a method in {sorted(METHODS)}, got {method!r}")
     xtr, ytr, xte, yte = data
-    model = _model(cfg.seed)
+    model = _model(cfg.seed, cfg.hidden)
     params = list(model.parameters())
     opt = METHODS[method](params, comm)
     comm.counters.reset()
     curve = []
+    ratios = []
     t0 = time.perf_counter()
     for step in range(cfg.steps):
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * comm.size + comm.rank)
@@ -84,6 +86,9 @@ def train(comm: Comm, method: str, cfg: TrainConfig,
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
         opt.step()
+        selection = getattr(opt, "selection", None)
+        if selection is not None and selection[1]:
+            ratios.append(selection[0] / selection[1])
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             curve.append((step + 1, _accuracy(model, xte, yte)))
     seconds = time.perf_counter() - t0
@@ -94,7 +99,10 @@ def train(comm: Comm, method: str, cfg: TrainConfig,
     return MethodResult(transport="", method=method, workers=comm.size, steps=cfg.steps,
                         curve=curve, accuracy=curve[-1][1], bytes_per_step=per_step,
                         compression=dense / per_step if per_step else float("inf"),
-                        seconds=seconds, params=nparams, digest=digest)
+                        seconds=seconds, params=nparams, digest=digest,
+                        selected_ratio=sum(ratios) / len(ratios) if ratios else None,
+                        selected_deviation=(sum(abs(r - 1) for r in ratios) / len(ratios)
+                                            if ratios else None))
 
 
 def launch(cfg: TrainConfig, transport: str, progress: Callable[[str], None] = print,
@@ -105,7 +113,7 @@ def launch(cfg: TrainConfig, transport: str, progress: Callable[[str], None] = p
         args = [sys.executable, "-m", "bitcomm.experiments.digits", "--transport", transport,
                 "--methods", ",".join(cfg.methods), "--steps", str(cfg.steps), "--batch",
                 str(cfg.batch), "--eval-every", str(cfg.eval_every), "--seed", str(cfg.seed),
-                "--out", str(out)]
+                "--hidden", str(cfg.hidden), "--out", str(out)]
         jobs = [(c, dict(e, OMP_NUM_THREADS="1"))
                 for c, e in commands(cfg.workers, transport, args, tmp)]
         run_job(jobs, timeout=timeout, what=f"the {transport} training job", progress=progress)
@@ -121,10 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = TrainConfig(args.methods.split(","), args.steps, args.batch, args.eval_every, args.seed)
+    cfg = TrainConfig(args.methods.split(","), args.steps, args.batch, args.eval_every, args.seed,
+                      hidden=args.hidden)
     comm = world(args.transport, timeout=120)
     data = load_digits_split(cfg.seed)
     rows = []
