@@ -526,7 +526,8 @@ def test_step_with_a_closure_returns_its_loss():
     assert p == pytest.approx([0.8, -0.8])
 
 
-@pytest.mark.parametrize("kind", ["signum", "qsgd", "onebit", "rgc", "sparcml"])
+@pytest.mark.parametrize("kind", ["signum", "qsgd", "onebit", "rgc", "sparcml", "sidco",
+                                  "oktopk"])
 def test_a_parameter_without_a_gradient_does_not_move(kind):
     """torch.optim.SGD skips a parameter whose grad is None; so does every bitcomm optimizer."""
     def make(params, comm):
@@ -541,6 +542,12 @@ def test_a_parameter_without_a_gradient_does_not_move(kind):
         if kind == "sparcml":
             return SparCMLSGD(params, comm, lr=0.1, momentum=0.9, weight_decay=0.1, k=2,
                               bucket=4)
+        if kind == "sidco":
+            return SIDCoSGD(params, comm, lr=0.1, momentum=0.9, weight_decay=0.1, density=0.5,
+                            compress_threshold=4)
+        if kind == "oktopk":
+            return OkTopkSGD(params, comm, lr=0.1, momentum=0.9, weight_decay=0.1,
+                             density=0.5, tau_prime=2)
         return OneBitAdam(params, comm, lr=0.01, weight_decay=0.1, freeze_step=2)
 
     def worker(comm):
