@@ -128,6 +128,53 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
         sys.exit(1)
 
 
+@bench.command("select")
+@click.option("--sizes", type=SizeList(), default="256K,2560K", show_default=True,
+              help="Comma-separated vector lengths (SIDCo's figures use 0.26M-26M).")
+@click.option("--deltas", default="0.1,0.01,0.001", show_default=True,
+              help="Comma-separated target ratios k / n.")
+@click.option("--dists", default=",".join(("laplace", "gauss", "t3", "digits")),
+              show_default=True, help="Comma-separated distributions: laplace, gauss, t3, "
+                                      "digits (train-digits gradients; experiments extra).")
+@click.option("--repeat", type=click.IntRange(1), default=3, show_default=True,
+              help="Timed repetitions per selection (median reported), after a warm-up.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for select.json and .csv.")
+def bench_select(sizes: tuple[int, ...], deltas: str, dists: str, repeat: int,
+                 out_dir: str) -> None:
+    """How many entries each top-k selector picks against k, and its time against topk."""
+    from bitcomm.bench import select as bench_mod
+
+    try:
+        ratios = [float(d) for d in deltas.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {deltas!r}",
+                                 param_hint="--deltas") from None
+    if not all(0 < d < 1 for d in ratios):
+        raise click.BadParameter(f"expected ratios in (0, 1), got {deltas!r}",
+                                 param_hint="--deltas")
+    names = dists.split(",")
+    bad = [d for d in names if d not in bench_mod.DISTRIBUTIONS]
+    if bad:
+        raise click.BadParameter(f"unknown {bad}; expected some of {bench_mod.DISTRIBUTIONS}",
+                                 param_hint="--dists")
+    config = _machine() | {"sizes": list(sizes), "deltas": ratios, "dists": names,
+                           "repeat": repeat}
+    click.echo("# bitcomm bench select: " + " ".join(f"{k}={v}" for k, v in config.items()))
+    click.echo("# ratio = selected / k; vs_topk = exact torch.topk time / this selector's time")
+    click.echo(f"{'dist':<7} {'n':>6} {'delta':>6} {'selector':<13} {'mode':<9} {'M':>2} "
+               f"{'bestM':>5} {'k':>7} {'selected':>8} {'ratio':>7} {'ms':>8} {'vs_topk':>7}")
+
+    def show(row) -> None:
+        click.echo(f"{row.dist:<7} {_human(row.n):>6} {row.delta:>6g} {row.selector:<13} "
+                   f"{row.mode:<9} {row.stages:>2} {row.best_stages:>5} {row.k:>7} "
+                   f"{row.selected:>8} {row.ratio:>7.3f} {row.seconds * 1e3:>8.2f} "
+                   f"{row.vs_topk:>7.2f}")
+
+    rows = bench_mod.run(sizes, ratios, names, repeat=repeat, progress=show)
+    _save(Path(out_dir), "select", config, [r.as_dict() for r in rows])
+
+
 def _machine(device: str = "cpu") -> dict:
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "machine": platform.machine(),

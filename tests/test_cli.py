@@ -74,6 +74,34 @@ def test_bench_device_cuda_without_a_gpu_is_a_usage_error(what, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_bench_select_prints_and_saves_every_selector(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "select", "--sizes", "8K", "--deltas", "0.01",
+                                       "--dists", "laplace,t3", "--repeat", "1", "--out",
+                                       str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "select.json").read_text())["rows"]
+    assert (tmp_path / "select.csv").read_text().count("\n") == len(rows) + 1
+    by = {(r["dist"], r["selector"], r["mode"]): r for r in rows}
+    k = 82  # ceil(0.01 * 8192)
+    for dist in ("laplace", "t3"):
+        assert by[(dist, "topk", "exact")]["selected"] == k
+        assert by[(dist, "topk", "exact")]["vs_topk"] == 1.0
+        assert by[(dist, "trimmed", "exact")]["selected"] == k  # RedSync's: the same set
+        assert k <= by[(dist, "threshold", "search")]["selected"] <= 2 * k
+        for name in ("sidco-e", "sidco-p", "sidco-gp"):
+            adapted = by[(dist, name, "adapted")]
+            assert 1 <= adapted["stages"] <= 7 and 1 <= adapted["best_stages"] <= 7
+    # |Laplace| is exponential: one exponential stage and a reused exact threshold hit k
+    for key in (("laplace", "sidco-e", "one-stage"), ("laplace", "oktopk-reuse", "reused")):
+        assert 0.7 <= by[key]["ratio"] <= 1.3, by[key]
+    assert "oktopk-reuse" in result.output
+    bad = CliRunner().invoke(main, ["bench", "select", "--dists", "cauchy", "--out",
+                                    str(tmp_path)])
+    assert bad.exit_code == 2 and "cauchy" in bad.output
+    bad = CliRunner().invoke(main, ["bench", "select", "--deltas", "2", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "--deltas" in bad.output
+
+
 @pytest.mark.parametrize("load", [0.0, 64.0])
 def test_bench_codecs_warns_about_load_when_it_misses(load, tmp_path, monkeypatch):
     import json

@@ -142,3 +142,19 @@ def test_select_dispatches_by_name_with_options():
                            sidco.sidco(s, 40, dist, 2))
     with pytest.raises(TypeError):
         select.select(s, 40, "sidco-e", eps=0.1)
+
+
+def test_benchmark_vectors_have_the_tails_they_are_named_for():
+    from bitcomm.bench.select import sample
+
+    n = 1 << 16
+    kurt = {}
+    for dist in ("laplace", "gauss", "t3"):
+        x = sample(dist, n).double()
+        assert x.numel() == n and not torch.equal(x.float(), sample(dist, n, draw=1))
+        assert torch.equal(x.float(), sample(dist, n))  # seeded
+        kurt[dist] = float(((x - x.mean()) ** 4).mean() / x.var() ** 2)
+    # excess kurtosis: 0 (Gauss), 3 (Laplace), infinite for t with 3 degrees (large in sample)
+    assert 2.8 < kurt["gauss"] < 3.2 and 5 < kurt["laplace"] < 7 and kurt["t3"] > 10
+    with pytest.raises(ValueError, match="dist"):
+        sample("cauchy", 10)

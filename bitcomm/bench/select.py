@@ -1,0 +1,159 @@
+"""Threshold quality of the top-k selectors: how many they select against k, and how fast.
+
+For each distribution, size and target ratio ``delta = k / n`` the scores are ``|x|`` of one
+vector, and every selector picks from them:
+
+* ``topk``: exact (``torch.topk``); its time is the anchor of the ``vs_topk`` column.
+* ``trimmed``, ``threshold``: RedSync's trimmed top-k and threshold binary search.
+* ``sidco-e``, ``sidco-p``, ``sidco-gp``: SIDCo's fits, at one stage (``stages=1``), and after
+  the stage adaptation has run on the same vector for 25 calls (``stages`` is where it ended,
+  the row marked ``adapted``); ``best_stages`` is the stage count whose selection is closest to
+  k, which shows where the adaptation moved the wrong way.
+* ``oktopk-reuse``: Ok-Topk's reused local threshold: the exact k-th largest of a first draw,
+  applied to a second, independent draw of the same distribution (for ``digits``, gradients
+  ``gap`` steps apart) -- what the count is between two exact recomputations.
+
+Distributions: ``laplace``, ``gauss``, ``t3`` (Student-t with 3 degrees of freedom; SIDCo's
+Figures 1 and 3 use such synthetic vectors) and ``digits``: the flattened gradient of the
+64-1024-10 train-digits MLP after 50 steps of dense SGD, repeated to the size asked (needs
+the ``experiments`` extra for the data).
+Rows: ``ratio`` is ``k_hat / k``; ``seconds`` the median time of one selection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+from bitcomm.bench.codecs import time_call
+from bitcomm.codecs import select, sidco
+
+__all__ = ["Row", "run", "DISTRIBUTIONS", "SELECTORS", "sample"]
+
+DISTRIBUTIONS = ("laplace", "gauss", "t3", "digits")
+"""The vectors the selectors are measured on."""
+SELECTORS = ("topk", "trimmed", "threshold", "sidco-e", "sidco-p", "sidco-gp", "oktopk-reuse")
+"""Selector rows, in order."""
+_ADAPT_CALLS = 25
+_DIGITS_STEPS, _DIGITS_GAP = 50, 10
+
+
+@dataclasses.dataclass
+class Row:
+    """One selector on one vector."""
+
+    dist: str
+    n: int
+    delta: float
+    selector: str
+    mode: str  # "exact", "one-stage", "adapted", "reused"
+    stages: int
+    best_stages: int
+    k: int
+    selected: int
+    ratio: float
+    seconds: float
+    vs_topk: float
+
+    def as_dict(self) -> dict:
+        """Return the row as a dict (for JSON and CSV)."""
+        return dataclasses.asdict(self)
+
+
+@functools.lru_cache(maxsize=1)
+def _digits_gradients(steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Flattened gradients of the wide train-digits MLP at the given steps of dense SGD."""
+    from bitcomm.experiments.digits import load_digits_split
+    from bitcomm.experiments.digits.run import _model
+
+    xtr, ytr, _, _ = load_digits_split(0)
+    model = _model(0, 1024)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    wanted, out = set(steps), {}
+    for step in range(max(wanted) + 1):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, xtr.shape[0], (32,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        if step in wanted:
+            out[step] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        opt.step()
+    return out
+
+
+def sample(dist: str, n: int, draw: int = 0) -> torch.Tensor:
+    """Return the float32 vector ``draw`` (0 or 1: independent) of ``dist`` with ``n`` elements."""
+    if dist == "digits":
+        grads = _digits_gradients((_DIGITS_STEPS, _DIGITS_STEPS + _DIGITS_GAP))
+        g = grads[_DIGITS_STEPS + _DIGITS_GAP * draw]
+        return g.repeat(-(-n // g.numel()))[:n]
+    gen = torch.Generator().manual_seed(1000 * draw + n % 997)
+    if dist == "laplace":
+        u = torch.rand(n, generator=gen, dtype=torch.float64).clamp_(1e-300, 1)
+        sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+        return (-u.log()).float() * sign
+    if dist == "gauss":
+        return torch.randn(n, generator=gen)
+    if dist == "t3":
+        z = torch.randn(n, generator=gen, dtype=torch.float64)
+        chi2 = torch.randn(3, n, generator=gen, dtype=torch.float64).pow(2).sum(0)
+        return (z / (chi2 / 3).sqrt()).float()
+    raise ValueError(f"expected dist in {DISTRIBUTIONS}, got {dist!r}")
+
+
+def _adapt(scores: torch.Tensor, k: int, dist: str) -> int:
+    control = sidco.StageControl()
+    for _ in range(_ADAPT_CALLS):
+        got = sidco.sidco(scores, k, dist, control.stages, check=False).numel()
+        control.update(got, k, scores.numel())
+    return control.stages
+
+
+def _measure(dist: str, n: int, delta: float, scores: torch.Tensor,
+             later_scores: torch.Tensor, repeat: int) -> list[Row]:
+    """Every selector's rows on one vector's scores at one target ratio."""
+    k = max(1, math.ceil(delta * n))
+    anchor = time_call(lambda: select.topk(scores, k, check=False), repeat)
+
+    def row(selector: str, mode: str, stages: int, best: int, got: int, seconds: float) -> Row:
+        return Row(dist, n, delta, selector, mode, stages, best, k, got, got / k, seconds,
+                   anchor / seconds)
+
+    rows = [row("topk", "exact", 0, 0, k, anchor)]
+    for name in ("trimmed", "threshold"):
+        got = select.select(scores, k, name, check=False).numel()
+        t = time_call(lambda name=name: select.select(scores, k, name, check=False), repeat)
+        rows.append(row(name, "exact" if name == "trimmed" else "search", 0, 0, got, t))
+    for name, fit in select.SIDCO.items():
+        by = {m: sidco.sidco(scores, k, fit, m, check=False).numel()
+              for m in range(1, sidco.max_stages(k / n) + 1)}
+        best = min(by, key=lambda m: (abs(by[m] / k - 1), m))
+        adapted = _adapt(scores, k, fit)
+        for mode, m in (("one-stage", 1), ("adapted", adapted)):
+            t = time_call(lambda fit=fit, m=m: sidco.sidco(scores, k, fit, m, check=False),
+                          repeat)
+            rows.append(row(name, mode, m, best, by[m], t))
+    th = float(torch.topk(scores, k).values.min())
+    got = int((later_scores >= th).sum())
+    t = time_call(lambda: torch.nonzero(later_scores >= th), repeat)
+    rows.append(row("oktopk-reuse", "reused", 0, 0, got, t))
+    return rows
+
+
+def run(sizes: Iterable[int], deltas: Iterable[float], dists: Iterable[str] = DISTRIBUTIONS,
+        *, repeat: int = 3, progress: Callable[[Row], None] | None = None) -> list[Row]:
+    """Measure every selector on every (distribution, size, delta); return the rows."""
+    rows: list[Row] = []
+    for dist in dists:
+        for n in sizes:
+            scores, later = sample(dist, n).abs(), sample(dist, n, draw=1).abs()
+            for delta in deltas:
+                for r in _measure(dist, n, delta, scores, later, repeat):
+                    rows.append(r)
+                    if progress:
+                        progress(r)
+    return rows
