@@ -175,6 +175,58 @@ def bench_select(sizes: tuple[int, ...], deltas: str, dists: str, repeat: int,
     _save(Path(out_dir), "select", config, [r.as_dict() for r in rows])
 
 
+@bench.command("volume")
+@click.option("--ranks", "ranks_list", default="4,8,16,32", show_default=True,
+              help="Comma-separated rank counts (threads of this process).")
+@click.option("--n", "n", type=SizeList(), default="256K", show_default=True,
+              help="Vector length.")
+@click.option("--density", type=click.FloatRange(0, 1, min_open=True), default=0.01,
+              show_default=True, help="k / n per rank.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for volume.json, .csv and .png.")
+def bench_volume(ranks_list: str, n: tuple[int, ...], density: float, seed: int,
+                 out_dir: str) -> None:
+    """Bytes per rank of Ok-Topk, RedSync's allgather and SparCML's split-allgather vs P."""
+    from bitcomm.bench import volume as bench_mod
+
+    try:
+        ranks = [int(r) for r in ranks_list.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated ints, got {ranks_list!r}",
+                                 param_hint="--ranks") from None
+    if not all(2 <= r <= 64 for r in ranks):
+        raise click.BadParameter(f"expected rank counts in 2..64, got {ranks_list!r}",
+                                 param_hint="--ranks")
+    if len(n) != 1:
+        raise click.BadParameter("expected one length", param_hint="--n")
+    config = _machine() | {"ranks": ranks, "n": n[0], "density": density, "seed": seed}
+    click.echo("# bitcomm bench volume: " + " ".join(f"{k}={v}" for k, v in config.items()))
+    click.echo("# bytes the busiest rank sends in one call; words = bytes / 4")
+    click.echo(f"{'P':>3} {'algorithm':<17} {'max bytes':>10} {'words':>10} "
+               f"{'6k(P-1)/P':>10} {'2k(P-1)':>10} {'selected':>8}")
+
+    def show(row) -> None:
+        click.echo(f"{row.ranks:>3} {row.algorithm:<17} {row.max_bytes:>10} {row.words:>10.0f} "
+                   f"{row.bound_words:>10.0f} {row.allgather_words:>10.0f} {row.selected:>8}")
+
+    rows = bench_mod.run(ranks, n[0], density, seed=seed, progress=show)
+    out = Path(out_dir)
+    _save(out, "volume", config, [r.as_dict() for r in rows])
+    try:
+        import matplotlib
+    except ImportError:
+        click.echo("# no plot: matplotlib is missing (pip install 'bitcomm[plots]')", err=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = bench_mod.plot(rows)
+    fig.savefig(out / "volume.png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    click.echo(f"# wrote {out / 'volume.png'}")
+
+
 def _machine(device: str = "cpu") -> dict:
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "machine": platform.machine(),

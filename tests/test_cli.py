@@ -102,6 +102,29 @@ def test_bench_select_prints_and_saves_every_selector(tmp_path):
     assert bad.exit_code == 2 and "--deltas" in bad.output
 
 
+def test_bench_volume_keeps_oktopk_within_its_bound_while_the_allgather_grows(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "volume", "--ranks", "2,4,8", "--n", "16K",
+                                       "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "volume.json").read_text())["rows"]
+    by = {(r["ranks"], r["algorithm"]): r for r in rows}
+    k = 164  # ceil(0.01 * 16384)
+    for p in (2, 4, 8):
+        steady = by[(p, "oktopk-steady")]
+        assert steady["words"] <= 6 * k * (p - 1) / p, steady
+        # RedSync's allgather: k (int32, fp32) pairs in a 17-byte frame and an 8-byte length
+        # to each of P - 1 ranks
+        assert by[(p, "topkA")]["max_bytes"] == (p - 1) * (8 + 17 + 8 * k)
+        recompute = by[(p, "oktopk-recompute")]["max_bytes"]
+        amortized = by[(p, "oktopk-amortized")]["mean_bytes"]
+        assert steady["mean_bytes"] < amortized < recompute
+    assert by[(8, "topkA")]["words"] > 2 * by[(8, "oktopk-steady")]["words"]
+    bad = CliRunner().invoke(main, ["bench", "volume", "--ranks", "1", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "--ranks" in bad.output
+    pytest.importorskip("matplotlib", reason="the plot needs the plots extra")
+    assert (tmp_path / "volume.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("load", [0.0, 64.0])
 def test_bench_codecs_warns_about_load_when_it_misses(load, tmp_path, monkeypatch):
     import json
