@@ -87,6 +87,9 @@ def run(comm: Comm, sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeat: int = 3, 
             state = spec.new_state(n, comm.size, device)
             comm.counters.reset()
             out = spec(comm, x, state=state)  # warm-up, also the checked result
+            if spec.primed:  # the measured call is one that reuses what the first set up
+                comm.counters.reset()
+                out = spec(comm, x, state=state)
             sent = comm.counters.total_sent
             expected = spec.expected_bytes(n, comm.size, comm.rank, seed=seed)
             wrong = registry.mismatches(comm, out, spec.reference(seed, comm.size, n))
