@@ -409,5 +409,5 @@ def test_the_wheel_carries_the_topologies_and_experiments(tmp_path):
                  "star-16"):
         assert f"bitcomm/configs/topologies/{topo}.yaml" in names
     for exp in ("default", "table1-chain", "table2-cluster", "table3-hetero", "star",
-                "train-digits", "train-digits-wide", "sparcml", "sparcml-fast"):
+                "train-digits", "train-digits-wide", "sparcml", "sparcml-fast", "oktopk"):
         assert f"bitcomm/configs/experiments/{exp}.yaml" in names
