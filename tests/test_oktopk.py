@@ -189,3 +189,52 @@ def test_state_round_trips():
     t = OkTopkState()
     t.load_state_dict(s.state_dict())
     assert dataclasses.asdict(t) == dataclasses.asdict(s)
+
+
+def test_a_call_that_selected_nothing_recomputes_on_the_next():
+    """All-zero accumulators leave infinite thresholds; the next call must not reuse them."""
+    def fn(c):
+        state = OkTopkState(tau_prime=32)
+        u, _ = oktopk_allreduce(c, torch.zeros(20), 3, state)
+        first = (state.local_th, state.global_th, bool(u.any()))
+        x = torch.arange(20.0) * (c.rank + 1)
+        u, idx = oktopk_allreduce(c, x, 3, state)
+        return first, u, idx, state.last.recomputed
+
+    for first, u, idx, recomputed in run_local(fn, 2, timeout=30):
+        assert first == (float("inf"), float("inf"), False)
+        assert recomputed and idx.tolist() == [17, 18, 19]
+        assert u.tolist() == [0.0] * 17 + [51.0, 54.0, 57.0]
+
+
+def test_a_sidco_fit_can_set_the_local_threshold():
+    # the sidco module's worked example: the exponential threshold of [4, 3, 2, 1, 0, 0, 0, 0] at
+    # k = 2 is 1.73, so three entries are selected locally; the global top-2 keeps 4 and 3
+    acc = torch.tensor([4.0, 3, 2, 1, 0, 0, 0, 0])
+
+    def fn(c):
+        state = OkTopkState(local_fit="exponential")
+        u, idx = oktopk_allreduce(c, acc, 2, state)
+        return u.tolist(), idx.tolist(), state.last.local, state.local_th
+
+    u, idx, local, th = run_local(fn, 1, timeout=30)[0]
+    # three passed, above 5k/4: the feedback raises the kept threshold by 1.012 for next time
+    assert local == 3 and th == pytest.approx(1.7328679513998633 * 1.012)
+    assert u == [4.0, 3.0, 0, 0, 0, 0, 0, 0] and idx == [0, 1]
+
+
+def test_the_feedback_factors_are_options():
+    acc = torch.arange(1.0, 101.0)
+
+    def fn(c):
+        state = OkTopkState(tau_prime=8, raise_step=1.1, raise_tries=1, local_step=1.5)
+        oktopk_allreduce(c, acc, 10, state)
+        oktopk_allreduce(c, 2 * acc, 10, state)
+        with pytest.raises(ValueError, match="local_step"):
+            oktopk_allreduce(c, acc, 10, OkTopkState(local_step=0.5))
+        with pytest.raises(ValueError, match="local_fit"):
+            oktopk_allreduce(c, acc, 10, OkTopkState(local_fit="normal"))
+        return state.local_th
+
+    # one raise to 100.1: 50 of 2 * (1..100) pass (> 5k/4), so the correction multiplies by 1.5
+    assert run_local(fn, 1, timeout=30)[0] == pytest.approx(91.0 * 1.1 * 1.5)

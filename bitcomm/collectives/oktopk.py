@@ -5,8 +5,8 @@ Section 3 and Algorithm 1. Each rank ``i`` of ``P`` holds an accumulator ``acc_i
 elements; one call, with an :class:`OkTopkState` carried from call to call:
 
 1. **Local selection.** ``L_i = {j : |acc_i[j]| >= th_i, acc_i[j] != 0}``. Every ``tau_prime``
-   calls ``th_i`` is the exact k-th largest ``|acc_i|`` (so ``|L_i| = k`` without ties); in
-   between it is reused.
+   calls ``th_i`` is the exact k-th largest ``|acc_i|`` (so ``|L_i| = k`` without ties), or
+   SIDCo's fitted threshold with ``local_fit``; in between it is reused.
 2. **Space repartition** every ``tau`` calls: each rank proposes ``P - 1`` boundaries that cut
    its sorted ``L_i`` into equal counts (the first index of each chunk; an even split of
    ``[0, n)`` when ``|L_i| < P``); every rank averages the proposals (an allgather of int64,
@@ -69,7 +69,7 @@ import math
 
 import torch
 
-from bitcomm.codecs import stream
+from bitcomm.codecs import sidco, stream
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm, Request
 
@@ -78,8 +78,6 @@ __all__ = ["OkTopkState", "OkTopkStats", "oktopk_allreduce", "oktopk_allreduce_b
 
 BALANCE = ("auto", "always", "never")
 """When to balance before the allgatherv."""
-_RAISE, _RAISE_TRIES = 1.03, 5
-_LOCAL_STEP, _GLOBAL_STEP = 1.012, 1.008
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +121,16 @@ class OkTopkState:
         tau_prime: calls between exact thresholds (the paper's 32; 128 for BERT).
         throttle: sends in flight during split and reduce (``min(throttle, P - 1)``).
         balance: ``"auto"``, ``"always"`` or ``"never"``.
-        feedback: adjust reused thresholds by the selected counts (the public code's rules).
+        feedback: adjust reused thresholds by the selected counts (the public code's rules,
+            with the factors below).
+        raise_step: factor a reused local threshold is raised by while over 4k/3 pass (1.03).
+        raise_tries: at most this many raises per call (5).
+        local_step: factor of the local threshold's correction after a call (1.012).
+        global_step: factor of the global threshold's correction after a call (1.008).
+        local_fit: ``None`` (the exact k-th largest ``|acc|``) or a SIDCo fit
+            (:data:`bitcomm.codecs.sidco.DISTRIBUTIONS`) for the local threshold on recompute
+            calls: one pass instead of a top-k.
+        local_stages: SIDCo's stage count for ``local_fit``.
         iteration: calls so far.
         local_th: this rank's local threshold.
         global_th: the global threshold (equal on every rank).
@@ -137,6 +144,12 @@ class OkTopkState:
     throttle: int = 4
     balance: str = "auto"
     feedback: bool = True
+    raise_step: float = 1.03
+    raise_tries: int = 5
+    local_step: float = 1.012
+    global_step: float = 1.008
+    local_fit: str | None = None
+    local_stages: int = 1
     iteration: int = 0
     local_th: float | None = None
     global_th: float | None = None
@@ -153,6 +166,20 @@ class OkTopkState:
                 raise ValueError(f"expected {name} >= 1, got {v}")
         if self.balance not in BALANCE:
             raise ValueError(f"expected balance in {BALANCE}, got {self.balance!r}")
+        for name in ("raise_step", "local_step", "global_step"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v < 2:
+                raise ValueError(f"expected {name} in [1, 2), got {v!r}")
+        if isinstance(self.raise_tries, bool) or not isinstance(self.raise_tries, int) \
+                or self.raise_tries < 0:
+            raise ValueError(f"expected raise_tries to be an int >= 0, got {self.raise_tries!r}")
+        if self.local_fit is not None and self.local_fit not in sidco.DISTRIBUTIONS:
+            raise ValueError(f"expected local_fit None or one of {sidco.DISTRIBUTIONS}, got "
+                             f"{self.local_fit!r}")
+        if isinstance(self.local_stages, bool) or not isinstance(self.local_stages, int) \
+                or self.local_stages < 1:
+            raise ValueError(f"expected local_stages to be an int >= 1, got "
+                             f"{self.local_stages!r}")
 
     def state_dict(self) -> dict:
         """Return the state to resume from (``last`` is not kept)."""
@@ -169,6 +196,8 @@ class OkTopkState:
     def _shared(self) -> dict[str, object]:
         return {"tau": self.tau, "tau_prime": self.tau_prime, "balance": self.balance,
                 "feedback": self.feedback, "iteration": self.iteration,
+                "factors": (self.raise_step, self.raise_tries, self.local_step,
+                            self.global_step), "local_fit": (self.local_fit, self.local_stages),
                 "global_th": self.global_th, "boundaries": self.boundaries}
 
 
@@ -203,14 +232,18 @@ def _kth_largest(a: torch.Tensor, k: int) -> float:
 def _local(acc: torch.Tensor, k: int, state: OkTopkState, recompute: bool) -> torch.Tensor:
     mag = acc.abs()
     nonzero = mag > 0
-    if recompute or state.local_th is None:
-        state.local_th = _kth_largest(mag[nonzero], k)
+    if recompute or state.local_th is None or math.isinf(state.local_th):
+        if state.local_fit is None or k == 0:
+            state.local_th = _kth_largest(mag[nonzero], k)
+        else:
+            state.local_th = sidco.threshold(mag, min(1.0, k / mag.numel()), state.local_fit,
+                                             state.local_stages, check=False)
     keep = nonzero & (mag >= state.local_th)
     if state.feedback and not recompute:
-        for _ in range(_RAISE_TRIES):
+        for _ in range(state.raise_tries):
             if 3 * int(keep.sum()) <= 4 * k:
                 break
-            state.local_th *= _RAISE
+            state.local_th *= state.raise_step
             keep = nonzero & (mag >= state.local_th)
     return torch.nonzero(keep).reshape(-1)
 
@@ -391,7 +424,9 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
                         validate=validate).to(torch.float32)
     n, size = v.numel(), comm.size
     t = state.iteration + 1
-    recompute = (t - 1) % state.tau_prime == 0 or state.global_th is None
+    # a global threshold that selected nothing (every reduced value zero) is recomputed too
+    recompute = (t - 1) % state.tau_prime == 0 or state.global_th is None or \
+        math.isinf(state.global_th)
     repartition = (t - 1) % state.tau == 0 or state.boundaries is None
 
     local = _local(v, k, state, recompute)
@@ -441,14 +476,14 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
     if state.feedback:
         m = local.numel()
         if 3 * m < 2 * k:
-            state.local_th /= _LOCAL_STEP
+            state.local_th /= state.local_step
         elif 4 * m > 5 * k:
-            state.local_th *= _LOCAL_STEP
+            state.local_th *= state.local_step
         if not recompute:
             if 3 * total < 2 * k:
-                state.global_th /= _GLOBAL_STEP
+                state.global_th /= state.global_step
             elif 3 * total > 4 * k:
-                state.global_th *= _GLOBAL_STEP
+                state.global_th *= state.global_step
     state.iteration = t
     state.last = OkTopkStats(local=local.numel(), selected=total, recomputed=recompute,
                              repartitioned=repartition and size > 1, balanced=balanced,
