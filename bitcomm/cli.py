@@ -47,6 +47,25 @@ class SizeList(click.ParamType):
         return tuple(Size().convert(part, param, ctx) for part in str(value).split(",") if part)
 
 
+class FloatList(click.ParamType):
+    """A comma-separated list of positive numbers."""
+
+    name = "numbers"
+
+    def convert(self, value, param, ctx):
+        """Parse ``value`` into a tuple of floats > 0."""
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        try:
+            out = tuple(float(part) for part in str(value).split(",") if part)
+        except ValueError:
+            self.fail(f"expected comma-separated numbers such as 0.004,0.25,1, got {value!r}",
+                      param, ctx)
+        if not out or any(not v > 0 or math.isinf(v) for v in out):
+            self.fail(f"expected positive numbers, got {value!r}", param, ctx)
+        return out
+
+
 @click.group()
 @click.version_option(package_name="bitcomm")
 def main() -> None:
@@ -131,7 +150,7 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
 @bench.command("select")
 @click.option("--sizes", type=SizeList(), default="256K,2560K", show_default=True,
               help="Comma-separated vector lengths (SIDCo's figures use 0.26M-26M).")
-@click.option("--deltas", default="0.1,0.01,0.001", show_default=True,
+@click.option("--deltas", type=FloatList(), default="0.1,0.01,0.001", show_default=True,
               help="Comma-separated target ratios k / n.")
 @click.option("--dists", default=",".join(("laplace", "gauss", "t3", "digits")),
               show_default=True, help="Comma-separated distributions: laplace, gauss, t3, "
@@ -140,18 +159,14 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
               help="Timed repetitions per selection (median reported), after a warm-up.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Directory for select.json and .csv.")
-def bench_select(sizes: tuple[int, ...], deltas: str, dists: str, repeat: int,
+def bench_select(sizes: tuple[int, ...], deltas: tuple[float, ...], dists: str, repeat: int,
                  out_dir: str) -> None:
     """How many entries each top-k selector picks against k, and its time against topk."""
     from bitcomm.bench import select as bench_mod
 
-    try:
-        ratios = [float(d) for d in deltas.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {deltas!r}",
-                                 param_hint="--deltas") from None
-    if not all(0 < d < 1 for d in ratios):
-        raise click.BadParameter(f"expected ratios in (0, 1), got {deltas!r}",
+    ratios = list(deltas)
+    if not all(d < 1 for d in ratios):
+        raise click.BadParameter(f"expected ratios below 1, got {deltas!r}",
                                  param_hint="--deltas")
     names = dists.split(",")
     bad = [d for d in names if d not in bench_mod.DISTRIBUTIONS]
@@ -176,7 +191,7 @@ def bench_select(sizes: tuple[int, ...], deltas: str, dists: str, repeat: int,
 
 
 @bench.command("volume")
-@click.option("--ranks", "ranks_list", default="4,8,16,32", show_default=True,
+@click.option("--ranks", "ranks", type=SizeList(), default="4,8,16,32", show_default=True,
               help="Comma-separated rank counts (threads of this process).")
 @click.option("--n", "n", type=SizeList(), default="256K", show_default=True,
               help="Vector length.")
@@ -185,22 +200,17 @@ def bench_select(sizes: tuple[int, ...], deltas: str, dists: str, repeat: int,
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Directory for volume.json, .csv and .png.")
-def bench_volume(ranks_list: str, n: tuple[int, ...], density: float, seed: int,
+def bench_volume(ranks: tuple[int, ...], n: tuple[int, ...], density: float, seed: int,
                  out_dir: str) -> None:
     """Bytes per rank of Ok-Topk, RedSync's allgather and SparCML's split-allgather vs P."""
     from bitcomm.bench import volume as bench_mod
 
-    try:
-        ranks = [int(r) for r in ranks_list.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated ints, got {ranks_list!r}",
-                                 param_hint="--ranks") from None
-    if not all(2 <= r <= 64 for r in ranks):
-        raise click.BadParameter(f"expected rank counts in 2..64, got {ranks_list!r}",
+    if not ranks or not all(2 <= r <= 64 for r in ranks):
+        raise click.BadParameter(f"expected rank counts in 2..64, got {ranks!r}",
                                  param_hint="--ranks")
     if len(n) != 1:
         raise click.BadParameter("expected one length", param_hint="--n")
-    config = _machine() | {"ranks": ranks, "n": n[0], "density": density, "seed": seed}
+    config = _machine() | {"ranks": list(ranks), "n": n[0], "density": density, "seed": seed}
     click.echo("# bitcomm bench volume: " + " ".join(f"{k}={v}" for k, v in config.items()))
     click.echo("# bytes the busiest rank sends in one call; words = bytes / 4")
     click.echo(f"{'P':>3} {'algorithm':<17} {'max bytes':>10} {'words':>10} "
@@ -364,25 +374,6 @@ def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int
                        f"{row.moved:>12} {row.hbm_seconds * 1e3:>8.3f} {row.vs_hbm:>6.2f} "
                        f"{row.wire_bytes or '':>11} {wire:>8}")
     _save(out, f"collectives-cuda-{ranks}", config, [r.as_dict() for r in rows])
-
-
-class FloatList(click.ParamType):
-    """A comma-separated list of positive numbers."""
-
-    name = "numbers"
-
-    def convert(self, value, param, ctx):
-        """Parse ``value`` into a tuple of floats > 0."""
-        if isinstance(value, (list, tuple)):
-            return tuple(value)
-        try:
-            out = tuple(float(part) for part in str(value).split(",") if part)
-        except ValueError:
-            self.fail(f"expected comma-separated numbers such as 0.004,0.25,1, got {value!r}",
-                      param, ctx)
-        if not out or any(not v > 0 or math.isinf(v) for v in out):
-            self.fail(f"expected positive numbers, got {value!r}", param, ctx)
-        return out
 
 
 @bench.command("hooks")

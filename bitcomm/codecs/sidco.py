@@ -80,8 +80,7 @@ def _check_delta(delta: object) -> float:
 
 
 def _check_stages(stages: object) -> int:
-    if isinstance(stages, bool) or not isinstance(stages, int):
-        raise TypeError(f"expected stages to be an int, got {type(stages).__name__}")
+    stages = _frame.check_count(stages, "stages")
     if stages < 1:
         raise ValueError(f"expected stages >= 1, got {stages}")
     return stages

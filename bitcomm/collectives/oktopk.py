@@ -69,7 +69,7 @@ import math
 
 import torch
 
-from bitcomm.codecs import sidco, stream
+from bitcomm.codecs import _frame, sidco, stream
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm, Request
 
@@ -410,7 +410,7 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
     """
     def validate(v: torch.Tensor) -> None:
         state.check()
-        count = _frame_count(k)
+        count = _frame.check_count(k, "k")
         if count > v.numel():
             raise ValueError(f"expected 0 <= k <= {v.numel()} elements, got k={k}")
         if state.boundaries is not None and len(state.boundaries) != comm.size - 1:
@@ -490,10 +490,3 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
                              pieces=pieces, reduced=r_idx.numel(), moved=moved, block=block)
     return u.reshape(acc.shape), indexes
 
-
-def _frame_count(k: object) -> int:
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"expected k to be an int, got {type(k).__name__}")
-    if k < 0:
-        raise ValueError(f"expected k >= 0, got {k}")
-    return k
