@@ -172,6 +172,8 @@ def test_bad_input_raises_on_every_rank():
             (torch.ones(8), 2, OkTopkState(balance="sometimes" if c.rank == 0 else "auto")),
             (torch.ones(8) if c.rank else torch.ones(8, dtype=torch.int64), 2, OkTopkState()),
             (torch.ones(8), 2, OkTopkState(iteration=c.rank)),  # diverged state
+            (torch.ones(8), 2, OkTopkState(iteration=1, boundaries=[5, 3])),  # not sorted
+            (torch.ones(8), 2, OkTopkState(iteration=1, boundaries=[3, 9])),  # beyond n
         ]:
             try:
                 oktopk_allreduce(c, acc, k, state)
@@ -181,7 +183,8 @@ def test_bad_input_raises_on_every_rank():
         return errors
 
     out = run_local(fn, 3, timeout=60)
-    assert out[0] == out[1] == out[2] == ["ValueError", "ValueError", "TypeError", "ValueError"]
+    assert out[0] == out[1] == out[2] == ["ValueError", "ValueError", "TypeError", "ValueError",
+                                          "ValueError", "ValueError"]
 
 
 def test_state_round_trips():

@@ -413,9 +413,13 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
         count = _frame.check_count(k, "k")
         if count > v.numel():
             raise ValueError(f"expected 0 <= k <= {v.numel()} elements, got k={k}")
-        if state.boundaries is not None and len(state.boundaries) != comm.size - 1:
-            raise ValueError(f"expected {comm.size - 1} boundaries in the state, got "
-                             f"{len(state.boundaries)}")
+        b = state.boundaries
+        if b is not None and (len(b) != comm.size - 1
+                              or any(isinstance(x, bool) or not isinstance(x, int) for x in b)
+                              or any(not 0 <= x <= v.numel() for x in b)
+                              or any(x > y for x, y in zip(b, b[1:], strict=False))):
+            raise ValueError(f"expected {comm.size - 1} non-decreasing int boundaries in "
+                             f"[0, {v.numel()}] in the state, got {b}")
 
     if not isinstance(state, OkTopkState):
         raise TypeError(f"expected state to be an OkTopkState, got {type(state).__name__}")
