@@ -198,10 +198,14 @@ def bench_select(sizes: tuple[int, ...], deltas: tuple[float, ...], dists: str, 
 @click.option("--density", type=click.FloatRange(0, 1, min_open=True), default=0.01,
               show_default=True, help="k / n per rank.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--inputs", type=click.Choice(["standard", "digits"]), default="standard",
+              show_default=True, help="standard: randn per rank (uniform top-k indices); "
+                                      "digits: real train-digits gradients (skewed; --n is "
+                                      "then the model's 76,810; experiments extra).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
-              show_default=True, help="Directory for volume.json, .csv and .png.")
+              show_default=True, help="Directory for volume[-digits].json, .csv and .png.")
 def bench_volume(ranks: tuple[int, ...], n: tuple[int, ...], density: float, seed: int,
-                 out_dir: str) -> None:
+                 inputs: str, out_dir: str) -> None:
     """Bytes per rank of Ok-Topk, RedSync's allgather and SparCML's split-allgather vs P."""
     from bitcomm.bench import volume as bench_mod
 
@@ -210,19 +214,23 @@ def bench_volume(ranks: tuple[int, ...], n: tuple[int, ...], density: float, see
                                  param_hint="--ranks")
     if len(n) != 1:
         raise click.BadParameter("expected one length", param_hint="--n")
-    config = _machine() | {"ranks": list(ranks), "n": n[0], "density": density, "seed": seed}
+    config = _machine() | {"ranks": list(ranks), "n": n[0], "density": density, "seed": seed,
+                           "inputs": inputs}
     click.echo("# bitcomm bench volume: " + " ".join(f"{k}={v}" for k, v in config.items()))
     click.echo("# bytes the busiest rank sends in one call; words = bytes / 4")
     click.echo(f"{'P':>3} {'algorithm':<17} {'max bytes':>10} {'words':>10} "
-               f"{'6k(P-1)/P':>10} {'2k(P-1)':>10} {'selected':>8}")
+               f"{'6k(P-1)/P':>10} {'2k(P-1)':>10} {'selected':>8} {'recv max':>8} "
+               f"{'block max':>9}")
 
     def show(row) -> None:
         click.echo(f"{row.ranks:>3} {row.algorithm:<17} {row.max_bytes:>10} {row.words:>10.0f} "
-                   f"{row.bound_words:>10.0f} {row.allgather_words:>10.0f} {row.selected:>8}")
+                   f"{row.bound_words:>10.0f} {row.allgather_words:>10.0f} {row.selected:>8} "
+                   f"{row.received_max:>8} {row.block_max:>9}")
 
-    rows = bench_mod.run(ranks, n[0], density, seed=seed, progress=show)
+    rows = bench_mod.run(ranks, n[0], density, seed=seed, inputs=inputs, progress=show)
     out = Path(out_dir)
-    _save(out, "volume", config, [r.as_dict() for r in rows])
+    name = "volume" if inputs == "standard" else f"volume-{inputs}"
+    _save(out, name, config, [r.as_dict() for r in rows])
     try:
         import matplotlib
     except ImportError:
@@ -232,9 +240,9 @@ def bench_volume(ranks: tuple[int, ...], n: tuple[int, ...], density: float, see
     import matplotlib.pyplot as plt
 
     fig = bench_mod.plot(rows)
-    fig.savefig(out / "volume.png", dpi=100, bbox_inches="tight")
+    fig.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
     plt.close(fig)
-    click.echo(f"# wrote {out / 'volume.png'}")
+    click.echo(f"# wrote {out / (name + '.png')}")
 
 
 def _machine(device: str = "cpu") -> dict:

@@ -121,8 +121,17 @@ def test_bench_volume_keeps_oktopk_within_its_bound_while_the_allgather_grows(tm
     assert by[(8, "topkA")]["words"] > 2 * by[(8, "oktopk-steady")]["words"]
     bad = CliRunner().invoke(main, ["bench", "volume", "--ranks", "1", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "--ranks" in bad.output
-    pytest.importorskip("matplotlib", reason="the plot needs the plots extra")
     assert (tmp_path / "volume.png").stat().st_size > 0
+    # real gradients: skewed index sets, where the paper's balancing pays (its Figure 7)
+    pytest.importorskip("sklearn", reason="the digits data need the experiments extra")
+    result = CliRunner().invoke(main, ["bench", "volume", "--ranks", "4", "--inputs", "digits",
+                                       "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "volume-digits.json").read_text())["rows"]
+    by = {r["algorithm"]: r for r in rows}
+    assert by["oktopk-steady"]["n"] == 76810
+    assert by["oktopk-even"]["received_max"] > 1.5 * by["oktopk-direct"]["received_max"]
+    assert by["oktopk-direct"]["block_max"] > 1.5 * by["oktopk-always"]["block_max"]
 
 
 @pytest.mark.parametrize("load", [0.0, 64.0])

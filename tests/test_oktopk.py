@@ -66,7 +66,7 @@ def test_one_call_is_topk_of_the_sum_of_topk_on_every_rank(size):
 
 @pytest.mark.parametrize("balance", ["always", "never", "auto"])
 @pytest.mark.parametrize("throttle", [1, 4])
-@pytest.mark.parametrize("boundaries", [None, "low", "high", "odd"])
+@pytest.mark.parametrize("boundaries", [None, "low", "high", "odd", "even"])
 def test_the_result_does_not_depend_on_boundaries_throttle_or_balance(balance, throttle,
                                                                        boundaries):
     size, n, k = 5, 600, 40
@@ -74,15 +74,20 @@ def test_the_result_does_not_depend_on_boundaries_throttle_or_balance(balance, t
     preset = {None: None, "low": [0, 0, 0, 0], "high": [n, n, n, n], "odd": [5, 7, 300, 599]}
 
     def fn(c):
-        state = OkTopkState(tau_prime=1, feedback=False, throttle=throttle, balance=balance)
-        if boundaries is not None:  # not a repartition call: the preset regions are used
+        state = OkTopkState(tau_prime=1, feedback=False, throttle=throttle, balance=balance,
+                            regions="even" if boundaries == "even" else "balanced")
+        if boundaries not in (None, "even"):  # not a repartition call: the preset is used
             state.iteration, state.boundaries = 1, preset[boundaries]
         u, idx = oktopk_allreduce(c, accs[c.rank], k, state)
-        return u, idx, state.last, c.counters.total_sent
+        return u, idx, state.last, c.counters.total_sent, state.boundaries
 
     out = run_local(fn, size, timeout=60)
     want, want_idx = oracle(accs, k)
-    for r, (u, idx, stats, sent) in enumerate(out):
+    # every entry sent to another region's owner is received there
+    assert sum(o[2].pieces for o in out) == sum(o[2].received for o in out)
+    if boundaries == "even":
+        assert out[0][4] == [120, 240, 360, 480] and not out[0][2].repartitioned
+    for r, (u, idx, stats, sent, _) in enumerate(out):
         assert torch.equal(u, want) and torch.equal(idx, want_idx[r])
         assert stats.balanced == (balance == "always" or (
             balance == "auto" and boundaries in ("low", "high")))  # all in one region

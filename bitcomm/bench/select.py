@@ -23,7 +23,6 @@ Rows: ``ratio`` is ``k_hat / k``; ``seconds`` the median time of one selection.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterable
 
@@ -64,32 +63,13 @@ class Row:
         return dataclasses.asdict(self)
 
 
-@functools.lru_cache(maxsize=1)
-def _digits_gradients(steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
-    """Flattened gradients of the wide train-digits MLP at the given steps of dense SGD."""
-    from bitcomm.experiments.digits import load_digits_split
-    from bitcomm.experiments.digits.run import _model
-
-    xtr, ytr, _, _ = load_digits_split(0)
-    model = _model(0, 1024)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    wanted, out = set(steps), {}
-    for step in range(max(wanted) + 1):
-        g = torch.Generator().manual_seed(step)
-        idx = torch.randint(0, xtr.shape[0], (32,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-        if step in wanted:
-            out[step] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
-        opt.step()
-    return out
-
-
 def sample(dist: str, n: int, draw: int = 0) -> torch.Tensor:
     """Return the float32 vector ``draw`` (0 or 1: independent) of ``dist`` with ``n`` elements."""
     if dist == "digits":
-        grads = _digits_gradients((_DIGITS_STEPS, _DIGITS_STEPS + _DIGITS_GAP))
-        g = grads[_DIGITS_STEPS + _DIGITS_GAP * draw]
+        from bitcomm.experiments.digits.run import recorded_gradients
+
+        step = _DIGITS_STEPS + _DIGITS_GAP * draw
+        g = recorded_gradients([(step, step)])[0]
         return g.repeat(-(-n // g.numel()))[:n]
     gen = torch.Generator().manual_seed(1000 * draw + n % 997)
     if dist == "laplace":

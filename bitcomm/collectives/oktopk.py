@@ -74,10 +74,12 @@ from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm, Request
 
 __all__ = ["OkTopkState", "OkTopkStats", "oktopk_allreduce", "oktopk_allreduce_bytes",
-           "BALANCE"]
+           "BALANCE", "REGIONS"]
 
 BALANCE = ("auto", "always", "never")
 """When to balance before the allgatherv."""
+REGIONS = ("balanced", "even")
+"""How the index space is cut into the ranks' regions."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,7 @@ class OkTopkStats:
         repartitioned: the region boundaries were recomputed in this call.
         balanced: the entries were balanced before the allgatherv.
         pieces: entries this rank sent to other regions' owners.
+        received: entries this rank received from other ranks for its region.
         reduced: entries of this rank's region after the reduction.
         moved: entries this rank sent while balancing.
         block: entries this rank contributed to the allgatherv.
@@ -103,6 +106,7 @@ class OkTopkStats:
     repartitioned: bool
     balanced: bool
     pieces: int
+    received: int
     reduced: int
     moved: int
     block: int
@@ -121,6 +125,9 @@ class OkTopkState:
         tau_prime: calls between exact thresholds (the paper's 32; 128 for BERT).
         throttle: sends in flight during split and reduce (``min(throttle, P - 1)``).
         balance: ``"auto"``, ``"always"`` or ``"never"``.
+        regions: ``"balanced"`` (repartitioned every ``tau`` calls from the selected indices)
+            or ``"even"`` (``[0, n)`` cut into equal ranges, never repartitioned: the naive
+            split the paper compares against).
         feedback: adjust reused thresholds by the selected counts (the public code's rules,
             with the factors below).
         raise_step: factor a reused local threshold is raised by while over 4k/3 pass (1.03).
@@ -143,6 +150,7 @@ class OkTopkState:
     tau_prime: int = 32
     throttle: int = 4
     balance: str = "auto"
+    regions: str = "balanced"
     feedback: bool = True
     raise_step: float = 1.03
     raise_tries: int = 5
@@ -166,6 +174,8 @@ class OkTopkState:
                 raise ValueError(f"expected {name} >= 1, got {v}")
         if self.balance not in BALANCE:
             raise ValueError(f"expected balance in {BALANCE}, got {self.balance!r}")
+        if self.regions not in REGIONS:
+            raise ValueError(f"expected regions in {REGIONS}, got {self.regions!r}")
         for name in ("raise_step", "local_step", "global_step"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v < 2:
@@ -195,6 +205,7 @@ class OkTopkState:
 
     def _shared(self) -> dict[str, object]:
         return {"tau": self.tau, "tau_prime": self.tau_prime, "balance": self.balance,
+                "regions": self.regions,
                 "feedback": self.feedback, "iteration": self.iteration,
                 "factors": (self.raise_step, self.raise_tries, self.local_step,
                             self.global_step), "local_fit": (self.local_fit, self.local_stages),
@@ -304,8 +315,11 @@ def _checked(counts: list[int], limit: int, what: str) -> list[int]:
 
 
 def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: list[int],
-                      n: int, throttle: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Send each region's entries to its owner; return the own region's sum and pieces sent."""
+                      n: int, throttle: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Send each region's entries to its owner.
+
+    Returns the own region's reduced entries, the entries sent to others and those received.
+    """
     size, rank = comm.size, comm.rank
     cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype, device=idx.device))
     edges = [0, *cuts.tolist(), idx.numel()]
@@ -337,7 +351,7 @@ def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: 
             present[got[r][0] - lo] = True
     where = torch.nonzero(present).reshape(-1)
     pieces = sum(p[0].numel() for j, p in enumerate(parts) if j != rank)
-    return where + lo, dense[where], pieces
+    return where + lo, dense[where], pieces, sum(c for r, c in enumerate(counts) if r != rank)
 
 
 def _balance(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts: list[int], n: int
@@ -431,17 +445,20 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
     # a global threshold that selected nothing (every reduced value zero) is recomputed too
     recompute = (t - 1) % state.tau_prime == 0 or state.global_th is None or \
         math.isinf(state.global_th)
-    repartition = (t - 1) % state.tau == 0 or state.boundaries is None
+    repartition = state.regions == "balanced" and ((t - 1) % state.tau == 0
+                                                    or state.boundaries is None)
+    if state.regions == "even":
+        state.boundaries = [j * n // size for j in range(1, size)]
 
     local = _local(v, k, state, recompute)
     if repartition:
         state.boundaries = _repartition(comm, local, n) if size > 1 else []
     bounds = state.boundaries
     if size > 1:
-        r_idx, r_val, pieces = _split_and_reduce(comm, local, v[local], bounds, n,
-                                                 min(state.throttle, size - 1))
+        r_idx, r_val, pieces, received = _split_and_reduce(comm, local, v[local], bounds, n,
+                                                           min(state.throttle, size - 1))
     else:
-        r_idx, r_val, pieces = local, v[local], 0
+        r_idx, r_val, pieces, received = local, v[local], 0, 0
     edges = [0, *bounds, n]
     mag = r_val.abs()
     if recompute:
@@ -491,6 +508,7 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
     state.iteration = t
     state.last = OkTopkStats(local=local.numel(), selected=total, recomputed=recompute,
                              repartitioned=repartition and size > 1, balanced=balanced,
-                             pieces=pieces, reduced=r_idx.numel(), moved=moved, block=block)
+                             pieces=pieces, received=received, reduced=r_idx.numel(),
+                             moved=moved, block=block)
     return u.reshape(acc.shape), indexes
 

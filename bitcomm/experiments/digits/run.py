@@ -7,10 +7,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from bitcomm.comm.launch import CPU_TRANSPORTS, commands, job_dir, run_job, worl
 from bitcomm.experiments.digits.config import METHODS, TrainConfig
 from bitcomm.experiments.digits.results import MethodResult
 
-__all__ = ["load_digits_split", "requirements", "train", "launch", "main"]
+__all__ = ["load_digits_split", "requirements", "train", "launch", "main", "recorded_gradients"]
 
 
 def requirements() -> list[str]:
@@ -60,6 +61,43 @@ def _model(seed: int, hidden: int = 64) -> torch.nn.Module:
             for p in (layer.weight, layer.bias):
                 p.copy_(torch.rand(p.shape, generator=g) * 2 * bound - bound)
     return model
+
+
+def recorded_gradients(points: Sequence[tuple[int, int]], *, hidden: int = 1024,
+                       seed: int = 0) -> list[torch.Tensor]:
+    """Return real gradients of the digits MLP, flattened, for benchmarks of sparsifiers.
+
+    One worker trains the MLP by dense SGD (lr 0.05, momentum 0.9, 32 samples a step, the
+    batch of step ``s`` drawn with seed ``s``). For each ``(step, batch)`` the gradient is taken
+    at the weights before update ``step``, on the 32 samples drawn with seed ``batch``: the
+    same batch seed as the step gives the training run's own gradient, another seed what a
+    second worker would see at the same weights.
+    """
+    return list(_recorded(tuple(points), hidden, seed))
+
+
+@functools.lru_cache(maxsize=4)
+def _recorded(points: tuple[tuple[int, int], ...], hidden: int, seed: int
+              ) -> tuple[torch.Tensor, ...]:
+    xtr, ytr, _, _ = load_digits_split(seed)
+    model = _model(seed, hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def grad(batch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(batch)
+        idx = torch.randint(0, xtr.shape[0], (32,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+
+    out: dict[tuple[int, int], torch.Tensor] = {}
+    for step in range(max((s for s, _ in points), default=-1) + 1):
+        for point in points:
+            if point[0] == step:
+                out[point] = grad(point[1])
+        grad(step)
+        opt.step()
+    return tuple(out[p] for p in points)
 
 
 def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
