@@ -418,5 +418,6 @@ def test_the_wheel_carries_the_topologies_and_experiments(tmp_path):
                  "star-16"):
         assert f"bitcomm/configs/topologies/{topo}.yaml" in names
     for exp in ("default", "table1-chain", "table2-cluster", "table3-hetero", "star",
-                "train-digits", "train-digits-wide", "sparcml", "sparcml-fast", "oktopk"):
+                "train-digits", "train-digits-wide", "sparcml", "sparcml-fast", "oktopk",
+                "oktopk-balance"):
         assert f"bitcomm/configs/experiments/{exp}.yaml" in names

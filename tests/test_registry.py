@@ -157,3 +157,56 @@ def test_oktopk_is_registered_as_a_steady_call_of_topk_of_the_sum_of_topk():
         assert not last.recomputed and not last.repartitioned
         assert torch.allclose(out, want, atol=1e-6) and torch.equal(out, results[0][0])
         assert sent == spec.expected_bytes(n, size, r, seed=2)
+
+
+def test_skewed_inputs_crowd_every_ranks_top_k_towards_the_end():
+    x = registry.standard_input(0, 1, 1000)
+    y = registry.skewed(x)
+    assert y[999] == x[999] * (999.5 / 1000) ** 3 and y[0] == x[0] * (0.5 / 1000) ** 3
+    for r in range(3):
+        top = torch.topk(registry.skewed(registry.standard_input(0, r, 1000)).abs(), 50).indices
+        assert int((top >= 750).sum()) > 35  # the last quarter holds most of the top 5%
+
+
+@pytest.mark.parametrize("name", ["oktopk-skewed", "oktopk-skewed-direct@2%",
+                                  "oktopk-skewed-even@0.5%"])
+def test_oktopk_variants_on_skewed_inputs_agree_and_send_their_formula(name):
+    spec = registry.get(name)
+    assert spec.primed and registry.is_emulated(name) and name.split("@")[0] not in \
+        registry.COLLECTIVES
+    n, size = 2000, 4
+
+    def rank(c):
+        x = registry.standard_input(1, c.rank, n)
+        state = spec.new_state(n, c.size)
+        spec(c, x, state=state)
+        c.counters.reset()
+        out = spec(c, x, state=state)
+        return out, c.counters.total_sent, spec.expected_bytes(n, c.size, c.rank, seed=1), \
+            state.last
+
+    results = run_local(rank, size)
+    for out, sent, expected, _ in results:
+        assert sent == expected and torch.equal(out, results[0][0])
+
+
+def test_on_skewed_inputs_balanced_regions_and_blocks_carry_less_than_the_naive_ones():
+    """The paper's Figure 7 comparison, in entries: the busiest reducer and the largest
+    allgatherv block of the naive variants against Ok-Topk's balanced ones."""
+    n, size = 20000, 8
+
+    def most(name):
+        spec = registry.get(name)
+
+        def rank(c):
+            x, state = registry.standard_input(2, c.rank, n), spec.new_state(n, c.size)
+            spec(c, x, state=state)
+            spec(c, x, state=state)
+            return state.last
+
+        stats = run_local(rank, size)
+        return max(s.received for s in stats), max(s.block for s in stats)
+
+    even, direct, balanced = (most(f"oktopk-skewed{v}@1%") for v in ("-even", "-direct", ""))
+    assert even[0] > 3 * direct[0]  # even regions: the last ones reduce most entries
+    assert direct[1] > balanced[1]  # balancing the blocks shrinks the largest one

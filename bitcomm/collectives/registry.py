@@ -33,7 +33,8 @@ from bitcomm.comm.base import Comm
 from bitcomm.comm.local import run_local
 
 __all__ = ["Collective", "COLLECTIVES", "EMULATED", "DENSITY", "get", "is_emulated",
-           "standard_input", "sparse_input", "mismatches", "Timing", "time_calls", "combine"]
+           "standard_input", "sparse_input", "skewed", "mismatches", "Timing", "time_calls",
+           "combine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,36 +177,65 @@ def _sparcml(name: str, fn: str, summary: str, density: float) -> Collective:
                       emulated=True, input_bytes=input_bytes)
 
 
-def _oktopk(density: float) -> Collective:
-    """Return Ok-Topk's sparse allreduce at ``k = density * n`` (a steady call, see primed)."""
+_OKTOPK = {
+    "oktopk": ({}, False, "Ok-Topk's O(k) sparse allreduce, thresholds reused"),
+    "oktopk-skewed": ({"balance": "always"}, True,
+                      "Ok-Topk on skewed inputs: balanced regions and blocks"),
+    "oktopk-skewed-direct": ({"balance": "never"}, True,
+                             "Ok-Topk on skewed inputs: balanced regions, direct allgatherv"),
+    "oktopk-skewed-even": ({"balance": "never", "regions": "even"}, True,
+                           "Ok-Topk on skewed inputs: even regions, direct allgatherv (naive)"),
+}
+"""Ok-Topk's registered variants: state options, whether the input is skewed, a summary."""
+
+
+def skewed(x: torch.Tensor) -> torch.Tensor:
+    """Return ``x`` with a position-dependent scale: ``x[j] * ((j + 0.5) / n) ** 3``.
+
+    Every rank's largest entries then crowd towards the end of the vector, the same way on every
+    rank, as real gradients' do in some layers (Ok-Topk, Section 3.1.1: the coordinates of the
+    local top-k are consistent across workers at a coarse grain); an even split of the index
+    space gives the last regions most of the work. Standard inputs are uniform and need no
+    balancing; these do.
+    """
+    n = x.numel()
+    pos = (torch.arange(n, dtype=torch.float64, device=x.device) + 0.5) / max(n, 1)
+    return x * pos.pow(3).to(x.dtype)
+
+
+def _oktopk(density: float, base: str = "oktopk") -> Collective:
+    """Return an Ok-Topk variant at ``k = density * n`` (a steady call, see primed)."""
+    options, skew, summary = _OKTOPK[base]
+
     def run(comm: Comm, x: torch.Tensor, state: object, check: bool) -> torch.Tensor:
-        return oktopk.oktopk_allreduce(comm, x, _sparse_k(x.numel(), density), state,
-                                       check=check)[0]
+        return oktopk.oktopk_allreduce(comm, skewed(x) if skew else x,
+                                       _sparse_k(x.numel(), density), state, check=check)[0]
 
     def input_bytes(n: int, size: int, rank: int, check: bool, seed: int) -> int:
-        return _oktopk_bytes(n, size, check, seed, density)[rank]
+        return _oktopk_bytes(n, size, check, seed, density, base)[rank]
 
-    label = "oktopk" if density == DENSITY else f"oktopk@{density:.6g}"
-    return Collective(label, f"Ok-Topk's O(k) sparse allreduce, thresholds reused "
-                             f"(top {density:.3%} per rank)", run,
+    label = base if density == DENSITY else f"{base}@{density:.6g}"
+    return Collective(label, f"{summary} (top {density:.3%} per rank)", run,
                       lambda n, size, rank, check: input_bytes(n, size, rank, check, 0),
-                      state=lambda n, size, device: oktopk.OkTopkState(), emulated=True,
-                      input_bytes=input_bytes, primed=True)
+                      state=lambda n, size, device: oktopk.OkTopkState(**options),
+                      emulated=True, input_bytes=input_bytes, primed=True)
 
 
 @functools.lru_cache(maxsize=16)
-def _oktopk_bytes(n: int, size: int, check: bool, seed: int, density: float) -> list[int]:
+def _oktopk_bytes(n: int, size: int, check: bool, seed: int, density: float,
+                  base: str) -> list[int]:
     """Return every rank's bytes in the second Ok-Topk call on the standard inputs.
 
     Run on threads: they depend on how the ranks' selections overlap and on the regions the
     first call drew.
     """
+    spec = _oktopk(density, base)
+
     def fn(comm: Comm) -> int:
-        x, k, state = standard_input(seed, comm.rank, n), _sparse_k(n, density), \
-            oktopk.OkTopkState()
-        oktopk.oktopk_allreduce(comm, x, k, state, check=check)
+        x, state = standard_input(seed, comm.rank, n), spec.new_state(n, comm.size)
+        spec(comm, x, state=state, check=check)
         comm.counters.reset()
-        oktopk.oktopk_allreduce(comm, x, k, state, check=check)
+        spec(comm, x, state=state, check=check)
         return comm.counters.total_sent
 
     return run_local(fn, size, timeout=600)
@@ -271,12 +301,16 @@ def get(name: str, *, emulated: bool = False) -> Collective:
 
     A sparse collective (SparCML's, Ok-Topk's) takes the share of every rank's input it keeps
     after ``@``: ``ssar-split-allgather@5%`` or ``@0.05`` (default :data:`DENSITY`). With
-    ``emulated=True`` only the :data:`EMULATED` ones are accepted.
+    ``emulated=True`` only the :data:`EMULATED` ones are accepted. Ok-Topk's variants on
+    :func:`skewed` inputs (``oktopk-skewed``, ``-direct``, ``-even``: the paper's Figure 7
+    comparison) are found by name here and not listed in :data:`COLLECTIVES`.
     """
     choices = EMULATED if emulated else tuple(COLLECTIVES)
     base, at, density = name.partition("@") if isinstance(name, str) else (name, "", "")
     if at and base in _SPARCML:
         return _sparcml(base, _SPARCML[base][0], _SPARCML[base][1], _density(density, name))
+    if base in _OKTOPK and base != "oktopk":
+        return _oktopk(_density(density, name) if at else DENSITY, base)
     if at and base == "oktopk":
         return _oktopk(_density(density, name))
     if name not in choices:
