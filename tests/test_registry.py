@@ -7,19 +7,25 @@ from bitcomm.collectives import registry
 from bitcomm.comm import run_local
 
 
+def _measured(spec, c, seed, n):
+    """Return the call the benchmarks measure on rank ``c`` (after a first call on the same
+    state for a primed collective): its result, the bytes it sent and the state."""
+    x = registry.standard_input(seed, c.rank, n)
+    state = spec.new_state(n, c.size)
+    if spec.primed:
+        spec(c, x, state=state)
+    c.counters.reset()
+    return spec(c, x, state=state), c.counters.total_sent, state
+
+
 @pytest.mark.parametrize("name", list(registry.COLLECTIVES))
 @pytest.mark.parametrize("size,n", [(1, 17), (3, 1001), (4, 4096)])
 def test_every_collective_sends_its_formula_and_agrees(name, size, n):
     spec = registry.get(name)
 
     def rank(c):
-        x = registry.standard_input(5, c.rank, n)
-        state = spec.new_state(n, c.size)
-        if spec.primed:  # the measured call is the one after a first on the same state
-            spec(c, x, state=state)
-        c.counters.reset()
-        out = spec(c, x, state=state)
-        return out, c.counters.total_sent, spec.expected_bytes(n, c.size, c.rank, seed=5)
+        out, sent, _ = _measured(spec, c, 5, n)
+        return out, sent, spec.expected_bytes(n, c.size, c.rank, seed=5)
 
     results = run_local(rank, size)
     for out, sent, expected in results:
@@ -136,12 +142,8 @@ def test_oktopk_is_registered_as_a_steady_call_of_topk_of_the_sum_of_topk():
     n, size, k = 1000, 4, 50
 
     def rank(c):
-        x = registry.standard_input(2, c.rank, n)
-        state = spec.new_state(n, c.size)
-        spec(c, x, state=state)
-        c.counters.reset()
-        out = spec(c, x, state=state)
-        return out, state.last, c.counters.total_sent
+        out, sent, state = _measured(spec, c, 2, n)
+        return out, state.last, sent
 
     results = run_local(rank, size)
     # written out here: the sum of every rank's top k by |x|, then its top k
@@ -177,16 +179,11 @@ def test_oktopk_variants_on_skewed_inputs_agree_and_send_their_formula(name):
     n, size = 2000, 4
 
     def rank(c):
-        x = registry.standard_input(1, c.rank, n)
-        state = spec.new_state(n, c.size)
-        spec(c, x, state=state)
-        c.counters.reset()
-        out = spec(c, x, state=state)
-        return out, c.counters.total_sent, spec.expected_bytes(n, c.size, c.rank, seed=1), \
-            state.last
+        out, sent, _ = _measured(spec, c, 1, n)
+        return out, sent, spec.expected_bytes(n, c.size, c.rank, seed=1)
 
     results = run_local(rank, size)
-    for out, sent, expected, _ in results:
+    for out, sent, expected in results:
         assert sent == expected and torch.equal(out, results[0][0])
 
 
@@ -198,13 +195,7 @@ def test_on_skewed_inputs_balanced_regions_and_blocks_carry_less_than_the_naive_
     def most(name):
         spec = registry.get(name)
 
-        def rank(c):
-            x, state = registry.standard_input(2, c.rank, n), spec.new_state(n, c.size)
-            spec(c, x, state=state)
-            spec(c, x, state=state)
-            return state.last
-
-        stats = run_local(rank, size)
+        stats = run_local(lambda c: _measured(spec, c, 2, n)[2].last, size)
         return max(s.received for s in stats), max(s.block for s in stats)
 
     even, direct, balanced = (most(f"oktopk-skewed{v}@1%") for v in ("-even", "-direct", ""))

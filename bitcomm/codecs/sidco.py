@@ -219,14 +219,10 @@ def sidco(scores: torch.Tensor, k: int, dist: str = "exponential", stages: int =
     s = _frame.check_float(scores, "scores")
     k = _frame.check_count(k, "k")
     n = s.numel()
-    if k == 0 or n == 0:
+    if k == 0 or k >= n:  # no fit: nothing or everything (threshold checks the rest)
         if check and n and not bool(torch.isfinite(s).all()):
             raise ValueError("expected finite scores, got NaN or inf")
-        return torch.empty(0, dtype=torch.int64, device=s.device)
-    if k >= n:
-        if check and not bool(torch.isfinite(s).all()):
-            raise ValueError("expected finite scores, got NaN or inf")
-        return torch.arange(n, device=s.device)
+        return torch.arange(n if k else 0, device=s.device)
     eta = threshold(s, k / n, dist, stages, first=first, check=check)
     return torch.nonzero(s >= eta).reshape(-1)
 

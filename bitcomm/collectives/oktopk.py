@@ -302,8 +302,8 @@ def _counts(comm: Comm, mine: list[int]) -> list[int]:
 
 
 def _allgather_counts(comm: Comm, c: int) -> list[int]:
-    mine = torch.tensor([c], dtype=torch.int64).view(torch.uint8)
-    return [int(g.cpu().view(torch.int64)[0]) for g in comm.allgatherv(mine, [8] * comm.size)]
+    # 8 bytes per rank as float64: exact for any count below 2**53
+    return [int(v[0]) for v in comm.allgather_floats([c])]
 
 
 def _checked(counts: list[int], limit: int, what: str) -> list[int]:
@@ -459,7 +459,6 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
                                                            min(state.throttle, size - 1))
     else:
         r_idx, r_val, pieces, received = local, v[local], 0, 0
-    edges = [0, *bounds, n]
     mag = r_val.abs()
     if recompute:
         sizes = _checked(_allgather_counts(comm, r_idx.numel()) if size > 1 else [r_idx.numel()],
@@ -474,7 +473,7 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
     keep = mag >= state.global_th
     g_idx, g_val = r_idx[keep], r_val[keep]
     if not recompute:
-        counts = (_checked(_allgather_counts(comm, g_idx.numel()), edges[-1], "a selection of")
+        counts = (_checked(_allgather_counts(comm, g_idx.numel()), n, "a selection of")
                   if size > 1 else [g_idx.numel()])
     total = sum(counts)
     balanced = size > 1 and (state.balance == "always" or (

@@ -142,3 +142,17 @@ class ScalerAware:
                 if p.grad is not None:
                     p.grad.mul_(inv.to(p.grad.device))
         return False
+
+
+def sgd_update(p: torch.Tensor, d: torch.Tensor, group: dict, states: dict) -> None:
+    """Apply ``torch.optim.SGD``'s update to ``p`` along the float32 direction ``d``.
+
+    ``buf = momentum * buf + d`` when the group has momentum (the buffer kept in ``states[p]``,
+    created at the first step), then ``p -= lr * buf``; ``d`` holds ``p.numel()`` elements.
+    """
+    if group["momentum"]:
+        state = states[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(d)
+        d = state["momentum_buffer"].mul_(group["momentum"]).add_(d)
+    p.add_(d.view_as(p).to(p.dtype), alpha=-group["lr"])

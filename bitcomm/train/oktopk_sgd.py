@@ -37,6 +37,7 @@ from bitcomm.train._common import (
     check_comm,
     check_range,
     evaluate,
+    sgd_update,
     with_grads,
 )
 
@@ -140,10 +141,6 @@ class OkTopkSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                 state["residual"].copy_(rest)
             if group["weight_decay"]:
                 d = d + group["weight_decay"] * p.detach().to(torch.float32).reshape(-1)
-            if group["momentum"]:
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(d)
-                d = state["momentum_buffer"].mul_(group["momentum"]).add_(d)
-            p.add_(d.view_as(p).to(p.dtype), alpha=-group["lr"])
+            sgd_update(p, d, group, self.state)
         self.steps += 1
         return loss

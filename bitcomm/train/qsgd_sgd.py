@@ -31,6 +31,7 @@ from bitcomm.train._common import (
     check_range,
     evaluate,
     flat_grads,
+    sgd_update,
     split_like,
     with_grads,
 )
@@ -114,13 +115,7 @@ class QSGDSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                 if not has[at]:
                     at += 1
                     continue
-                d = directions[at]
-                if group["momentum"]:
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(d)
-                    d = state["momentum_buffer"].mul_(group["momentum"]).add_(d)
-                p.add_(d.to(p.dtype), alpha=-group["lr"])
+                sgd_update(p, directions[at], group, self.state)
                 at += 1
         self.steps += 1
         return loss

@@ -55,6 +55,7 @@ from bitcomm.train._common import (
     check_comm,
     check_range,
     evaluate,
+    sgd_update,
     with_grads,
 )
 
@@ -160,12 +161,7 @@ class RGC(ScalerAware, torch.optim.Optimizer):
             at += p.numel()
             if not live:  # no gradient: no step, no momentum
                 continue
-            if group["momentum"]:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(d)
-                d = state["momentum_buffer"].mul_(group["momentum"]).add_(d)
-            p.add_(d.view_as(p).to(p.dtype), alpha=-group["lr"])
+            sgd_update(p, d, group, self.state)
         return loss
 
     def _sparse_step(self, p: torch.Tensor, g: torch.Tensor, group: dict, size: int) -> None:

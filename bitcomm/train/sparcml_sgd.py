@@ -37,6 +37,7 @@ from bitcomm.train._common import (
     check_comm,
     check_range,
     evaluate,
+    sgd_update,
     with_grads,
 )
 
@@ -152,10 +153,6 @@ class SparCMLSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
             state["residual"].copy_(acc[at:at + n])
             d = total[at:at + n]
             at += n
-            if group["momentum"]:
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(d)
-                d = state["momentum_buffer"].mul_(group["momentum"]).add_(d)
-            p.add_(d.view_as(p).to(p.dtype), alpha=-group["lr"])
+            sgd_update(p, d, group, self.state)
         self.steps += 1
         return loss
