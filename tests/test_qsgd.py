@@ -299,3 +299,31 @@ def test_numba_without_a_writable_cache_location_still_encodes(tmp_path):
     assert list((tmp_path / f"bitcomm-numba-{os.getuid()}").rglob("*.nbi"))  # it cached there
     x = torch.arange(5000, dtype=torch.float32).sin()
     assert json.loads(r.stdout.splitlines()[-1]) == qsgd.encode(x, 4, seed=3).tolist()
+
+
+def test_one_thread_encodes_without_a_parallel_region(monkeypatch):
+    """Under one torch thread (a rank per core) the kernels run serially, with the same bytes.
+
+    A numba parallel region wakes OpenMP threads that spin on every core afterwards, taking the
+    cores of the job's other ranks; the encoder follows torch's thread budget instead.
+    """
+    from bitcomm.codecs import _qsgd_cpu
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3 * _qsgd_cpu.TASK + 11, generator=g)
+    cases = [(512, "max"), (100000, "max"), (7, "l2")]  # fused scales, separate, torch's L2
+    before = {c: qsgd.encode(x, 4, c[0], scale=c[1], seed=3) for c in cases}
+    for name in ("encode_codes", "max_scales"):
+        def refuse(*args, _name=name):
+            raise AssertionError(f"{_name} (a parallel region) ran under one thread")
+        monkeypatch.setattr(_qsgd_cpu, name, refuse)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert _qsgd_cpu.threads_for(x.numel()) == 1
+        for c in cases:
+            assert torch.equal(qsgd.encode(x, 4, c[0], scale=c[1], seed=3), before[c]), c
+    finally:
+        torch.set_num_threads(threads)
+    # more threads than tasks is pointless: a tensor of one task is encoded serially too
+    assert _qsgd_cpu.threads_for(_qsgd_cpu.TASK) == 1

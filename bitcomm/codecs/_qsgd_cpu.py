@@ -4,7 +4,12 @@ The torch path of qsgd (the one CUDA runs) takes about 25 elementwise passes per
 absolute value, the scale, the stream hash, the rounding, the sign and the packing are separate
 ops, and on a CPU those passes, not the arithmetic, are the cost. Here the work is cut into
 tasks of :data:`TASK` elements that stay in cache, each task runs a few vectorised loops, and
-the tasks run on all cores.
+the tasks run on the process's threads (:func:`threads_for`).
+
+Each kernel has a ``_serial`` twin for one thread. A parallel region wakes numba's whole
+OpenMP team, whose threads then spin-wait for the next region on every core; in a job of one
+rank per core (a DDP bucket quantised per hook call) that spinning takes the cores the other
+ranks and their transports need, and a 500-element encode took 3.4 ms in place of 7 us.
 
 It computes exactly what the torch path computes (tests compare the bytes):
 
@@ -26,7 +31,8 @@ import tempfile
 import numba
 import numpy as np
 
-__all__ = ["TASK", "encode_codes", "max_scales"]
+__all__ = ["TASK", "encode_codes", "encode_codes_serial", "max_scales", "max_scales_serial",
+           "threads_for"]
 
 TASK = 1 << 16
 """Elements per task: one stream block, and a multiple of 8 so a task owns whole code bytes."""
@@ -54,6 +60,17 @@ def _jit(**options):  # noqa: ANN202 - a numba decorator
     return decorate
 
 
+def threads_for(n: int) -> int:
+    """Return the threads to encode ``n`` elements on: 1 means the ``_serial`` kernels.
+
+    At most torch's intra-op thread count (the process's budget: a launcher running one rank
+    per core sets ``OMP_NUM_THREADS=1``) and numba's, and one per task.
+    """
+    import torch  # the caller's budget; this module is only imported by the torch codec
+
+    return max(1, min(numba.get_num_threads(), torch.get_num_threads(), -(-n // TASK)))
+
+
 @_jit(inline="always")
 def _max_abs(x: np.ndarray) -> np.float32:
     m = np.float32(0)
@@ -65,12 +82,23 @@ def _max_abs(x: np.ndarray) -> np.float32:
     return np.float32(np.nan) if nan else m
 
 
+@_jit(inline="always")
+def _max_scales(x: np.ndarray, bucket: int, scales: np.ndarray, b: int) -> None:
+    scales[b] = _max_abs(x[b * bucket : min(x.size, (b + 1) * bucket)])
+
+
 @_jit(parallel=True, nogil=True)
 def max_scales(x: np.ndarray, bucket: int, scales: np.ndarray) -> None:
-    """Write each bucket's max ``|x|`` (NaN if it holds a NaN) to ``scales``."""
-    n = x.size
+    """Write each bucket's max ``|x|`` (NaN if it holds a NaN) to ``scales``, on all threads."""
     for b in numba.prange(scales.size):
-        scales[b] = _max_abs(x[b * bucket : min(n, (b + 1) * bucket)])
+        _max_scales(x, bucket, scales, b)
+
+
+@_jit(nogil=True)
+def max_scales_serial(x: np.ndarray, bucket: int, scales: np.ndarray) -> None:
+    """:func:`max_scales` on the calling thread alone."""
+    for b in range(scales.size):
+        _max_scales(x, bucket, scales, b)
 
 
 @_jit(inline="always")
@@ -114,6 +142,50 @@ def _pack(c: np.ndarray, m: int, bits: int, out: np.ndarray) -> None:
             out[i] = (c[4 * i] << 6) | (c[4 * i + 1] << 4) | (c[4 * i + 2] << 2) | c[4 * i + 3]
 
 
+@_jit(inline="always")
+def _encode_tasks(x: np.ndarray, bucket: int, bits: int, key: int, scales: np.ndarray,
+                  fuse_max: bool, out: np.ndarray, first: int, last: int) -> None:
+    # Tasks first..last-1, with one scratch allocation for all of them.
+    n = x.size
+    signs = x.view(np.int32)
+    s = np.int32((1 << (bits - 1)) - 1)
+    levels = np.float32(s * 65536)
+    sign_shift = 32 - bits
+    sign_bit = np.int32(1 << (bits - 1))
+    half = np.float32(0.5)
+    per = 8 // bits
+    r = np.empty(min(TASK, n), dtype=np.int32)
+    c = np.zeros(min(TASK, n) + 4, dtype=np.int32)
+    for task in range(first, last):
+        lo = task * TASK
+        hi = min(n, lo + TASK)
+        _stream(task, key, r, hi - lo)
+        p = lo
+        while p < hi:
+            b = p // bucket
+            end = min(hi, (b + 1) * bucket)
+            if fuse_max:
+                scales[b] = _max_abs(x[p:end])
+            fac = _factor(scales[b], levels)
+            xs, ss = x[p:end], signs[p:end]
+            rs, cs = r[p - lo : end - lo], c[p - lo : end - lo]
+            if not np.isfinite(scales[b]):
+                # The caller raises on this bucket; skip it rather than convert NaN to int.
+                cs[:] = 0
+                p = end
+                continue
+            for i in range(end - p):
+                level = np.int32(abs(xs[i]) * fac + half) + rs[i]
+                level >>= 16
+                if level > s:
+                    level = s
+                cs[i] = ((ss[i] >> sign_shift) & sign_bit) | level
+            p = end
+        m = hi - lo
+        c[m : m + 4] = 0
+        _pack(c, m, bits, out[lo // per :])
+
+
 @_jit(parallel=True, nogil=True)
 def encode_codes(x: np.ndarray, bucket: int, bits: int, key: int, scales: np.ndarray,
                  fuse_max: bool, out: np.ndarray, threads: int) -> None:
@@ -124,45 +196,16 @@ def encode_codes(x: np.ndarray, bucket: int, bits: int, key: int, scales: np.nda
     ``scales`` must already hold every bucket's scale. ``threads`` is numba's thread count
     (passed in: calling ``numba.get_num_threads`` here would stop the function being cached).
     """
-    n = x.size
-    signs = x.view(np.int32)
-    s = np.int32((1 << (bits - 1)) - 1)
-    levels = np.float32(s * 65536)
-    sign_shift = 32 - bits
-    sign_bit = np.int32(1 << (bits - 1))
-    half = np.float32(0.5)
-    per = 8 // bits
-    ntask = (n + TASK - 1) // TASK
+    ntask = (x.size + TASK - 1) // TASK
     workers = max(1, min(threads, ntask))
     # One static range of tasks per thread, so its scratch is allocated once, not per task.
     for w in numba.prange(workers):
-        r = np.empty(min(TASK, n), dtype=np.int32)
-        c = np.zeros(min(TASK, n) + 4, dtype=np.int32)
-        for task in range(w * ntask // workers, (w + 1) * ntask // workers):
-            lo = task * TASK
-            hi = min(n, lo + TASK)
-            _stream(task, key, r, hi - lo)
-            p = lo
-            while p < hi:
-                b = p // bucket
-                end = min(hi, (b + 1) * bucket)
-                if fuse_max:
-                    scales[b] = _max_abs(x[p:end])
-                fac = _factor(scales[b], levels)
-                xs, ss = x[p:end], signs[p:end]
-                rs, cs = r[p - lo : end - lo], c[p - lo : end - lo]
-                if not np.isfinite(scales[b]):
-                    # The caller raises on this bucket; skip it rather than convert NaN to int.
-                    cs[:] = 0
-                    p = end
-                    continue
-                for i in range(end - p):
-                    level = np.int32(abs(xs[i]) * fac + half) + rs[i]
-                    level >>= 16
-                    if level > s:
-                        level = s
-                    cs[i] = ((ss[i] >> sign_shift) & sign_bit) | level
-                p = end
-            m = hi - lo
-            c[m : m + 4] = 0
-            _pack(c, m, bits, out[lo // per :])
+        _encode_tasks(x, bucket, bits, key, scales, fuse_max, out, w * ntask // workers,
+                      (w + 1) * ntask // workers)
+
+
+@_jit(nogil=True)
+def encode_codes_serial(x: np.ndarray, bucket: int, bits: int, key: int, scales: np.ndarray,
+                        fuse_max: bool, out: np.ndarray) -> None:
+    """:func:`encode_codes` on the calling thread alone (the same bytes)."""
+    _encode_tasks(x, bucket, bits, key, scales, fuse_max, out, 0, (x.size + TASK - 1) // TASK)

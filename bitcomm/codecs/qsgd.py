@@ -17,9 +17,9 @@ mean is within ``scale / s * 2**-17`` of ``x``, far below float32 resolution of 
 bits and below any measurable bias for 2 and 4.
 
 CPU tensors are quantised by a numba-compiled kernel (:mod:`bitcomm.codecs._qsgd_cpu`: one
-cache-resident pass per block of 2**16 elements, on all cores; the ``jit`` extra), every other
-device, and the CPU without numba, by the same arithmetic as torch ops. Both write the same bytes
-(tests compare them).
+cache-resident pass per block of 2**16 elements, on torch's intra-op threads; the ``jit``
+extra), every other device, and the CPU without numba, by the same arithmetic as torch ops. Both
+write the same bytes (tests compare them).
 
 Non-finite input raises ``ValueError`` naming the first bucket whose scale is not finite (a NaN
 or inf anywhere in a bucket makes its max and norm non-finite, so the check costs nothing).
@@ -233,8 +233,7 @@ def _has_numba() -> bool:
 def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     # One compiled pass (bitcomm.codecs._qsgd_cpu); it computes what _encode_torch computes.
-    import numba  # importing numba costs ~0.3 s: only on first use
-
+    # Importing numba costs ~0.3 s: only on first use.
     from bitcomm.codecs import _qsgd_cpu
 
     n = v.numel()
@@ -242,13 +241,18 @@ def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
     a = v32.numpy()
     scales = torch.empty(-(-n // bucket), dtype=torch.float32)
     fuse = scale == "max" and _qsgd_cpu.TASK % bucket == 0
+    threads = _qsgd_cpu.threads_for(n)
     if scale == "l2":
         _scales_into(scales, v32, bucket, scale)
     elif not fuse:
-        _qsgd_cpu.max_scales(a, bucket, scales.numpy())
+        (_qsgd_cpu.max_scales if threads > 1 else _qsgd_cpu.max_scales_serial)(
+            a, bucket, scales.numpy())
     codes = np.empty((n * bits + 7) // 8, dtype=np.uint8)
-    _qsgd_cpu.encode_codes(a, bucket, bits, key & 0xFFFFFFFF, scales.numpy(), fuse, codes,
-                           numba.get_num_threads())
+    args = (a, bucket, bits, key & 0xFFFFFFFF, scales.numpy(), fuse, codes)
+    if threads > 1:
+        _qsgd_cpu.encode_codes(*args, threads)
+    else:
+        _qsgd_cpu.encode_codes_serial(*args)
     return scales, torch.from_numpy(codes)
 
 
