@@ -477,3 +477,25 @@ def test_equal_calls_spelled_differently_agree():
                 qsgd_allgather(c, x, seed=c.rank)[0])
     out = run_local(fn, 3, timeout=10)
     assert all(torch.equal(a, b) for r in out[1:] for a, b in zip(r, out[0], strict=True))
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_onebit_allreduce_sends_two_messages_per_peer(size):
+    """The scales ride with the signs: two exchanges (three with the agreement), whose latency
+    is what a small tensor pays, and the documented bytes."""
+    n = 100
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+    for check, rounds in ((False, 2), (True, 3)):
+        states = [OneBitState(n, size) for _ in range(size)]
+
+        def call(c, states=states, check=check):
+            c.trace = []
+            out = onebit_allreduce(c, xs[c.rank], states[c.rank], check=check)
+            return out, list(c.trace)
+
+        got = run_local(call, size)
+        for r, (_, trace) in enumerate(got):
+            assert sorted(dest for dest, _, _ in trace) == sorted(
+                [d for d in range(size) if d != r] * rounds)
+            assert sum(b for _, b, _ in trace) == onebit_allreduce_bytes(n, size, check=check)
+        assert all(torch.equal(got[0][0], out) for out, _ in got)

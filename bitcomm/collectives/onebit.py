@@ -6,12 +6,16 @@ Same algorithm and arithmetic as ``CompressedBackend.compressed_allreduce`` in D
 1. pad ``x`` with zeros to the state's length ``P`` (a multiple of ``8 * N``) and add the
    worker error; worker scale ``= ||buf||_2 / sqrt(P)``; worker error ``= buf - scale * sign``
    with ``sign(0) = +1``;
-2. all-to-all of the packed signs (chunk ``j`` of ``P / N`` elements to rank ``j``) and an
-   allgather of the N worker scales;
+2. all-to-all of the packed signs (chunk ``j`` of ``P / N`` elements to rank ``j``), each
+   message followed by the sender's worker scale (4 bytes, float32);
 3. rank ``r`` averages its chunk, ``sum_j sign_j * (scale_j / N)``, adds its server error, takes
    server scale ``= RMS`` of the chunk and updates the server error the same way;
-4. allgather of the packed server signs and the server scales; chunk ``j`` of the output is
-   ``server_scale_j * sign_j``; the padding is cut off and ``x``'s shape restored.
+4. allgather of the packed server signs, followed by the server scale; chunk ``j`` of the
+   output is ``server_scale_j * sign_j``; the padding is cut off and ``x``'s shape restored.
+
+DeepSpeed sends the scales by separate allgathers; here they ride at the end of the sign
+messages (the same bytes), so a call takes two exchanges rather than four: with small tensors
+(a DDP bucket) the exchanges' latency, not their bytes, is the cost.
 
 The signs go on the wire in the sign codec's convention (:func:`bitcomm.codecs.sign.pack_mask`),
 but the scaled sign is DeepSpeed's, not :func:`bitcomm.codecs.sign.encode_scaled`'s: a float32
@@ -135,10 +139,10 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     signs = buf.sign().add_(1).bool()
     state.worker_error.copy_(buf - worker_scale * _plus_minus(signs))
 
-    packed = [sign.pack_mask(signs[j * chunk : (j + 1) * chunk]) for j in range(size)]
     nbytes = chunk // 8
-    got = comm.alltoallv(packed, [nbytes] * size)
-    scales = _gather_scalar(comm, worker_scale)
+    packed = sign.pack_mask(signs)
+    got, scales = _exchange(comm, [packed[j * nbytes : (j + 1) * nbytes] for j in range(size)],
+                            worker_scale, nbytes)
     received = torch.stack([_plus_minus(sign.unpack_mask(p, chunk)) for p in got])
     compensated = received.mul_(scales.mul_(1 / size).unsqueeze(1)).sum(0)
     compensated.add_(state.server_error)
@@ -146,9 +150,8 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     server_signs = compensated.sign().add_(1).bool()
     state.server_error.copy_(compensated - server_scale * _plus_minus(server_signs))
 
-    mine = sign.pack_mask(server_signs)
-    every = comm.allgatherv(mine, [nbytes] * size)
-    server_scales = _gather_scalar(comm, server_scale)
+    every, server_scales = _exchange(comm, [sign.pack_mask(server_signs)] * size, server_scale,
+                                     nbytes)
     out = torch.stack([_plus_minus(sign.unpack_mask(p, chunk)) for p in every])
     out = out.mul_(server_scales.unsqueeze(1)).flatten()
     return out[: v.numel()].reshape(x.shape)
@@ -164,23 +167,33 @@ def _fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState, buf
     chunk = state.worker_error.numel() // size
     nbytes = chunk // 8  # chunks are multiples of 8 elements: byte-aligned slices of one pack
     packed = _kernels.sign_error(buf, worker_scale, state.worker_error)
-    got = comm.alltoallv([packed[j * nbytes : (j + 1) * nbytes] for j in range(size)],
-                         [nbytes] * size)
-    weights = _gather_scalar(comm, worker_scale).mul_(1 / size)
-    compensated = _kernels.weighted_votes(torch.stack(got), weights, state.server_error)
+    got, weights = _exchange(comm, [packed[j * nbytes : (j + 1) * nbytes] for j in range(size)],
+                             worker_scale, nbytes)
+    compensated = _kernels.weighted_votes(torch.stack(got), weights.mul_(1 / size),
+                                          state.server_error)
     server_scale = _rms(compensated)
     mine = _kernels.sign_error(compensated, server_scale, state.server_error)
-    every = comm.allgatherv(mine, [nbytes] * size)
-    server_scales = _gather_scalar(comm, server_scale)
+    every, server_scales = _exchange(comm, [mine] * size, server_scale, nbytes)
     out = _kernels.scaled_signs(torch.cat(every), server_scales, v.numel(), chunk)
     return out.reshape(x.shape)
 
 
-def _gather_scalar(comm: Comm, value: torch.Tensor) -> torch.Tensor:
-    # Allgather one float32 per rank as 4 bytes; returns a (size,) float32 tensor.
-    mine = value.reshape(1).to(torch.float32).view(torch.uint8)
-    parts = comm.allgatherv(mine, [4] * comm.size)
-    return torch.cat(parts).view(torch.float32).to(value.device)
+def _exchange(comm: Comm, packed: list[torch.Tensor], scale: torch.Tensor, nbytes: int
+              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Send ``packed[j]`` and then ``scale`` (float32) to each rank ``j``, in one message.
+
+    Returns the ``nbytes`` sign bytes from each rank and the (size,) float32 scales, in rank
+    order, on ``scale``'s device (no host synchronisation). Equal ``packed`` entries make it an
+    allgather.
+    """
+    tail = scale.reshape(1).to(torch.float32).view(torch.uint8).to(packed[0].device)
+    if all(p is packed[0] for p in packed):
+        whole = torch.cat([packed[0], tail])
+        got = comm.allgatherv(whole, [nbytes + 4] * comm.size)
+    else:
+        got = comm.alltoallv([torch.cat([p, tail]) for p in packed], [nbytes + 4] * comm.size)
+    scales = torch.cat([g[nbytes:].to(scale.device) for g in got]).view(torch.float32)
+    return [g[:nbytes] for g in got], scales
 
 
 def onebit_allreduce_bytes(numel: int, size: int, *, length: int | None = None,
