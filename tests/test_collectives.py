@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from bitcomm.codecs import counts, qsgd, sparse
+from bitcomm.codecs import counts, qsgd, select, sparse
 from bitcomm.collectives import (
     OneBitState,
     allreduce,
@@ -499,3 +499,31 @@ def test_onebit_allreduce_sends_two_messages_per_peer(size):
                 [d for d in range(size) if d != r] * rounds)
             assert sum(b for _, b, _ in trace) == onebit_allreduce_bytes(n, size, check=check)
         assert all(torch.equal(got[0][0], out) for out, _ in got)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_sparse_allgather_frame_lengths_ride_in_the_agreement(size):
+    """With the agreement, each peer gets two messages (the record, holding the frame's length,
+    then the frame), not three; without it the lengths take a round of their own."""
+    n, k = 300, 7
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+    results = {}
+    for check, rounds in ((True, 2), (False, 2)):
+        def call(c, check=check):
+            c.trace = []
+            out, _ = sparse_allgather(c, xs[c.rank], k, method="threshold", check=check)
+            return out, list(c.trace)
+
+        got = run_local(call, size)
+        for r, (_, trace) in enumerate(got):
+            assert sorted(dest for dest, _, _ in trace) == sorted(
+                [d for d in range(size) if d != r] * rounds)
+        results[check] = got[0][0]
+        assert all(torch.equal(got[0][0], out) for out, _ in got)
+    assert torch.equal(results[True], results[False])
+    # the lengths differ between ranks (threshold selects about k): each frame arrives whole
+    expect = torch.zeros(n)
+    for x in xs:
+        idx = select.select(x.abs(), k, "threshold")
+        expect[idx] += x[idx]
+    assert torch.equal(results[True], expect)

@@ -1,10 +1,13 @@
 """Shared pieces of the collectives: chunk bounds and the up-front agreement on the call.
 
 The agreement is one allgather of a 24-byte record per rank: the int64 element count, an int64
-status (0 fine, 1 not a floating-point tensor, 2 holds NaN or inf, 3 holds a float64 value beyond
-float32's range where the collective computes in float32, 4/5/6 an argument refused with
-``ValueError``/``TypeError``/``OverflowError``) and an int64 fingerprint of the call (the
-collective's name and every option that shapes its bytes or its result). Every rank reads the
+status word and an int64 fingerprint of the call (the collective's name and every option that
+shapes its bytes or its result). The status word's low 8 bits are the status (0 fine, 1 not a
+floating-point tensor, 2 holds NaN or inf, 3 holds a float64 value beyond float32's range where
+the collective computes in float32, 4/5/6 an argument refused with
+``ValueError``/``TypeError``/``OverflowError``); its high bits carry the byte length of the
+rank's first message where only the sender knows it (a sparse frame, see
+:func:`prepare_sized`), so that length needs no round of its own. Every rank reads the
 same table and so raises the same exception type, before any payload moves, for bad input or
 arguments on any rank and for ranks that call different collectives or pass different options;
 without it the others would block, or read a peer's bytes with the wrong layout. It costs
@@ -35,6 +38,7 @@ CONTROL_BYTES = 24
 _RECORD = struct.Struct("<qqq")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _OK, _NOT_FLOAT, _NON_FINITE, _TOO_BIG = 0, 1, 2, 3
+_STATUS_BITS = 8  # the status word: status | payload length << 8
 # The statuses of arguments that a collective's validation refused, by exception type.
 _ARGUMENT_ERRORS = {4: ValueError, 5: TypeError, 6: OverflowError}
 
@@ -122,6 +126,31 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
     inf after the cast).
 
     """
+    return _agree(comm, x, check, name, float32, options, validate, length, None)[0]
+
+
+def prepare_sized(comm: Comm, x: object, check: bool, name: str,
+                  payload: Callable[[torch.Tensor], int], *, float32: bool = False,
+                  options: Mapping[str, object] | None = None,
+                  validate: Callable[[torch.Tensor], None] | None = None,
+                  length: int | None = None) -> tuple[torch.Tensor, list[int] | None]:
+    """:func:`prepare`, also returning every rank's ``payload(x)`` by rank.
+
+    ``payload`` runs on the flattened input once it passed the local checks (validated and
+    finite), before anything is sent: it builds the rank's first message and returns its byte
+    length (an int >= 0). Its ``ValueError``/``TypeError``/``OverflowError`` is raised on every
+    rank, as the validation's is. With ``check`` the lengths travel in the agreement's records
+    (no extra bytes); without it ``payload`` still runs, nothing is exchanged and the lengths
+    come back as ``None``, for the caller to exchange.
+    """
+    return _agree(comm, x, check, name, float32, options, validate, length, payload)
+
+
+def _agree(comm: Comm, x: object, check: bool, name: str, float32: bool,
+           options: Mapping[str, object] | None,
+           validate: Callable[[torch.Tensor], None] | None, length: int | None,
+           payload: Callable[[torch.Tensor], int] | None
+           ) -> tuple[torch.Tensor, list[int] | None]:
     is_float = isinstance(x, torch.Tensor) and x.dtype in _FLOATS
     error: BaseException | None = None
     if is_float and validate is not None:
@@ -135,7 +164,10 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
                             f"{_describe(x)} on rank {comm.rank}")
         if error is not None:
             raise error
-        return x.detach().reshape(-1)
+        flat = x.detach().reshape(-1)
+        if payload is not None:
+            payload(flat)
+        return flat, None
     status = _OK if is_float else _NOT_FLOAT
     n = (x.numel() if length is None else length) if isinstance(x, torch.Tensor) else -1
     if error is not None:
@@ -146,13 +178,22 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
         wide = float32 and x.dtype == torch.float64
         if not bool(torch.isfinite(x.to(torch.float32) if wide else x).all()):
             status = _TOO_BIG if wide and bool(torch.isfinite(x).all()) else _NON_FINITE
+    nbytes = 0
+    if payload is not None and status == _OK:
+        try:
+            nbytes = int(payload(x.detach().reshape(-1)))
+        except (ValueError, TypeError, OverflowError) as e:
+            error, status = e, _status_of(e)
     options = dict(options or {})
     if _AGREED.get():
         options["agree_on"] = _AGREED.get()
-    mine = torch.frombuffer(bytearray(_RECORD.pack(n, status, fingerprint(name, options))),
+    word = status | nbytes << _STATUS_BITS
+    mine = torch.frombuffer(bytearray(_RECORD.pack(n, word, fingerprint(name, options))),
                             dtype=torch.uint8)
     records = comm.allgatherv(mine, [CONTROL_BYTES] * comm.size) if comm.size > 1 else [mine]
     table = [_RECORD.unpack(bytes(r.cpu().tolist())) for r in records]
+    lengths = [w >> _STATUS_BITS for _, w, _ in table]
+    table = [(c, w & ((1 << _STATUS_BITS) - 1), f) for c, w, f in table]
     bad = [r for r, (_, s, _) in enumerate(table) if s == _NOT_FLOAT]
     if bad:
         what = _describe(x) if comm.rank in bad else "see that rank"
@@ -183,7 +224,7 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
     if bad:
         raise ValueError(f"{name}: expected values that float32 (its arithmetic) can hold, got a "
                          f"float64 beyond float32's range on rank(s) {bad}")
-    return x.detach().reshape(-1)
+    return x.detach().reshape(-1), (lengths if payload is not None else None)
 
 
 def _describe(x: object) -> str:

@@ -3,12 +3,14 @@
 Each rank selects ``k`` elements of ``x`` (selectors of :mod:`bitcomm.codecs.select`), encodes
 them as one :mod:`bitcomm.codecs.sparse` frame (fp32, fp16, qsgd 2/4/8-bit values, or RedSync's
 sign-uniform mean, 5.2.3), and the frames, of different lengths, are exchanged by one
-``allgatherv`` after an allgather of their int64 lengths. Every rank decodes and adds all frames
-into a dense float32 tensor in rank order, so the sum is bit-identical everywhere.
+``allgatherv``. The ranks learn each other's frame lengths from the input agreement (they ride
+in its records), or, without ``check``, from an allgather of int64 lengths first. Every rank
+decodes and adds all frames into a dense float32 tensor in rank order, so the sum is
+bit-identical everywhere.
 
 Bytes sent by a rank whose frame has ``F`` bytes (:func:`sparse_allgather_bytes`)::
 
-    (N - 1) * (8 + F)  + 24 * (N - 1) with check
+    (N - 1) * F  + 24 * (N - 1) with check, 8 * (N - 1) without
 
 with ``F = sparse.encoded_size(n, k, fmt)`` (for ``fmt="mean"`` the k actually selected).
 """
@@ -81,21 +83,31 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
                 raise OverflowError(f"expected |x| <= {sparse.FP16_MAX} for fmt='fp16', got "
                                     f"{top}")
 
-    v = _common.prepare(comm, x, check, "sparse_allgather", float32=True,
-                        options=_call_options(k, fmt, method, side), validate=validate)
-    n = v.numel()
-    fmt = sparse.value_format(fmt)
-    if fmt == "mean":
-        frame = redsync.encode(v, k, side or "top", method, **(options or {}))
-    else:
-        idx = select.select(v.abs(), k, method, check=False, **(options or {}))
-        if isinstance(fmt, sparse.Qsgd) and fmt.seed is not None:
-            fmt = dataclasses.replace(fmt, seed=fmt.seed + comm.rank)
-        frame = sparse.encode(idx, v[idx], n, fmt)
+    made: list[torch.Tensor] = []
+
+    def encode(v: torch.Tensor) -> int:
+        # Runs on input that passed the local checks, before the agreement: the frame's length
+        # then rides in the agreement's record.
+        form = sparse.value_format(fmt)
+        if form == "mean":
+            frame = redsync.encode(v, k, side or "top", method, **(options or {}))
+        else:
+            idx = select.select(v.abs(), k, method, check=False, **(options or {}))
+            if isinstance(form, sparse.Qsgd) and form.seed is not None:
+                form = dataclasses.replace(form, seed=form.seed + comm.rank)
+            frame = sparse.encode(idx, v[idx], v.numel(), form)
+        made.append(frame)
+        return frame.numel()
+
+    v, lengths = _common.prepare_sized(comm, x, check, "sparse_allgather", encode, float32=True,
+                                       options=_call_options(k, fmt, method, side),
+                                       validate=validate)
+    n, frame = v.numel(), made[0]
     if comm.size > 1:
-        mine = torch.frombuffer(bytearray(_LEN.pack(frame.numel())), dtype=torch.uint8)
-        lengths = [_LEN.unpack(bytes(t.cpu().tolist()))[0]
-                   for t in comm.allgatherv(mine, [_LEN.size] * comm.size)]
+        if lengths is None:
+            mine = torch.frombuffer(bytearray(_LEN.pack(frame.numel())), dtype=torch.uint8)
+            lengths = [_LEN.unpack(bytes(t.cpu().tolist()))[0]
+                       for t in comm.allgatherv(mine, [_LEN.size] * comm.size)]
         frames = comm.allgatherv(frame, lengths)
     else:
         frames = [frame]
@@ -122,4 +134,5 @@ def _call_options(k: object, fmt: object, method: object, side: object) -> dict[
 
 def sparse_allgather_bytes(frame_bytes: int, size: int, *, check: bool = True) -> int:
     """Return the bytes a rank with a ``frame_bytes``-byte frame sends."""
-    return (size - 1) * (_LEN.size + frame_bytes) + _common.control_bytes(size, check)
+    lengths = 0 if check else _LEN.size
+    return (size - 1) * (lengths + frame_bytes) + _common.control_bytes(size, check)
