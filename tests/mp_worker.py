@@ -66,8 +66,53 @@ def counted(comm, fn):
     return out, comm.counters.total_sent
 
 
+def check_exchanges(comm):
+    """alltoallv / allgatherv move exactly the bytes asked for: uneven, empty and equal sizes.
+
+    A TorchComm runs them as one native collective (never a point-to-point message) and its
+    ``native=False`` form as pairwise rounds: both give the same buffers and the same counts.
+    """
+    size, rank = comm.size, comm.rank
+
+    def payload(src, dst, n):
+        return torch.arange(n, dtype=torch.int64).add_(31 * src + 7 * dst).to(torch.uint8)
+
+    def cases():
+        yield "uneven", lambda s, d: (s + 2 * d) % 5  # some pairs send nothing
+        yield "empty", lambda s, d: 0
+        yield "equal", lambda s, d: 6
+
+    def run(c):
+        for name, length in cases():
+            sizes = [length(j, rank) for j in range(size)]
+            c.counters.reset()
+            got = c.alltoallv([payload(rank, j, length(rank, j)) for j in range(size)], sizes)
+            for j in range(size):
+                assert torch.equal(got[j], payload(j, rank, sizes[j])), (name, j)
+            assert c.counters.total_sent == sum(length(rank, j) for j in range(size) if j != rank)
+            lengths = [length(j, j) for j in range(size)]
+            got = c.allgatherv(payload(rank, rank, lengths[rank]), lengths)
+            for j in range(size):
+                assert torch.equal(got[j], payload(j, j, lengths[j])), (name, "allgatherv", j)
+
+    run(comm)
+    from bitcomm.comm.torchdist import TorchComm
+
+    if isinstance(comm, TorchComm):
+        def refuse(*args):
+            raise AssertionError("a native exchange sent a point-to-point message")
+
+        ops, comm._ops = comm._ops, refuse
+        try:
+            run(comm)
+        finally:
+            comm._ops = ops
+        run(TorchComm(comm.group, native=False))
+
+
 def check(comm):
     size, rank = comm.size, comm.rank
+    check_exchanges(comm)
     for n in sorted({0, 1, max(size - 1, 0), size, 1000, 2**16 + 3}):
         xs = inputs(size, n, seed=n + 17 * size)
         x = xs[rank]

@@ -1,10 +1,14 @@
 """torch.distributed transport: gloo on CPU, NCCL on GPU (GPU tensors stay on the GPU).
 
-Point-to-point exchanges use ``batch_isend_irecv``; ``alltoallv``/``allgatherv`` use the
-pairwise rounds of :class:`~bitcomm.comm.base.Comm` (both backends take uneven sizes that way);
-``allreduce`` is ``dist.all_reduce``. With gloo, CUDA tensors are staged through the host; with
-NCCL, CPU tensors are moved to the rank's current CUDA device for the exchange. Waits are bounded
-by the process group's ``timeout`` (``init_process_group(timeout=...)``).
+Point-to-point exchanges use ``batch_isend_irecv``; ``alltoallv`` is ``dist.all_to_all_single``
+(uneven splits), ``allgatherv`` is ``dist.all_gather_into_tensor`` where every rank gives the
+same size and the all-to-all of one buffer to every rank otherwise; ``allreduce`` is
+``dist.all_reduce``. One native collective in place of ``size - 1`` Python rounds matters for
+the small tensors of DDP buckets: each round's latency, not its bytes, is their cost.
+
+With gloo, CUDA tensors are staged through the host; with NCCL, CPU tensors are moved to the
+rank's current CUDA device for the exchange. Waits are bounded by the process group's
+``timeout`` (``init_process_group(timeout=...)``).
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ class TorchComm(Comm):
 
     Args:
         group: the process group; the default (world) group when ``None``.
+        native: use the backend's all-to-all and allgather (default). With ``False`` they run
+            as :class:`~bitcomm.comm.base.Comm`'s pairwise rounds of point-to-point messages,
+            the pattern the network model of :mod:`bitcomm.netem.model` predicts (as
+            ``MPIComm(native=False)``).
 
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, *, native: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("expected torch.distributed to be initialised "
                                "(call dist.init_process_group first)")
@@ -34,6 +42,9 @@ class TorchComm(Comm):
         self.wire = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                      else torch.device("cpu"))
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
+        if not native:  # fall back to the base class's pairwise rounds
+            self._alltoallv = super()._alltoallv  # type: ignore[method-assign]
+            self._allgatherv = super()._allgatherv  # type: ignore[method-assign]
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -70,6 +81,26 @@ class TorchComm(Comm):
     def _sendrecv(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int
                   ) -> torch.Tensor:
         return self._ops(buf, dest, out, source)
+
+    def _alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+        send = torch.cat([b.to(self.wire) for b in bufs])
+        recv = torch.empty(sum(sizes), dtype=torch.uint8, device=self.wire)
+        dist.all_to_all_single(recv, send, output_split_sizes=sizes,
+                               input_split_sizes=[b.numel() for b in bufs], group=self.group)
+        device = bufs[self.rank].device
+        out = [p.to(device) for p in recv.split(sizes)]
+        out[self.rank] = bufs[self.rank]
+        return out
+
+    def _allgatherv(self, buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        if len(set(sizes)) > 1:
+            return self._alltoallv([buf] * self.size, sizes)
+        recv = torch.empty(self.size * sizes[0], dtype=torch.uint8, device=self.wire)
+        if sizes[0]:
+            dist.all_gather_into_tensor(recv, buf.to(self.wire), group=self.group)
+        out = [p.to(buf.device) for p in recv.split(sizes)]
+        out[self.rank] = buf
+        return out
 
     def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
         t = x.to(self.wire, copy=True)
