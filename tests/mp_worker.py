@@ -69,8 +69,9 @@ def counted(comm, fn):
 def check_exchanges(comm):
     """alltoallv / allgatherv move exactly the bytes asked for: uneven, empty and equal sizes.
 
-    A TorchComm runs them as one native collective (never a point-to-point message) and its
-    ``native=False`` form as pairwise rounds: both give the same buffers and the same counts.
+    A TorchComm over gloo runs them, and a ring step (shift), as one native collective (never a
+    point-to-point message) and its ``native=False`` form as pairwise rounds: both give the
+    same buffers and the same counts.
     """
     size, rank = comm.size, comm.rank
 
@@ -94,6 +95,11 @@ def check_exchanges(comm):
             got = c.allgatherv(payload(rank, rank, lengths[rank]), lengths)
             for j in range(size):
                 assert torch.equal(got[j], payload(j, j, lengths[j])), (name, "allgatherv", j)
+            if size > 1:  # a ring step: every rank sends to the next, receives from the last
+                nxt, prv = (rank + 1) % size, (rank - 1) % size
+                out = torch.empty(length(prv, prv), dtype=torch.uint8)
+                c.shift(payload(rank, nxt, length(rank, rank)), nxt, out, prv).wait()
+                assert torch.equal(out, payload(prv, rank, length(prv, prv))), (name, "shift")
 
     run(comm)
     from bitcomm.comm.torchdist import TorchComm
@@ -102,11 +108,12 @@ def check_exchanges(comm):
         def refuse(*args):
             raise AssertionError("a native exchange sent a point-to-point message")
 
-        ops, comm._ops = comm._ops, refuse
+        ops, isend = comm._ops, comm._isend
+        comm._ops = comm._isend = refuse
         try:
             run(comm)
         finally:
-            comm._ops = ops
+            comm._ops, comm._isend = ops, isend
         run(TorchComm(comm.group, native=False))
 
 
@@ -242,14 +249,14 @@ def fault(comm):
     # the others wait for it; they must not hang.
     if comm.rank == 1:
         calls = []
-        plain = comm.recv  # each ring step sends ahead (isend), then receives
+        plain = comm.shift  # each ring step is one shift
 
         def failing(*args):
             calls.append(1)
             if len(calls) == 2:
                 raise RuntimeError("rank 1 fails on purpose at ring step 2")
             return plain(*args)
-        comm.recv = failing
+        comm.shift = failing
     ring_majority(comm, torch.ones(1 << 16))
 
 

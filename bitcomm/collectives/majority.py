@@ -148,19 +148,20 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
         # vote work, and the rest overlaps with waiting for the ring.
         return (part(v, c) >= 0).to(torch.int32)
 
-    # Each step waits only for what it receives: the send of step i is still in flight while
-    # step i + 1 is received and combined, so no link idles while a rank waits for the
-    # transport to confirm its send (see Comm.isend). A step's message is a fresh tensor, kept
-    # alive by its request until the end.
+    # Each step is a Comm.shift, which waits only for what it receives where the transport
+    # sends point to point: the send of step i is still in flight while step i + 1 is received
+    # and combined, so no link idles while a rank waits for the transport to confirm its send
+    # (see Comm.isend). A step's message is a fresh tensor, kept alive by its request until
+    # the end.
     sends: list[Request] = []
     running = votes(rank)  # step 1 sends this rank's own votes: counts over 1 rank
     for i in range(1, size):
         # All-Reducible signSGD, Section 3: counts over i ranks need ceil(log2(i+1)) bits.
-        sends.append(comm.isend(counts.pack(running, i, packing, check=False), nxt))
         c = rank - i
         length = part(v, c).numel()
-        got = comm.recv(torch.empty(counts.packed_size(length, i, packing), dtype=torch.uint8,
-                                    device=v.device), prv)
+        got = torch.empty(counts.packed_size(length, i, packing), dtype=torch.uint8,
+                          device=v.device)
+        sends.append(comm.shift(counts.pack(running, i, packing, check=False), nxt, got, prv))
         running = counts.unpack(got, length, i, packing, dtype=torch.int32) + votes(c)
     # Then the ring allgather of the 1-bit decisions (_ring_allgather).
     decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
@@ -205,11 +206,11 @@ def _ring_allgather(comm: Comm, forward: torch.Tensor, part, v: torch.Tensor,
     # and keep(c, payload, length) writes each chunk into the result as it arrives.
     nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     for i in range(1, comm.size):
-        sends.append(comm.isend(forward, nxt))
         c = comm.rank + 1 - i
         length = part(v, c).numel()
-        forward = comm.recv(torch.empty(sign.packed_size(length), dtype=torch.uint8,
-                                        device=v.device), prv)
+        got = torch.empty(sign.packed_size(length), dtype=torch.uint8, device=v.device)
+        sends.append(comm.shift(forward, nxt, got, prv))
+        forward = got
         keep(c, forward, length)
 
 
@@ -227,11 +228,10 @@ def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, phase: i
     sends: list[Request] = []
     message = _kernels.count_step(None, part(v, rank), 0, 1)  # counts over 1 rank
     for i in range(1, size):
-        sends.append(comm.isend(message, nxt))
         c = rank - i
         length = part(v, c).numel()
-        got = comm.recv(torch.empty(counts.packed_size(length, i), dtype=torch.uint8,
-                                    device=v.device), prv)
+        got = torch.empty(counts.packed_size(length, i), dtype=torch.uint8, device=v.device)
+        sends.append(comm.shift(message, nxt, got, prv))
         # Counts over i ranks arrive in width(i) planes; this rank's votes make i + 1.
         if i < size - 1:
             message = _kernels.count_step(got, part(v, c), counts.width(i), counts.width(i + 1))

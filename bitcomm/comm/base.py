@@ -153,6 +153,23 @@ class Comm:
         self.counters.received[source] += out.numel()
         return out
 
+    def shift(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int) -> Request:
+        """One step of a pattern where every rank calls ``shift`` at once (a ring step).
+
+        Sends ``buf`` to ``dest`` and receives exactly ``out.numel()`` bytes from ``source``
+        into ``out``, filled on return; the returned :class:`Request` completes the send
+        (``buf`` must not change until it does). By default this is :meth:`isend` then
+        :meth:`recv`, so the send can still be in flight during the next step; a transport
+        whose collectives cost less than its point-to-point messages runs the step as one
+        collective instead (then every rank of the group must call it, as a ring's steps do).
+        """
+        buf, out = _check_bytes(buf, "buf"), _check_bytes(out, "out")
+        req = self._shift(buf, self._check_peer(dest, "dest"), out,
+                          self._check_peer(source, "source"))
+        self.counters.sent[dest] += buf.numel()
+        self.counters.received[source] += out.numel()
+        return req
+
     def alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
         """Send ``bufs[j]`` to rank ``j``; return what each rank sent here (``sizes[j]`` bytes).
 
@@ -227,6 +244,11 @@ class Comm:
 
     def _allgatherv(self, buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         return self._alltoallv([buf] * self.size, sizes)
+
+    def _shift(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int) -> Request:
+        req = self._isend(buf, dest)
+        self._recv(out, source)
+        return req
 
     # -- what adapters provide ---------------------------------------------------------------
 
