@@ -238,3 +238,27 @@ def test_a_failed_rank_does_not_stop_waits_on_ranks_that_are_still_sending():
 
     out = run_local(fn, 3, return_exceptions=True, timeout=10)
     assert [str(e) for e in out] == ["every rank saw [0, 1, 2]"] * 3, out
+
+
+def test_a_gloo_world_is_left_before_the_process_exits(tmp_path):
+    """world() leaves its process group at exit: a rank that exits with gloo's threads still
+    running can abort in teardown ("terminate called without an active exception"), and its
+    launcher then reports a failed rank although the work was done."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit\n"
+        "import torch.distributed as dist\n"
+        "from bitcomm.comm.launch import world\n"
+        # registered first, so it runs after any handler world() registers (LIFO)
+        "atexit.register(lambda: print('initialised at exit:', dist.is_initialized()))\n"
+        "comm = world('gloo', timeout=20)\n"
+        "print('size', comm.size)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env |= {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+            "BITCOMM_STORE": str(tmp_path / "store")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "size 1" in r.stdout and "initialised at exit: False" in r.stdout, r.stdout

@@ -2,7 +2,7 @@
 
 Point-to-point exchanges use ``batch_isend_irecv``; a ring step (:meth:`Comm.shift`) is one
 ``all_to_all_single`` on gloo; ``alltoallv`` is ``dist.all_to_all_single``
-(uneven splits), ``allgatherv`` is ``dist.all_gather_into_tensor`` where every rank gives the
+(uneven splits), ``allgatherv`` is one allgather into a tensor where every rank gives the
 same size and the all-to-all of one buffer to every rank otherwise; ``allreduce`` is
 ``dist.all_reduce``. One native collective in place of ``size - 1`` Python rounds matters for
 the small tensors of DDP buckets: each round's latency, not its bytes, is their cost.
@@ -20,6 +20,9 @@ import torch.distributed as dist
 from bitcomm.comm.base import Comm, Request
 
 __all__ = ["TorchComm"]
+
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); torch >= 2.1 is kept.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchComm(Comm):
@@ -116,7 +119,7 @@ class TorchComm(Comm):
             return self._alltoallv([buf] * self.size, sizes)
         recv = torch.empty(self.size * sizes[0], dtype=torch.uint8, device=self.wire)
         if sizes[0]:
-            dist.all_gather_into_tensor(recv, buf.to(self.wire), group=self.group)
+            _all_gather(recv, buf.to(self.wire), group=self.group)
         out = [p.to(buf.device) for p in recv.split(sizes)]
         out[self.rank] = buf
         return out
