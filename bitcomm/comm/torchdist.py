@@ -1,11 +1,11 @@
 """torch.distributed transport: gloo on CPU, NCCL on GPU (GPU tensors stay on the GPU).
 
 Point-to-point exchanges use ``batch_isend_irecv``; a ring step (:meth:`Comm.shift`) is one
-``all_to_all_single`` on gloo; ``alltoallv`` is ``dist.all_to_all_single``
-(uneven splits), ``allgatherv`` is one allgather into a tensor where every rank gives the
-same size and the all-to-all of one buffer to every rank otherwise; ``allreduce`` is
-``dist.all_reduce``. One native collective in place of ``size - 1`` Python rounds matters for
-the small tensors of DDP buckets: each round's latency, not its bytes, is their cost.
+``all_to_all_single`` on gloo; ``alltoallv`` is ``dist.all_to_all_single`` (uneven splits);
+``allgatherv`` is one allgather into a tensor where every rank gives the same size, else the
+all-to-all of one buffer to every rank; ``allreduce`` is ``dist.all_reduce``. One native
+collective in place of ``size - 1`` Python rounds matters for the small tensors of DDP
+buckets: each round's latency, not its bytes, is their cost.
 
 With gloo, CUDA tensors are staged through the host; with NCCL, CPU tensors are moved to the
 rank's current CUDA device for the exchange. Waits are bounded by the process group's
@@ -32,9 +32,8 @@ class TorchComm(Comm):
         group: the process group; the default (world) group when ``None``.
         native: use the backend's all-to-all and allgather, and on gloo a collective for each
             ring step (default). With ``False`` they run as :class:`~bitcomm.comm.base.Comm`'s
-            pairwise rounds and ring steps of point-to-point messages,
-            the pattern the network model of :mod:`bitcomm.netem.model` predicts (as
-            ``MPIComm(native=False)``).
+            pairwise rounds and ring steps of point-to-point messages, the pattern the network
+            model of :mod:`bitcomm.netem.model` predicts (as ``MPIComm(native=False)``).
 
     """
 
