@@ -30,6 +30,7 @@ import tempfile
 
 import numba
 import numpy as np
+import torch
 
 __all__ = ["TASK", "encode_codes", "encode_codes_serial", "max_scales", "max_scales_serial",
            "threads_for"]
@@ -66,8 +67,6 @@ def threads_for(n: int) -> int:
     At most torch's intra-op thread count (the process's budget: a launcher running one rank
     per core sets ``OMP_NUM_THREADS=1``) and numba's, and one per task.
     """
-    import torch  # the caller's budget; this module is only imported by the torch codec
-
     return max(1, min(numba.get_num_threads(), torch.get_num_threads(), -(-n // TASK)))
 
 

@@ -152,10 +152,11 @@ def _agree(comm: Comm, x: object, check: bool, name: str, float32: bool,
            payload: Callable[[torch.Tensor], int] | None
            ) -> tuple[torch.Tensor, list[int] | None]:
     is_float = isinstance(x, torch.Tensor) and x.dtype in _FLOATS
+    flat = x.detach().reshape(-1) if is_float else None
     error: BaseException | None = None
     if is_float and validate is not None:
         try:
-            validate(x.detach().reshape(-1))
+            validate(flat)
         except (ValueError, TypeError, OverflowError) as e:
             error = e
     if not check:
@@ -164,7 +165,6 @@ def _agree(comm: Comm, x: object, check: bool, name: str, float32: bool,
                             f"{_describe(x)} on rank {comm.rank}")
         if error is not None:
             raise error
-        flat = x.detach().reshape(-1)
         if payload is not None:
             payload(flat)
         return flat, None
@@ -181,7 +181,7 @@ def _agree(comm: Comm, x: object, check: bool, name: str, float32: bool,
     nbytes = 0
     if payload is not None and status == _OK:
         try:
-            nbytes = int(payload(x.detach().reshape(-1)))
+            nbytes = int(payload(flat))
         except (ValueError, TypeError, OverflowError) as e:
             error, status = e, _status_of(e)
     options = dict(options or {})
@@ -224,7 +224,7 @@ def _agree(comm: Comm, x: object, check: bool, name: str, float32: bool,
     if bad:
         raise ValueError(f"{name}: expected values that float32 (its arithmetic) can hold, got a "
                          f"float64 beyond float32's range on rank(s) {bad}")
-    return x.detach().reshape(-1), (lengths if payload is not None else None)
+    return flat, (lengths if payload is not None else None)
 
 
 def _describe(x: object) -> str:

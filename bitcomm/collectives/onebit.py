@@ -150,8 +150,7 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     server_signs = compensated.sign().add_(1).bool()
     state.server_error.copy_(compensated - server_scale * _plus_minus(server_signs))
 
-    every, server_scales = _exchange(comm, [sign.pack_mask(server_signs)] * size, server_scale,
-                                     nbytes)
+    every, server_scales = _exchange(comm, sign.pack_mask(server_signs), server_scale, nbytes)
     out = torch.stack([_plus_minus(sign.unpack_mask(p, chunk)) for p in every])
     out = out.mul_(server_scales.unsqueeze(1)).flatten()
     return out[: v.numel()].reshape(x.shape)
@@ -173,23 +172,24 @@ def _fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState, buf
                                           state.server_error)
     server_scale = _rms(compensated)
     mine = _kernels.sign_error(compensated, server_scale, state.server_error)
-    every, server_scales = _exchange(comm, [mine] * size, server_scale, nbytes)
+    every, server_scales = _exchange(comm, mine, server_scale, nbytes)
     out = _kernels.scaled_signs(torch.cat(every), server_scales, v.numel(), chunk)
     return out.reshape(x.shape)
 
 
-def _exchange(comm: Comm, packed: list[torch.Tensor], scale: torch.Tensor, nbytes: int
-              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _exchange(comm: Comm, packed: torch.Tensor | list[torch.Tensor], scale: torch.Tensor,
+              nbytes: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Send ``packed[j]`` and then ``scale`` (float32) to each rank ``j``, in one message.
 
-    Returns the ``nbytes`` sign bytes from each rank and the (size,) float32 scales, in rank
-    order, on ``scale``'s device (no host synchronisation). Equal ``packed`` entries make it an
-    allgather.
+    One tensor for ``packed`` goes to every rank (an allgather). Returns the ``nbytes`` sign
+    bytes from each rank and the (size,) float32 scales, in rank order, on ``scale``'s device
+    (no host synchronisation).
     """
-    tail = scale.reshape(1).to(torch.float32).view(torch.uint8).to(packed[0].device)
-    if all(p is packed[0] for p in packed):
-        whole = torch.cat([packed[0], tail])
-        got = comm.allgatherv(whole, [nbytes + 4] * comm.size)
+    one = isinstance(packed, torch.Tensor)
+    device = (packed if one else packed[0]).device
+    tail = scale.reshape(1).to(torch.float32).view(torch.uint8).to(device)
+    if one:
+        got = comm.allgatherv(torch.cat([packed, tail]), [nbytes + 4] * comm.size)
     else:
         got = comm.alltoallv([torch.cat([p, tail]) for p in packed], [nbytes + 4] * comm.size)
     scales = torch.cat([g[nbytes:].to(scale.device) for g in got]).view(torch.float32)

@@ -88,10 +88,10 @@ class TorchComm(Comm):
         return self._ops(buf, dest, out, source)
 
     def _shift(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int) -> Request:
-        # gloo's point-to-point messages cost more latency than its collectives (over loopback
-        # a small ring step takes about twice as long as isend/irecv as it does as this
-        # all-to-all), and a DDP bucket's exchange is paid in such latencies. Every rank takes
-        # part in a ring step, as a collective needs.
+        # gloo's point-to-point messages cost more latency than its collectives (in a one-off
+        # measurement over loopback, a small ring step took about twice as long as isend/irecv
+        # as it did as this all-to-all), and a DDP bucket's exchange is paid in such latencies.
+        # Every rank takes part in a ring step, as a collective needs.
         if self.backend != "gloo":
             return super()._shift(buf, dest, out, source)
         splits_in, splits_out = [0] * self.size, [0] * self.size
