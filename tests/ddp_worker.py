@@ -96,8 +96,46 @@ def main():
     same = all(torch.equal(a, b) for a, b in zip(finals["qsgd8"], finals["qsgd8-blocking"],
                                                  strict=True))
     print(json.dumps({"rank": rank, "qsgd_overlap_equals_blocking": same}), flush=True)
+    for name, (hook, make) in {"sign": (sign_majority_hook, lambda: SignState(comm)),
+                               "onebit": (onebit_hook, lambda: OneBitHookState(comm)),
+                               "qsgd": (qsgd_hook, lambda: QsgdState(comm)),
+                               "topk": (topk_hook, lambda: TopkState(comm))}.items():
+        overflow(name, hook, make(), rank)
     overlap(comm, rank)
     dist.destroy_process_group()
+
+
+def overflow(name, hook, state, rank):
+    """Three steps under a GradScaler; in the second, one of rank 1's parameters gets an inf.
+
+    Prints, per step, whether every gradient was NaN, whether the parameters moved and the
+    scaler's scale, and a checksum of the final parameters.
+    """
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 1)), bucket_cap_mb=BUCKET_MB)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    first = model.module[0].weight
+    steps = []
+    for t, (x, y) in enumerate(batches(rank, 3)):
+        handle = (first.register_hook(lambda g: g * float("inf"))
+                  if t == 1 and rank == 1 else None)
+        opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        all_nan = all(bool(p.grad.isnan().all()) for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters(),
+                                                          strict=True))
+        steps.append({"all_nan": all_nan, "moved": moved, "scale": scaler.get_scale()})
+        if handle is not None:
+            handle.remove()
+    digest = sum(p.double().sum().item() for p in model.parameters())
+    print(json.dumps({"rank": rank, "overflow": name, "steps": steps, "digest": digest}),
+          flush=True)
 
 
 def overlap(comm, rank):

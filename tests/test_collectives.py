@@ -527,3 +527,34 @@ def test_sparse_allgather_frame_lengths_ride_in_the_agreement(size):
         idx = select.select(x.abs(), k, "threshold")
         expect[idx] += x[idx]
     assert torch.equal(results[True], expect)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("method", ["topk", "trimmed"])
+def test_sparse_allgather_without_check_sends_a_fixed_length_frame_alone(size, method):
+    """An exact selection of k fp32 or qsgd values makes a frame whose length every rank knows,
+    so without the agreement each peer gets one message, the frame, and nothing else."""
+    n, k = 300, 7
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+    for fmt in ("fp32", sparse.Qsgd(bits=4, bucket=8, seed=2)):
+        def call(c, fmt=fmt):
+            c.trace = []
+            out, _ = sparse_allgather(c, xs[c.rank], k, fmt=fmt, method=method, check=False)
+            return out, list(c.trace)
+
+        got = run_local(call, size)
+        frame = sparse.encoded_size(n, k, fmt)
+        for r, (_, trace) in enumerate(got):
+            assert sorted(dest for dest, _, _ in trace) == [d for d in range(size) if d != r]
+            assert all(b == frame for _, b, _ in trace)
+            assert sum(b for _, b, _ in trace) == sparse_allgather_bytes(frame, size,
+                                                                          check=False)
+        assert all(torch.equal(got[0][0], out) for out, _ in got)
+        if fmt == "fp32":
+            expect = torch.zeros(n)
+            for x in xs:
+                idx = select.select(x.abs(), k, "topk")
+                expect[idx] += x[idx]
+            assert torch.equal(got[0][0], expect)
+    # a threshold frame's length depends on the data: it still sends its length first
+    assert sparse_allgather_bytes(50, 3, check=False, fixed=False) == 2 * (50 + 8)

@@ -86,7 +86,9 @@ def run_hook(hook, make_state, grads_of_rank, size=2, steps=1, layouts=None):
         for step in range(steps):
             grads = grads_of_rank(comm.rank, step)
             buckets = (layouts or (lambda s, p, g: [Bucket(0, p, g)]))(step, params, grads)
-            outs.append([hook(state, bk).wait() for bk in buckets])
+            # as DDP does: every bucket's hook is called before any future is waited for
+            futures = [hook(state, bk) for bk in buckets]
+            outs.append([f.wait() for f in futures])
         state.close()
         return outs, state
     return run_local(rank_fn, size=size)
@@ -296,3 +298,125 @@ def test_each_state_takes_only_its_own_options():
         return True
 
     assert run_local(rank_fn, size=1) == [True]
+
+
+def three_buckets(step, params, grads):
+    """Three buckets of one parameter each, the last one last."""
+    return [Bucket(i, [p], [g], last=i == 2) for i, (p, g) in enumerate(zip(params, grads,
+                                                                             strict=True))]
+
+
+def step_grads(rank, step):
+    g = torch.Generator().manual_seed(10 * rank + step)
+    return [torch.randn(40, generator=g), torch.randn(24, generator=g), torch.randn(16,
+                                                                                   generator=g)]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_step_of_known_buckets_makes_one_agreement(size):
+    """Once a bucket layout has been agreed on, each bucket is only its exchange, and the step
+    adds one 24-byte record per peer after its last bucket; the first step also runs each
+    collective's own agreement (one more record per bucket and peer)."""
+    # each bucket's messages without any agreement: the ring's 2(N-1) steps go to the next
+    # rank; 1-bit's all-to-all and allgather, and qsgd's and top-k's allgather, to every peer
+    def exchanges(hook, rank):
+        if hook is sign_majority_hook:
+            return [(rank + 1) % size] * 2 * (size - 1)
+        peers = [d for d in range(size) if d != rank]
+        return peers * (2 if hook is onebit_hook else 1)
+
+    makes = {sign_majority_hook: lambda c: SignState(c, momentum=0.5),
+             onebit_hook: lambda c: OneBitHookState(c),
+             qsgd_hook: lambda c: QsgdState(c, bits=4, bucket_size=8),
+             topk_hook: lambda c: TopkState(c, density=0.25)}
+    for hook, make in makes.items():
+        def rank_fn(comm, hook=hook, make=make):
+            state = make(comm)
+            params = [torch.zeros(40), torch.zeros(24), torch.zeros(16)]
+            traces = []
+            for step in range(3):
+                comm.trace = []
+                futures = [hook(state, bk) for bk in three_buckets(
+                    step, params, step_grads(comm.rank, step))]
+                outs = [f.wait() for f in futures]
+                traces.append(list(comm.trace))
+            state.close()
+            return traces, outs
+
+        got = run_local(rank_fn, size=size)
+        for rank, (traces, outs) in enumerate(got):
+            peers = [d for d in range(size) if d != rank]
+            for step, trace in enumerate(traces):
+                agreements = 4 if step == 0 else 1
+                expect = 3 * exchanges(hook, rank) + agreements * peers
+                assert sorted(d for d, _, _ in trace) == sorted(expect), (hook.__name__, step)
+                records = [b for _, b, _ in trace if b == 24]
+                assert len(records) >= agreements * len(peers), hook.__name__
+            assert all(torch.equal(a, b) for a, b in zip(outs, got[0][1], strict=True))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_overflow_in_one_bucket_skips_the_whole_step_on_every_rank(overlap):
+    """Rank 1's middle bucket holds an inf in the third step: every bucket of that step is NaN
+    on every rank, every buffer is as it was after the second step, and the fourth step then
+    gives what it gives when the third step never happened."""
+    makes = {sign_majority_hook: lambda c: SignState(c, momentum=0.5, overlap=overlap),
+             onebit_hook: lambda c: OneBitHookState(c, overlap=overlap),
+             qsgd_hook: lambda c: QsgdState(c, bits=4, bucket_size=8, overlap=overlap),
+             topk_hook: lambda c: TopkState(c, density=0.25, overlap=overlap)}
+    for hook, make in makes.items():
+        def rank_fn(comm, hook=hook, make=make, overflow=True):
+            state = make(comm)
+            params = [torch.zeros(40), torch.zeros(24), torch.zeros(16)]
+            outs, snapshots = [], {}
+            for step in (0, 1, 2, 3) if overflow else (0, 1, 3):
+                grads = step_grads(comm.rank, step)
+                if step == 2 and comm.rank == 1:
+                    grads[1][5] = float("inf")
+                futures = [hook(state, bk) for bk in three_buckets(step, params, grads)]
+                outs.append([f.wait() for f in futures])
+                if step in (1, 2):
+                    # the parameters' buffers, and 1-bit's server errors (the buckets')
+                    servers = [one.server_error.clone() for one in
+                               getattr(state, "server_errors", {}).values()]
+                    snapshots[step] = (state.state_dict(), servers)
+            state.close()
+            if not overflow:
+                return outs
+            before, after = snapshots[1], snapshots[2]
+            kept = all(torch.equal(before[0][name][k], after[0][name][k])
+                       for name in type(state)._buffers for k in before[0][name])
+            kept = kept and len(before[1]) == len(after[1]) and all(
+                torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
+            return outs, kept
+
+        got = run_local(rank_fn, size=2)
+        for outs, kept in got:
+            assert kept, hook.__name__
+            assert all(bool(o.isnan().all()) for o in outs[2]), hook.__name__
+            assert not any(bool(o.isnan().any()) for step in (0, 1, 3) for o in outs[step])
+        if hook in (onebit_hook, topk_hook):
+            # their results depend on nothing but the buffers and the gradients (sign's tie
+            # phase and qsgd's seeds follow the call count): the skipped step left no trace
+            clean = run_local(lambda c, hook=hook, make=make: rank_fn(c, hook, make, False), 2)
+            for a, b in zip(got[0][0][3], clean[0][2], strict=True):
+                assert torch.equal(a, b), hook.__name__
+
+
+def test_a_step_that_never_reaches_its_last_bucket_is_dropped():
+    """Backward stopped after bucket 0 (an exception in the user's code): the next step's bucket
+    0 fails the held future instead of leaving it pending, and leaves the residual alone."""
+    def rank_fn(comm):
+        state = TopkState(comm, density=0.25, overlap=False)
+        params = [torch.zeros(40), torch.zeros(24), torch.zeros(16)]
+        warm = [topk_hook(state, bk) for bk in three_buckets(0, params, step_grads(0, 0))]
+        [f.wait() for f in warm]
+        before = state.state_dict()["residuals"]
+        stray = topk_hook(state, three_buckets(1, params, step_grads(comm.rank, 1))[0])
+        futures = [topk_hook(state, bk) for bk in three_buckets(2, params, step_grads(0, 2))]
+        with pytest.raises(RuntimeError, match="new step began"):
+            stray.wait()
+        [f.wait() for f in futures]
+        return all(torch.isfinite(t).all() for t in before.values())
+
+    assert run_local(rank_fn, size=2) == [True, True]

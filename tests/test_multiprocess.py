@@ -174,6 +174,15 @@ def test_ddp_hooks_train_on_two_gloo_processes(tmp_path):
         # as DDP has (not the first iteration's layout as well)
         assert all(h in (0, r["params"]) for h in r["held"]), r
         assert all(b == 2 for b, h in zip(r["buckets"], r["held"], strict=True) if h), r
+    # GradScaler under DDP: rank 1 overflows in one parameter at step 1, and on both ranks every
+    # bucket comes back NaN, the step is skipped and the scale halves; the other steps move
+    flows = {(r["overflow"], r["rank"]): r for r in rows if "overflow" in r}
+    assert len(flows) == 8, out
+    for (name, rank), r in flows.items():
+        assert [s["all_nan"] for s in r["steps"]] == [False, True, False], r
+        assert [s["moved"] for s in r["steps"]] == [True, False, True], r
+        assert [s["scale"] for s in r["steps"]] == [256.0, 128.0, 128.0], r
+        assert r["digest"] == flows[(name, 1 - rank)]["digest"], r
     # the exchange on the state's thread computes what the blocking hook computes
     same = [r for r in rows if "qsgd_overlap_equals_blocking" in r]
     assert [r["qsgd_overlap_equals_blocking"] for r in same] == [True, True], out

@@ -4,13 +4,16 @@ Each rank selects ``k`` elements of ``x`` (selectors of :mod:`bitcomm.codecs.sel
 them as one :mod:`bitcomm.codecs.sparse` frame (fp32, fp16, qsgd 2/4/8-bit values, or RedSync's
 sign-uniform mean, 5.2.3), and the frames, of different lengths, are exchanged by one
 ``allgatherv``. The ranks learn each other's frame lengths from the input agreement (they ride
-in its records), or, without ``check``, from an allgather of int64 lengths first. Every rank
-decodes and adds all frames into a dense float32 tensor in rank order, so the sum is
+in its records). Without ``check`` a frame whose length follows from the call (an exact
+selection, ``"topk"`` or ``"trimmed"``, of k values in any format but ``"mean"``) needs no
+lengths at all; any other frame's length goes first, in an allgather of int64 lengths. Every
+rank decodes and adds all frames into a dense float32 tensor in rank order, so the sum is
 bit-identical everywhere.
 
 Bytes sent by a rank whose frame has ``F`` bytes (:func:`sparse_allgather_bytes`)::
 
-    (N - 1) * F  + 24 * (N - 1) with check, 8 * (N - 1) without
+    (N - 1) * F  + 24 * (N - 1) with check; without it, + 0 for a fixed-length frame and
+    + 8 * (N - 1) for one whose length depends on the data
 
 with ``F = sparse.encoded_size(n, k, fmt)`` (for ``fmt="mean"`` the k actually selected).
 """
@@ -104,7 +107,13 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
                                        validate=validate)
     n, frame = v.numel(), made[0]
     if comm.size > 1:
-        if lengths is None:
+        fixed = None if lengths is not None else _fixed_length(n, k, fmt, method)
+        if fixed is not None:
+            if frame.numel() != fixed:  # the selector broke its promise of exactly k
+                raise RuntimeError(f"sparse_allgather: expected a {fixed}-byte frame from "
+                                   f"{method!r}, built {frame.numel()} bytes")
+            lengths = [fixed] * comm.size
+        elif lengths is None:
             mine = torch.frombuffer(bytearray(_LEN.pack(frame.numel())), dtype=torch.uint8)
             lengths = [_LEN.unpack(bytes(t.cpu().tolist()))[0]
                        for t in comm.allgatherv(mine, [_LEN.size] * comm.size)]
@@ -116,6 +125,15 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
         sparse.decode(f.to(v.device), out=dense)
     indices, values, _, _ = sparse.decode_entries(frame, n=n)
     return dense.reshape(x.shape), (indices, values)
+
+
+def _fixed_length(n: int, k: int, fmt: sparse.ValueFormat, method: str) -> int | None:
+    # The frame length every rank can compute without being told, or None where it depends on
+    # the data (a selector that picks about k, or a sign-uniform frame of one side's entries).
+    form = sparse.value_format(fmt)
+    if method in ("topk", "trimmed") and form != "mean":
+        return sparse.encoded_size(n, k, form)
+    return None
 
 
 def _call_options(k: object, fmt: object, method: object, side: object) -> dict[str, object]:
@@ -132,7 +150,12 @@ def _call_options(k: object, fmt: object, method: object, side: object) -> dict[
     return {"k": k, "fmt": form, "method": method, "side": side}
 
 
-def sparse_allgather_bytes(frame_bytes: int, size: int, *, check: bool = True) -> int:
-    """Return the bytes a rank with a ``frame_bytes``-byte frame sends."""
-    lengths = 0 if check else _LEN.size
+def sparse_allgather_bytes(frame_bytes: int, size: int, *, check: bool = True,
+                           fixed: bool = True) -> int:
+    """Return the bytes a rank with a ``frame_bytes``-byte frame sends.
+
+    ``fixed``: the frame's length follows from the call (``method`` ``"topk"`` or ``"trimmed"``
+    and ``fmt`` other than ``"mean"``), so without ``check`` no lengths are exchanged.
+    """
+    lengths = 0 if check or fixed else _LEN.size
     return (size - 1) * (lengths + frame_bytes) + _common.control_bytes(size, check)

@@ -42,14 +42,23 @@ buckets when the layout changes, so nothing is lost or left behind under a stale
 are numbered in the order the hooks first see them, which is the same in every run of the same
 model and bucket sizes: that number is the key in :meth:`state_dict`.
 
-Overflow and loss scaling
--------------------------
-With ``check=True`` (the default) every rank learns from the collective's agreement when any
-rank's bucket holds NaN or inf; the hook then hands back an all-NaN bucket on every rank and
-leaves its buffers as they were. That is what DDP's own allreduce gives, so
-``torch.amp.GradScaler`` sees the overflow on every rank, skips the step everywhere and backs
-off. With ``check=False`` nothing is agreed: a sign or top-k exchange turns an overflow into
-finite values, and the scaler never hears of it.
+Overflow and loss scaling: one agreement per step
+-------------------------------------------------
+With ``check=True`` (the default) the ranks agree once per training step, after its last
+bucket, instead of once per bucket: each bucket is exchanged without the collectives' own
+agreement (a rank whose bucket holds NaN or inf sends zeros in its place), the buckets'
+futures and buffer updates are held, and the last bucket's exchange is followed by one
+24-byte record per rank saying whether any of the rank's buckets overflowed, with the hook's
+options and the step's bucket lengths. If any rank overflowed, every bucket of the step becomes
+all-NaN on every rank and every buffer stays as it was; that is what DDP's own allreduce hands
+a ``torch.amp.GradScaler``, which then skips the step everywhere and backs off. Otherwise the
+buffers take their updates and the futures complete. A bucket layout the state has not seen
+before (the first step, DDP's rebuild) is exchanged with the collective's own agreement as
+well, so ranks with different options or lengths raise on every rank before its bytes move.
+DDP calls a step's hooks before it waits for any of their futures; code that calls a hook by
+hand must do the same, since a bucket's future completes only after the step's last bucket.
+With ``check=False`` nothing is agreed and each future completes on its own: a sign or top-k
+exchange turns an overflow into finite values, and the scaler never hears of it.
 
 Stated tolerance: with 8 bits, buckets of 64 and error feedback, ``qsgd_hook`` keeps a small
 MLP's parameters within 0.02 of the fp32 allreduce run after 30 SGD steps on 2 workers (the
@@ -82,6 +91,7 @@ from bitcomm.collectives import (
     ring_majority,
     sparse_allgather,
 )
+from bitcomm.collectives._common import prepare
 from bitcomm.collectives.majority import check_tie
 from bitcomm.collectives.onebit import padded_length
 from bitcomm.comm.base import Comm
@@ -170,11 +180,39 @@ class ParamBuffers:
         return sum(v.numel() for v in self._views.values())
 
 
+# What a bucket's work hands back besides its result: settle(keep) applies the bucket's buffer
+# updates (keep=True) or leaves the buffers as they were (keep=False), once the step is agreed.
+Settle = Callable[[bool], None]
+Work = Callable[[torch.Tensor, bool], tuple[torch.Tensor, Settle | None]]
+
+
+class _Step:
+    """The buckets of the step in progress: held until the agreement after its last bucket."""
+
+    __slots__ = ("held", "overflow")
+
+    def __init__(self) -> None:
+        # (future, result or None where the collective found an overflow, settle, gradient)
+        self.held: list[tuple[Future, torch.Tensor | None, Settle | None, torch.Tensor]] = []
+        self.overflow = False
+
+    def drop(self, error: BaseException | None = None) -> None:
+        """Leave every held bucket's buffers as they were; fail the futures with ``error``."""
+        for fut, _, settle, _ in self.held:
+            if settle is not None:
+                settle(False)
+            if error is not None:
+                fut.set_exception(error)
+        self.held = []
+
+
 class _HookState:
     """What every hook's state holds: the transport, the agreement switch and the overlap."""
 
-    __slots__ = ("comm", "check", "overlap", "iteration", "_pool", "_streams")
+    __slots__ = ("comm", "check", "overlap", "iteration", "_pool", "_streams", "_step",
+                 "_layouts")
     _buffers: tuple[str, ...] = ()  # ParamBuffers attributes that state_dict saves
+    _local = ("comm", "_pool", "_streams", "_step", "_layouts")  # left out of a pickle
 
     def __init__(self, comm: Comm, *, check: bool, overlap: bool):
         self.comm = check_comm(comm)
@@ -182,6 +220,9 @@ class _HookState:
         self.iteration = 0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, object] = {}
+        self._step = _Step()
+        # bucket index -> the layout (gradient length, parameters) its agreement covered
+        self._layouts: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     def _options(self) -> dict:
         return {}
@@ -210,12 +251,13 @@ class _HookState:
         warnings.warn(f"{type(self).__name__}: the transport (comm) is not picklable and is "
                       "left out; set state.comm after loading", stacklevel=2)
         return {k: getattr(self, k) for cls in type(self).__mro__
-                for k in getattr(cls, "__slots__", ()) if k not in ("comm", "_pool", "_streams")}
+                for k in getattr(cls, "__slots__", ()) if k not in self._local}
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
             setattr(self, k, v)
         self.comm, self._pool, self._streams = None, None, {}
+        self._step, self._layouts = _Step(), {}
 
     def close(self) -> None:
         """Stop the exchange thread after the exchanges already handed to it."""
@@ -223,25 +265,25 @@ class _HookState:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _submit(self, bucket: dist.GradBucket, work: Callable[[torch.Tensor], torch.Tensor]
-                ) -> Future:
-        """Return a future of ``work(bucket's gradient)``, run on the state's thread."""
+    def _submit(self, bucket: dist.GradBucket, work: Work) -> Future:
+        """Return a future of ``work(bucket's gradient, check)``'s result, run on the thread."""
         for name in self._buffers:
             # Parameters are numbered here, in DDP's order of buckets, not the thread's.
             getattr(self, name).numbers(bucket)
         g = bucket.buffer()
-        last = bucket.is_last()
+        index, last = bucket.index(), bucket.is_last()
+        layout = (g.numel(), tuple(id(p) for p in bucket.parameters()))
         cuda = g.device.type == "cuda"
         fut: Future = Future(devices=[g.device]) if cuda else Future()
 
         def run() -> None:
+            if self.check:
+                self._run_checked(fut, g, index, layout, last, work)
+                return
             try:
-                out = work(g)
-            except NonFiniteError:
-                # Some rank's bucket overflowed (every rank learns it from the agreement):
-                # every rank gets NaN, as DDP's allreduce would give, so a loss scaler skips
-                # the step everywhere. The hook's buffers were left as they were.
-                out = torch.full_like(g, float("nan"))
+                out, settle = work(g, False)
+                if settle is not None:
+                    settle(True)
             except BaseException as e:  # noqa: BLE001 - handed to the waiter, as DDP expects
                 fut.set_exception(e)
                 return
@@ -271,6 +313,62 @@ class _HookState:
 
         self._pool.submit(run_cuda)
         return fut
+
+    def _run_checked(self, fut: Future, g: torch.Tensor, index: int,
+                     layout: tuple[int, tuple[int, ...]], last: bool, work: Work) -> None:
+        # One bucket under check=True: exchanged, then held until the step's agreement.
+        step = self._step
+        if index == 0 and step.held:
+            # The last step's backward stopped before its last bucket: its buckets are not
+            # applied, and a wait for one of them fails rather than blocks.
+            step.drop(RuntimeError(f"{type(self).__name__}: a new step began before this "
+                                   "bucket's step reached its last bucket"))
+            step = self._step = _Step()
+        try:
+            if self._layouts.get(index) != layout:
+                # A layout not agreed on before: the collective's own agreement covers its
+                # options and length, and an overflow found there is every rank's.
+                try:
+                    out, settle = work(g, True)
+                except NonFiniteError:
+                    out, settle, step.overflow = None, None, True
+                self._layouts[index] = layout
+            else:
+                if not bool(torch.isfinite(g).all()):
+                    # Send a stand-in every codec accepts; the step's agreement discards it.
+                    step.overflow, g = True, torch.zeros_like(g)
+                out, settle = work(g, False)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiters, as DDP expects
+            self._step = _Step()
+            step.drop(e)
+            fut.set_exception(e)
+            return
+        step.held.append((fut, out, settle, g))
+        if last:
+            self._step = _Step()
+            self._agree_step(step)
+
+    def _agree_step(self, step: _Step) -> None:
+        # Every rank learns whether any rank's bucket overflowed in this step; the ranks also
+        # agree on the hook, its options and the step's bucket lengths.
+        flag = torch.full((1,), float("nan") if step.overflow else 0.0)
+        options = {"options": self._options(),
+                   "buckets": tuple(g.numel() for _, _, _, g in step.held)}
+        try:
+            prepare(self.comm, flag, True, f"{type(self).__name__} step", options=options)
+            keep = True
+        except NonFiniteError:
+            keep = False
+        except BaseException as e:  # noqa: BLE001 - handed to the waiters, as DDP expects
+            step.drop(e)
+            return
+        self.iteration += 1
+        for fut, out, settle, g in step.held:
+            if settle is not None:
+                settle(keep)
+            # As DDP's allreduce would give: a loss scaler skips the step on every rank.
+            fut.set_result(out if keep else torch.full_like(g, float("nan")))
+        step.held = []
 
 
 class SignState(_HookState):
@@ -432,17 +530,21 @@ def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torc
     """Replace the bucket's gradient by the workers' majority sign (signSGD / Signum)."""
     _check_state(state, SignState)
 
-    def work(g: torch.Tensor) -> torch.Tensor:
+    def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
         v = g.to(torch.float32)
         m = state.momenta.get(bucket) if state.momentum else None
         if m is not None:
             v = torch.add(m * state.momentum, v, alpha=1 - state.momentum)
         vote = ring_majority if state.collective == "ring" else alltoall_majority
-        out = vote(state.comm, v, tie=state.tie, phase=state.iteration,
-                   check=state.check).to(g.dtype)
-        if m is not None:
-            m.copy_(v)  # only once the vote went through: a refused step leaves it
-        return out
+        out = vote(state.comm, v, tie=state.tie, phase=state.iteration, check=check).to(g.dtype)
+        if m is None:
+            return out, None
+
+        def settle(keep: bool) -> None:
+            if keep:
+                m.copy_(v)
+
+        return out, settle
 
     return state._submit(bucket, work)
 
@@ -451,10 +553,10 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
     """Replace the bucket's gradient by 1-bit Adam's compressed average (error feedback)."""
     _check_state(state, OneBitHookState)
 
-    def work(g: torch.Tensor) -> torch.Tensor:
+    def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
         v = g.to(torch.float32)
         if state.iteration < state.freeze_step:
-            return _exact_mean(state.comm, v).to(g.dtype)
+            return _exact_mean(state.comm, v).to(g.dtype), None
         index, size = bucket.index(), state.comm.size
         # The worker error is the parameters' (it follows a rebuild); the padding's stays zero.
         # A new layout gives a new buffer, and the bucket's server error starts again.
@@ -463,11 +565,21 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
         if one is None or one.worker_error is not worker_error:
             one = state.server_errors[index] = OneBitState(g.numel(), size, g.device)
             one.worker_error = worker_error
-        out = onebit_allreduce(state.comm, v, one, check=state.check)
+        # The collective updates both errors in place: what a refused step restores.
+        saved = (one.worker_error.clone(), one.server_error.clone()) if state.check else None
+        out = onebit_allreduce(state.comm, v, one, check=check)
         if bucket.is_last():
             for stale in [i for i in state.server_errors if i > index]:
                 del state.server_errors[stale]
-        return out.to(g.dtype)
+        if saved is None:
+            return out.to(g.dtype), None
+
+        def settle(keep: bool) -> None:
+            if not keep:
+                one.worker_error.copy_(saved[0])
+                one.server_error.copy_(saved[1])
+
+        return out.to(g.dtype), settle
 
     return state._submit(bucket, work)
 
@@ -476,18 +588,23 @@ def qsgd_hook(state: QsgdState, bucket: dist.GradBucket) -> Future[torch.Tensor]
     """Replace the bucket's gradient by the mean of the workers' QSGD-quantised gradients."""
     _check_state(state, QsgdState)
 
-    def work(g: torch.Tensor) -> torch.Tensor:
+    def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
         c = g.to(torch.float32)
         if state.error_feedback:
             e = state.residuals.get(bucket)
             c = c + e
         mean, sent = qsgd_allgather(state.comm, c, bits=state.bits, bucket=state.bucket_size,
                                     seed=state.seed + state.calls * state.comm.size,
-                                    check=state.check)
+                                    check=check)
         state.calls += 1
-        if state.error_feedback:
-            torch.sub(c, sent, out=e)
-        return mean.to(g.dtype)
+        if not state.error_feedback:
+            return mean.to(g.dtype), None
+
+        def settle(keep: bool) -> None:
+            if keep:
+                torch.sub(c, sent, out=e)
+
+        return mean.to(g.dtype), settle
 
     return state._submit(bucket, work)
 
@@ -496,14 +613,17 @@ def topk_hook(state: TopkState, bucket: dist.GradBucket) -> Future[torch.Tensor]
     """Replace the bucket's gradient by the workers' top-k residual entries, summed, / N."""
     _check_state(state, TopkState)
 
-    def work(g: torch.Tensor) -> torch.Tensor:
+    def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
         residual = state.residuals.get(bucket)
         v = residual + g.to(torch.float32)
         k = max(1, math.ceil(state.density * v.numel()))
-        total, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method,
-                                           check=state.check)
+        total, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method, check=check)
         v[idx] = 0
-        residual.copy_(v)  # only once the exchange went through: a refused step leaves it
-        return total.div_(state.comm.size).to(g.dtype)
+
+        def settle(keep: bool) -> None:
+            if keep:
+                residual.copy_(v)
+
+        return total.div_(state.comm.size).to(g.dtype), settle
 
     return state._submit(bucket, work)
