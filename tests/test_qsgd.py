@@ -1,4 +1,8 @@
 import math
+import os
+import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -327,3 +331,51 @@ def test_one_thread_encodes_without_a_parallel_region(monkeypatch):
         torch.set_num_threads(threads)
     # more threads than tasks is pointless: a tensor of one task is encoded serially too
     assert _qsgd_cpu.threads_for(_qsgd_cpu.TASK) == 1
+
+
+@pytest.mark.timeout(120)
+def test_one_thread_never_starts_numbas_thread_pool():
+    """Asking numba for its thread count launches its pool, whose OpenMP thread spins on the
+    core the job's other rank needs: in a 2-rank DDP run with qsgd_hook that doubled the step
+    (the other rank's forward pass slowed several times). Under one torch thread the pool must
+    stay down; in a fresh process, since other tests start it."""
+    code = ("import os, torch; torch.set_num_threads(1); "
+            "from bitcomm.codecs import qsgd; import numba.np.ufunc.parallel as p; "
+            "qsgd.encode(torch.randn(5000), 8, 512, seed=1); "
+            "qsgd.encode(torch.randn(5000), 4, 7, seed=2); "
+            "print(p._is_initialized, len(os.listdir('/proc/self/task')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=100, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    initialized, threads = out.stdout.split()
+    assert initialized == "False"
+    assert int(threads) == 1
+
+
+@pytest.mark.parametrize("bits", qsgd.BITS)
+def test_numpy_decode_matches_the_torch_decode_bit_for_bit(bits):
+    """CPU frames decode through numpy; the torch path (CUDA's formula) gives the same bits,
+    signed zeros included, and the same errors for a corrupt scale or padding."""
+    g = torch.Generator().manual_seed(bits)
+    for n in (0, 1, 7, 8, 9, 100, 1000, 4099):
+        for bucket in (1, 3, 8, 512, 1 << 20):
+            x = torch.randn(n, generator=g) * 4
+            x[: min(n, 2)] = torch.tensor([-0.0, 0.0])[: min(n, 2)]
+            x[5:40:7] *= 1e20
+            frame = qsgd.encode(x, bits, bucket, seed=n + bucket)
+            got, used = qsgd.decode(frame)
+            with forced("torch"):
+                ref, ref_used = qsgd.decode(frame)
+            assert used == ref_used == frame.numel()
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, bucket)
+            assert torch.equal(qsgd.decode(frame, dtype=torch.float16)[0], ref.half())
+    frame = qsgd.encode(torch.ones(5), bits, 4, seed=1)
+    bad_scale = frame.clone()
+    bad_scale[qsgd.HEADER.size + 4 : qsgd.HEADER.size + 8] = torch.tensor(
+        list(struct.pack("<f", -1.0)), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="finite scale >= 0 in bucket 1"):
+        qsgd.decode(bad_scale)
+    if (5 * bits) % 8:
+        bad_pad = frame.clone()
+        bad_pad[-1] |= 1
+        with pytest.raises(ValueError, match="padding bits"):
+            qsgd.decode(bad_pad)

@@ -65,9 +65,14 @@ def threads_for(n: int) -> int:
     """Return the threads to encode ``n`` elements on: 1 means the ``_serial`` kernels.
 
     At most torch's intra-op thread count (the process's budget: a launcher running one rank
-    per core sets ``OMP_NUM_THREADS=1``) and numba's, and one per task.
+    per core sets ``OMP_NUM_THREADS=1``) and numba's, and one per task. numba is asked only
+    when the rest allows more than one: asking launches its thread pool, whose OpenMP threads
+    then spin on the cores that other ranks need.
     """
-    return max(1, min(numba.get_num_threads(), torch.get_num_threads(), -(-n // TASK)))
+    budget = min(torch.get_num_threads(), -(-n // TASK))
+    if budget <= 1:
+        return 1
+    return max(1, min(numba.get_num_threads(), budget))
 
 
 @_jit(inline="always")

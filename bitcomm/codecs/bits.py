@@ -105,6 +105,8 @@ def pack(x: torch.Tensor, width: int, *, check: bool = True) -> torch.Tensor:
         # A narrow working dtype keeps the per-plane passes cheap.
         if width <= 8 and a.dtype != np.uint8:
             a = a.astype(np.uint8)
+        if width == 1:  # one plane, one pass: packbits maps non-zero to 1
+            return torch.from_numpy(np.packbits(a))
         elif 8 < width <= 16 and a.dtype not in (np.uint16, np.int16):
             a = a.astype(np.uint16)
         out = np.empty((width, nb), dtype=np.uint8)
@@ -160,6 +162,8 @@ def unpack(payload: torch.Tensor, n: int, width: int, *, dtype: torch.dtype | No
     _frame.check_padding(planes, n, _CODEC, "plane")
     if path == "numpy":
         p = planes.numpy()
+        if width == 1:
+            return torch.from_numpy(np.unpackbits(p[0], count=n)).to(dtype)
         acc = np.zeros(nb * 8, dtype=np.uint8 if width <= 8 else np.uint16)
         tmp = np.empty(nb * 8, dtype=acc.dtype)
         for row in range(width):

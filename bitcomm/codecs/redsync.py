@@ -69,7 +69,7 @@ def encode(x: torch.Tensor, k: int, side: str = "top", method: str = "topk",
         raise ValueError(f"expected side in {SIDES}, got {side!r}")
     if method not in select.METHODS:
         raise ValueError(f"expected method in {select.METHODS}, got {method!r}")
-    if v.numel() and not bool(torch.isfinite(v).all()):
+    if v.numel() and not _frame.all_finite(v):
         raise ValueError("expected finite values, got NaN or inf")
     scores = v.clamp(min=0) if side == "top" else v.neg().clamp_(min=0)
     idx = select.select(scores, k, method, check=False, **options)

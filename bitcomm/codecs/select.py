@@ -62,7 +62,7 @@ def _check_eps(eps: object, upper_open: bool) -> float:
 def _prepare(scores: torch.Tensor, k: int, check: bool) -> tuple[torch.Tensor, int]:
     s = _frame.check_float(scores, "scores")
     k = _frame.check_count(k, "k")
-    if check and s.numel() and not bool(torch.isfinite(s).all()):
+    if check and s.numel() and not _frame.all_finite(s):
         raise ValueError("expected finite scores, got NaN or inf")
     return s, min(k, s.numel())
 

@@ -165,7 +165,7 @@ def threshold(scores: torch.Tensor, delta: float, dist: str = "exponential", sta
     if not 0 < first < 1:
         raise ValueError(f"expected first in (0, 1), got {first}")
     if check and s.numel():
-        if not bool(torch.isfinite(s).all()):
+        if not _frame.all_finite(s):
             raise ValueError("expected finite scores, got NaN or inf")
         if bool((s < 0).any()):
             raise ValueError("expected non-negative scores (|g| or a clamp of it)")
@@ -220,7 +220,7 @@ def sidco(scores: torch.Tensor, k: int, dist: str = "exponential", stages: int =
     k = _frame.check_count(k, "k")
     n = s.numel()
     if k == 0 or k >= n:  # no fit: nothing or everything (threshold checks the rest)
-        if check and n and not bool(torch.isfinite(s).all()):
+        if check and n and not _frame.all_finite(s):
             raise ValueError("expected finite scores, got NaN or inf")
         return torch.arange(n if k else 0, device=s.device)
     eta = threshold(s, k / n, dist, stages, first=first, check=check)

@@ -40,6 +40,7 @@ import dataclasses
 import math
 import struct
 
+import numpy as np
 import torch
 
 from bitcomm.codecs import _frame, qsgd
@@ -168,14 +169,20 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
 def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) -> None:
     # Sorted indices and their values: every rule in one host read; the message, which needs
     # more, is built only when a rule is broken.
-    rules = torch.stack([
-        idx[0], idx[-1], (idx[1:] == idx[:-1]).any().to(torch.int64),
-        # on the wire's float32 (or smaller): a float64 beyond float32's range would become inf
-        (~torch.isfinite(val.to(torch.float32) if val.dtype == torch.float64 else val)).any()
-        .to(torch.int64),
-        (val.abs() > FP16_MAX).any().to(torch.int64) if fp16 else idx[0] * 0,
-    ])
-    lo, hi, dup, nonfinite, too_big = rules.tolist()
+    if _frame.use_numpy(idx) and val.dtype != torch.bfloat16:
+        i, v = idx.numpy(), val.numpy()  # numpy's small operations cost a microsecond each
+        lo, hi, dup = int(i[0]), int(i[-1]), bool((i[1:] == i[:-1]).any())
+        nonfinite = not _frame.all_finite(val, as_float32=True)
+        too_big = fp16 and bool((np.abs(v) > FP16_MAX).any())
+    else:
+        rules = torch.stack([
+            idx[0], idx[-1], (idx[1:] == idx[:-1]).any().to(torch.int64),
+            # on the wire's float32 (or smaller): a float64 beyond float32's range becomes inf
+            (~torch.isfinite(val.to(torch.float32) if val.dtype == torch.float64 else val))
+            .any().to(torch.int64),
+            (val.abs() > FP16_MAX).any().to(torch.int64) if fp16 else idx[0] * 0,
+        ])
+        lo, hi, dup, nonfinite, too_big = rules.tolist()
     if lo < 0 or hi >= n:
         raise ValueError(f"expected indices in [0, {n}), got {lo if lo < 0 else hi}")
     if dup:
@@ -228,11 +235,16 @@ def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bou
         val = _frame.from_bytes(buf[off:end], vtype).to(dtype)
     if k:
         # Every rule in one host read.
-        rules = torch.stack([
-            idx[0], idx[-1], (idx[1:] <= idx[:-1]).any().to(torch.int64),
-            (~torch.isfinite(val)).any().to(torch.int64) if val is not None else idx[0] * 0,
-        ])
-        lo, hi, unordered, nonfinite = rules.tolist()
+        if _frame.use_numpy(idx):
+            i = idx.numpy()
+            lo, hi, unordered = int(i[0]), int(i[-1]), bool((i[1:] <= i[:-1]).any())
+            nonfinite = val is not None and not _frame.all_finite(val)
+        else:
+            rules = torch.stack([
+                idx[0], idx[-1], (idx[1:] <= idx[:-1]).any().to(torch.int64),
+                (~torch.isfinite(val)).any().to(torch.int64) if val is not None else idx[0] * 0,
+            ])
+            lo, hi, unordered, nonfinite = rules.tolist()
         if lo < 0 or hi >= n:
             raise ValueError(f"corrupt {_CODEC} frame: expected indices in [0, {n}), got "
                              f"{lo}..{hi}")

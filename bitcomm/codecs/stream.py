@@ -295,7 +295,7 @@ def decode(frame: torch.Tensor, *, n: int | None = None) -> tuple[Stream, int]:
         end = off + 4 * length  # checked against the buffer before anything is allocated
         _frame.need(buf, end, _CODEC, "values")
         val = _frame.from_bytes(buf[off:end], torch.float32).clone()
-        if length and not bool(torch.isfinite(val).all()):
+        if length and not _frame.all_finite(val):
             raise ValueError(f"corrupt {_CODEC} frame: expected finite values")
         return Stream(length, None, val), end
     if not 0 <= nnz < sparse_limit(length):

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from bitcomm.codecs import _frame
 from bitcomm.comm.base import Comm
 
 __all__ = ["NonFiniteError", "agree_on"]
@@ -176,8 +177,8 @@ def _agree(comm: Comm, x: object, check: bool, name: str, float32: bool,
         # One pass over x: float64 input to a float32 collective is checked as float32, which
         # also catches NaN and inf; only a failing check looks again to say which it was.
         wide = float32 and x.dtype == torch.float64
-        if not bool(torch.isfinite(x.to(torch.float32) if wide else x).all()):
-            status = _TOO_BIG if wide and bool(torch.isfinite(x).all()) else _NON_FINITE
+        if not _frame.all_finite(x, as_float32=wide):
+            status = _TOO_BIG if wide and _frame.all_finite(x) else _NON_FINITE
     nbytes = 0
     if payload is not None and status == _OK:
         try:

@@ -143,7 +143,8 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     packed = sign.pack_mask(signs)
     got, scales = _exchange(comm, [packed[j * nbytes : (j + 1) * nbytes] for j in range(size)],
                             worker_scale, nbytes)
-    received = torch.stack([_plus_minus(sign.unpack_mask(p, chunk)) for p in got])
+    # Chunks are whole bytes (multiples of 8 elements): every rank's signs unpack in one call.
+    received = _plus_minus(sign.unpack_mask(torch.cat(got), length)).reshape(size, chunk)
     compensated = received.mul_(scales.mul_(1 / size).unsqueeze(1)).sum(0)
     compensated.add_(state.server_error)
     server_scale = _rms(compensated)
@@ -151,7 +152,7 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     state.server_error.copy_(compensated - server_scale * _plus_minus(server_signs))
 
     every, server_scales = _exchange(comm, sign.pack_mask(server_signs), server_scale, nbytes)
-    out = torch.stack([_plus_minus(sign.unpack_mask(p, chunk)) for p in every])
+    out = _plus_minus(sign.unpack_mask(torch.cat(every), length)).reshape(size, chunk)
     out = out.mul_(server_scales.unsqueeze(1)).flatten()
     return out[: v.numel()].reshape(x.shape)
 

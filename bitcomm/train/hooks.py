@@ -82,6 +82,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from bitcomm.codecs import qsgd
+from bitcomm.codecs._frame import all_finite
 from bitcomm.collectives import (
     NonFiniteError,
     OneBitState,
@@ -334,7 +335,7 @@ class _HookState:
                     out, settle, step.overflow = None, None, True
                 self._layouts[index] = layout
             else:
-                if not bool(torch.isfinite(g).all()):
+                if not all_finite(g):
                     # Send a stand-in every codec accepts; the step's agreement discards it.
                     step.overflow, g = True, torch.zeros_like(g)
                 out, settle = work(g, False)
