@@ -403,7 +403,8 @@ def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int
               help="Measurements of each hook per bucket size, in an order shuffled per repeat.")
 @click.option("--hooks", "names", default=",".join(["allreduce", "allreduce/blocking",
                                                      "fp16_compress", "powerSGD",
-                                                     "sign", "sign/blocking", "onebit",
+                                                     "sign", "sign/blocking", "sign/ring",
+                                                     "onebit",
                                                      "onebit/blocking", "qsgd", "qsgd/blocking",
                                                      "topk", "topk/blocking"]),
               show_default=True, help="Comma-separated hooks (allreduce, the anchor, always).")

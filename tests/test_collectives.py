@@ -6,6 +6,9 @@ import torch
 from bitcomm.codecs import counts, qsgd, select, sparse
 from bitcomm.collectives import (
     OneBitState,
+    allgather_majority,
+    allgather_majority_bytes,
+    allgather_majority_packed,
     allreduce,
     allreduce_bytes,
     alltoall_majority,
@@ -67,14 +70,14 @@ def test_majority_equals_brute_force(size):
                 assert bool((2 * votes == size).any())
             for fn, kw in ((ring_majority, {"packing": "fixed"}),
                            (ring_majority, {"packing": "radix"}),
-                           (alltoall_majority, {})):
+                           (alltoall_majority, {}), (allgather_majority, {})):
                 out = run_local(lambda c, f=fn, kw=kw, t=tie, ph=phase: f(
                     c, xs[c.rank], tie=t, phase=ph, **kw), size, timeout=60)
                 assert identical(out)
                 assert torch.equal(out[0], expect), (fn.__name__, kw, n, tie, phase)
 
 
-@pytest.mark.parametrize("fn", [ring_majority, alltoall_majority])
+@pytest.mark.parametrize("fn", [ring_majority, alltoall_majority, allgather_majority])
 def test_alternate_tie_is_unbiased(fn):
     """Two workers with opposite signs tie everywhere: the fixed rules move every element the
     same way, the alternating rule half each way within a step and back over two steps."""
@@ -101,8 +104,8 @@ def test_majority_keeps_shape_dtype_and_packs():
                         dtype=torch.float64) * 2 - 1
     assert torch.equal(bits, out[0].reshape(-1))
     assert packed[0].numel() == 2
-    for fn in (alltoall_majority_packed, lambda c, x: ring_majority_packed(c, x,
-                                                                          packing="radix")):
+    for fn in (alltoall_majority_packed, allgather_majority_packed,
+               lambda c, x: ring_majority_packed(c, x, packing="radix")):
         assert all(torch.equal(p, packed[0]) for p in run_local(lambda c: fn(c, xs[c.rank]), 3))
 
 
@@ -123,6 +126,12 @@ def test_wire_bytes_equal_the_formulas(size, check):
                                    c.counters)[1], size)
         for r, cnt in enumerate(got):
             assert cnt.total_sent == alltoall_majority_bytes(n, size, r, check=check)
+        got = run_local(lambda c: (allgather_majority(c, xs[c.rank], check=check),
+                                   c.counters)[1], size)
+        # every rank's ceil(n/8) bytes of signs to every other rank
+        assert all(c.total_sent == (size - 1) * ((n + 7) // 8) + (24 * (size - 1) if check
+                                                                  else 0) for c in got)
+        assert all(c.total_sent == allgather_majority_bytes(n, size, check=check) for c in got)
         got = run_local(lambda c: (allreduce(c, xs[c.rank], check=check), c.counters)[1], size)
         assert all(c.total_sent == allreduce_bytes(n, size, check=check) for c in got)
         states = [OneBitState(n, size) for _ in range(size)]
@@ -274,6 +283,7 @@ def test_onebit_state_round_trip_and_checks():
 ALL = {
     "ring": lambda c, x: ring_majority(c, x),
     "alltoall": lambda c, x: alltoall_majority(c, x),
+    "allgather": lambda c, x: allgather_majority(c, x),
     "onebit": lambda c, x: onebit_allreduce(c, x, OneBitState(8, c.size)),
     "sparse": lambda c, x: sparse_allgather(c, x, 2),
     "dense": lambda c, x: allreduce(c, x),
@@ -299,7 +309,7 @@ def test_bad_input_raises_on_every_rank(name):
             x[5] = 1e300
         return fn(c, x)
     out = run_local(beyond_float32, 3, return_exceptions=True, timeout=10)
-    if name in ("ring", "alltoall"):  # only signs are used: 1e300 votes +1
+    if name in ("ring", "alltoall", "allgather"):  # only signs are used: 1e300 votes +1
         assert all(torch.equal(o, torch.ones(8, dtype=torch.float64)) for o in out), out
     else:
         assert all(isinstance(e, ValueError) and "float32's range on rank(s) [1]" in str(e)
@@ -426,6 +436,8 @@ def _inconsistent_cases(n=40):
     calls = "different calls"
     return {
         "collective": (first(ring_majority, alltoall_majority), ValueError, calls),
+        "collective-allgather": (first(allgather_majority, alltoall_majority), ValueError,
+                                 calls),
         "packing": (first(ring_majority, lambda c, x: ring_majority(c, x, packing="radix")),
                     ValueError, calls),
         "tie": (first(alltoall_majority, lambda c, x: alltoall_majority(c, x, tie="positive")),

@@ -87,6 +87,7 @@ def test_collectives_on_cuda_tensors_match_cpu():
     """Collectives over the local transport give CUDA results equal to the CPU ones."""
     from bitcomm.collectives import (
         OneBitState,
+        allgather_majority,
         allreduce,
         alltoall_majority,
         onebit_allreduce,
@@ -107,13 +108,14 @@ def test_collectives_on_cuda_tensors_match_cpu():
             outs = [ring_majority(c, x), ring_majority(c, x, packing="radix"),
                     alltoall_majority(c, x), ring_majority_packed(c, x),
                     onebit_allreduce(c, x, states[c.rank]),
-                    sparse_allgather(c, x, 100, fmt=sparse.Qsgd(seed=1))[0], allreduce(c, x)]
+                    sparse_allgather(c, x, 100, fmt=sparse.Qsgd(seed=1))[0], allreduce(c, x),
+                    allgather_majority(c, x)]
             assert all(o.device.type == torch.device(device).type for o in outs)
             return [o.cpu() for o in outs]
         return run_local(fn, size)[0]
 
     for i, (cpu, gpu) in enumerate(zip(every("cpu"), every("cuda"), strict=True)):
-        if i < 4:  # majorities: exact
+        if i < 4 or i == 7:  # majorities: exact
             assert torch.equal(gpu, cpu), i
         else:
             torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-6)
@@ -151,13 +153,13 @@ def test_sparcml_on_cuda_tensors_matches_cpu():
 
 @pytest.mark.parametrize("size", [2, 5])
 def test_fused_majorities_do_not_synchronise(size):
-    """No host synchronisation inside ring_majority / alltoall_majority (check=False)."""
-    from bitcomm.collectives import alltoall_majority, ring_majority
+    """No host synchronisation inside the three majorities (check=False)."""
+    from bitcomm.collectives import allgather_majority, alltoall_majority, ring_majority
     from bitcomm.comm import run_local
 
     xs = [torch.randn(100_003, generator=torch.Generator().manual_seed(r)).cuda()
           for r in range(size)]
-    for fn in (ring_majority, alltoall_majority):
+    for fn in (ring_majority, alltoall_majority, allgather_majority):
         fn_ = fn
         run_local(lambda c: fn_(c, xs[c.rank], check=False), size)  # warm-up: compiles kernels
         torch.cuda.synchronize()

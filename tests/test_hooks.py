@@ -323,12 +323,16 @@ def test_a_step_of_known_buckets_makes_one_agreement(size):
         if hook is sign_majority_hook:
             return [(rank + 1) % size] * 2 * (size - 1)
         peers = [d for d in range(size) if d != rank]
-        return peers * (2 if hook is onebit_hook else 1)
+        return peers * (2 if hook is onebit_hook else 1)  # allgather_vote: 1, as qsgd, top-k
 
-    makes = {sign_majority_hook: lambda c: SignState(c, momentum=0.5),
+    def allgather_vote(state, bucket):  # the one-round majority: one message per peer
+        return sign_majority_hook(state, bucket)
+
+    makes = {sign_majority_hook: lambda c: SignState(c, momentum=0.5, collective="ring"),
              onebit_hook: lambda c: OneBitHookState(c),
              qsgd_hook: lambda c: QsgdState(c, bits=4, bucket_size=8),
-             topk_hook: lambda c: TopkState(c, density=0.25)}
+             topk_hook: lambda c: TopkState(c, density=0.25),
+             allgather_vote: lambda c: SignState(c, momentum=0.5, collective="allgather")}
     for hook, make in makes.items():
         def rank_fn(comm, hook=hook, make=make):
             state = make(comm)
@@ -420,3 +424,29 @@ def test_a_step_that_never_reaches_its_last_bucket_is_dropped():
         return all(torch.isfinite(t).all() for t in before.values())
 
     assert run_local(rank_fn, size=2) == [True, True]
+
+
+def test_the_sign_hook_votes_by_allgather_at_two_ranks_and_by_ring_above():
+    """collective="auto" (the default): at 2 ranks the allgather sends the ring's bytes in one
+    message per bucket instead of two; at 3 ranks the ring's (N - 1) steps each way."""
+    from bitcomm.collectives.majority import allgather_majority, ring_majority, vote_for
+
+    assert vote_for("auto", 2) is allgather_majority and vote_for("auto", 3) is ring_majority
+    with pytest.raises(ValueError, match="expected collective in"):
+        vote_for("tree", 2)
+
+    for size, per_bucket in ((2, 1), (3, 4)):
+        def rank_fn(comm):
+            state, p = SignState(comm), torch.zeros(100)
+            grads = torch.randn(100, generator=torch.Generator().manual_seed(comm.rank))
+            hook_bucket = Bucket(0, [p], [grads])
+            sign_majority_hook(state, hook_bucket).wait()  # first sight: agreed on
+            comm.trace = []
+            out = sign_majority_hook(state, hook_bucket).wait()
+            state.close()
+            return out, len(comm.trace)
+
+        got = run_local(rank_fn, size=size)
+        records = size - 1  # the step's agreement, one record per peer
+        assert all(n == per_bucket + records for _, n in got), got
+        assert all(torch.equal(out, got[0][0]) for out, _ in got)

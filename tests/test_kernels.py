@@ -183,8 +183,11 @@ def test_qsgd_decode_is_one_formula(nbits):
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
 def test_fused_majorities_equal_the_numpy_path(size):
-    """ring_majority and alltoall_majority with their fused kernels: same result, same bytes."""
+    """The three majorities with their fused kernels: same result, same bytes."""
     from bitcomm.collectives import (
+        allgather_majority,
+        allgather_majority_bytes,
+        allgather_majority_packed,
         alltoall_majority,
         alltoall_majority_bytes,
         ring_majority,
@@ -213,16 +216,22 @@ def test_fused_majorities_equal_the_numpy_path(size):
             c.counters.reset()
             a2a = alltoall_majority(c, x.half(), tie=tie, phase=1)
             a2a_extra = c.counters.total_sent - alltoall_majority_bytes(n, size, c.rank)
+            c.counters.reset()
+            ag = allgather_majority(c, x.half(), tie=tie, phase=1)
+            ag_extra = c.counters.total_sent - allgather_majority_bytes(n, size)
             packed = ring_majority_packed(c, x.double(), tie=tie, phase=1)
-            return ring, a2a, packed, ring_extra, a2a_extra
+            ag_packed = allgather_majority_packed(c, x, tie=tie, phase=1)
+            return ring, a2a, packed, ag, ag_packed, ring_extra, a2a_extra, ag_extra
 
         ref = run_local(fn, size)
         with forced("triton"):
             got = run_local(fn, size)
         for r in range(size):
-            for a, b in zip(ref[r][:3], got[r][:3], strict=True):
+            for a, b in zip(ref[r][:5], got[r][:5], strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b), (n, size, tie)
-            assert got[r][3:] == (0, 0)  # bytes sent equal the documented formulas
+            assert torch.equal(got[r][3], got[r][1])  # all-to-all and allgather agree
+            assert torch.equal(got[r][4], got[r][2])
+            assert got[r][5:] == (0, 0, 0)  # bytes sent equal the documented formulas
         # Against a brute-force count of the votes: ties give -1, or +1 with tie="positive",
         # or (phase 1) +1 at odd indices with tie="alternate".
         odd = torch.arange(n) % 2 == 1
@@ -275,14 +284,15 @@ def test_ring_steps_benchmark_rows():
 
 @pytest.mark.parametrize("size", [2, 5])
 def test_fused_majorities_read_nothing_back_to_the_host(monkeypatch, size):
-    from bitcomm.collectives import alltoall_majority, ring_majority
+    from bitcomm.collectives import allgather_majority, alltoall_majority, ring_majority
     from bitcomm.comm import run_local
 
     xs = [torch.randn(1001, generator=torch.Generator().manual_seed(r)) for r in range(size)]
 
     def job():
         run_local(lambda c: (ring_majority(c, xs[c.rank], check=False),
-                             alltoall_majority(c, xs[c.rank], check=False)), size)
+                             alltoall_majority(c, xs[c.rank], check=False),
+                             allgather_majority(c, xs[c.rank], check=False)), size)
 
     with forced("triton"):
         assert host_reads(monkeypatch, job) == []

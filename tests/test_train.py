@@ -53,7 +53,7 @@ def test_error_feedback_keeps_what_was_dropped():
 
 # -- MajoritySignSGD ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("collective", ["ring", "alltoall"])
+@pytest.mark.parametrize("collective", ["auto", "ring", "alltoall", "allgather"])
 def test_majority_sign_sgd_two_workers_tie_goes_negative(collective):
     grads = [(0.5, -2.0), (0.3, 1.0)]
 
@@ -69,7 +69,7 @@ def test_majority_sign_sgd_two_workers_tie_goes_negative(collective):
         assert out == pytest.approx([0.9, 1.1])
 
 
-@pytest.mark.parametrize("collective", ["ring", "alltoall"])
+@pytest.mark.parametrize("collective", ["auto", "ring", "alltoall", "allgather"])
 def test_majority_sign_sgd_default_tie_is_unbiased(collective):
     """Two workers with opposite gradients tie on every element. The default tie sends
     alternate elements up and down, and flips with each step: back to the start after two."""
@@ -88,7 +88,7 @@ def test_majority_sign_sgd_default_tie_is_unbiased(collective):
         assert second == pytest.approx([0.0, 0.0, 0.0])
 
 
-@pytest.mark.parametrize("collective", ["ring", "alltoall"])
+@pytest.mark.parametrize("collective", ["auto", "ring", "alltoall", "allgather"])
 def test_signum_momentum_by_hand(collective):
     # one worker, beta 0.5: m1 = [0.5, -0.5] -> votes [+1, -1]; m2 = 0.5 m1 + 0.5 [-2, 0.2]
     # = [-0.75, -0.15] -> votes [-1, -1]; lr 0.1 from [0, 0]: [-0.1, 0.1] then [0.0, 0.2]

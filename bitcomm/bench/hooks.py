@@ -73,6 +73,7 @@ HOOKS: dict[str, Callable[[Comm], tuple[object, Callable]]] = {
         None, matrix_approximation_rank=1, start_powerSGD_iter=2)),
     "sign": _ours(hooks.sign_majority_hook, hooks.SignState),
     "sign/blocking": _ours(hooks.sign_majority_hook, hooks.SignState, overlap=False),
+    "sign/ring": _ours(hooks.sign_majority_hook, hooks.SignState, collective="ring"),
     "onebit": _ours(hooks.onebit_hook, hooks.OneBitHookState),
     "onebit/blocking": _ours(hooks.onebit_hook, hooks.OneBitHookState, overlap=False),
     "qsgd": _ours(hooks.qsgd_hook, hooks.QsgdState),

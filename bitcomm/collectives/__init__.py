@@ -1,8 +1,9 @@
 """Collectives written once against :class:`bitcomm.comm.base.Comm`.
 
-* :func:`ring_majority` / :func:`alltoall_majority`: majority vote of signs
-  (All-Reducible signSGD), ring with ceil(log2(i+1))-bit counts, or 1-bit Adam's all-to-all;
-  the ``*_packed`` variants return the decisions as packed sign bits.
+* :func:`ring_majority` / :func:`alltoall_majority` / :func:`allgather_majority`: majority
+  vote of signs (All-Reducible signSGD), ring with ceil(log2(i+1))-bit counts, 1-bit Adam's
+  all-to-all, or one allgather of every rank's signs (one round: small tensors); the
+  ``*_packed`` variants return the decisions as packed sign bits.
 * :func:`onebit_allreduce`: DeepSpeed's 1-bit Adam compressed allreduce with error feedback.
 * :func:`sparse_allgather`: RedSync / SparCML quantised sparse exchange.
 * :func:`qsgd_allgather`: every rank's whole tensor as one QSGD frame, averaged (SparCML).
@@ -21,6 +22,9 @@ and :func:`agree_on` extends the agreement to a caller's own value.
 from bitcomm.collectives._common import NonFiniteError, agree_on
 from bitcomm.collectives.dense import allreduce, allreduce_bytes
 from bitcomm.collectives.majority import (
+    allgather_majority,
+    allgather_majority_bytes,
+    allgather_majority_packed,
     alltoall_majority,
     alltoall_majority_bytes,
     alltoall_majority_packed,
@@ -51,6 +55,9 @@ __all__ = [
     "agree_on",
     "allreduce",
     "allreduce_bytes",
+    "allgather_majority",
+    "allgather_majority_bytes",
+    "allgather_majority_packed",
     "alltoall_majority",
     "alltoall_majority_bytes",
     "alltoall_majority_packed",

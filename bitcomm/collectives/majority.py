@@ -1,6 +1,6 @@
-"""Majority vote of signs over ranks: the ring of All-Reducible signSGD and its all-to-all twin.
+"""Majority vote of signs over ranks: All-Reducible signSGD's ring, an all-to-all, an allgather.
 
-Both return, on every rank, ``+1`` where more than half of the ranks hold ``x >= 0`` (the sign
+All three return, on every rank, ``+1`` where more than half of the ranks hold ``x >= 0`` (the sign
 codec's convention), as a tensor of ``x``'s dtype, shape and device. A tie ``2 * count == size``
 (only with an even number of ranks) gives ``-1`` by default, the paper's "else negative" rule;
 ``+1`` with ``tie="positive"``; or, with ``tie="alternate"``, ``+1`` where the element's index
@@ -32,6 +32,15 @@ alltoall_majority (1-bit Adam's pattern, the paper's baseline)
 
         sum_{j != r} ceil(L[j]/8)  +  (N - 1) * ceil(L[r]/8)  +  24 * (N - 1) with check
 
+allgather_majority (signSGD with majority vote's direct exchange)
+    Every rank sends its packed signs of the whole vector to every rank in one allgather, and
+    each rank counts all ``N`` votes and decides every element itself. One round where the
+    others take two (all-to-all) or ``2 (N - 1)`` (ring): for the small buckets of a DDP hook,
+    whose cost is latency, that is the cheapest, and at ``N = 2`` it sends exactly the ring's
+    bytes. Bytes sent by every rank (:func:`allgather_majority_bytes`)::
+
+        (N - 1) * ceil(K/8)  +  24 * (N - 1) with check
+
 Example::
 
     from bitcomm.comm import run_local
@@ -49,8 +58,9 @@ from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm, Request
 
 __all__ = ["ring_majority", "ring_majority_packed", "alltoall_majority",
-           "alltoall_majority_packed", "ring_majority_bytes", "alltoall_majority_bytes", "TIES",
-           "check_tie"]
+           "alltoall_majority_packed", "allgather_majority", "allgather_majority_packed",
+           "ring_majority_bytes", "alltoall_majority_bytes", "allgather_majority_bytes", "TIES",
+           "VOTES", "COLLECTIVES", "vote_for", "check_tie"]
 
 TIES = ("negative", "positive", "alternate")
 """Tie rules for an even number of ranks: the paper's ``-1``, ``+1``, or by index and phase."""
@@ -307,6 +317,54 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check:
     return _finish(x, decided, packed)
 
 
+def allgather_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative", phase: int = 0,
+                       check: bool = True) -> torch.Tensor:
+    """Return the same majority as :func:`ring_majority`, from one allgather of 1-bit votes.
+
+    Args:
+        comm: the transport.
+        x: floating-point tensor, the same number of elements on every rank.
+        tie: ``"negative"``, ``"positive"`` or ``"alternate"`` (as :func:`ring_majority`).
+        phase: the offset of the alternating tie.
+        check: agree on the input first.
+
+    Returns:
+        +-1 tensor like ``x``, identical on every rank.
+
+    """
+    return _allgather_majority(comm, x, tie, phase, check, packed=False)
+
+
+def allgather_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
+                              phase: int = 0, check: bool = True) -> torch.Tensor:
+    """Return :func:`allgather_majority`'s decisions as :func:`bitcomm.codecs.sign.pack` bytes."""
+    return _allgather_majority(comm, x, tie, phase, check, packed=True)
+
+
+def _allgather_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check: bool,
+                        packed: bool) -> torch.Tensor:
+    v = _common.prepare(comm, x, check, "allgather_majority",
+                        options={"tie": tie, "phase": phase},
+                        validate=lambda v: _check_options(tie, phase))
+    size, n = comm.size, v.numel()
+    if size == 1:
+        return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
+    every = comm.allgatherv(sign.pack(v), [sign.packed_size(n)] * size)
+    if _frame.use_triton(v):
+        # One kernel sums every rank's votes, decides and packs (no host sync).
+        from bitcomm.collectives import _kernels
+
+        decision = _kernels.vote_count(torch.stack(every), n, tie=tie, tie_base=phase)
+        if packed:
+            return decision
+        out, _ = _frame.kernels().sign_unpack(decision, n, x.dtype)  # our own padding: zero
+        return out.reshape(x.shape)
+    total = torch.zeros(n, dtype=torch.int32, device=v.device)
+    for payload in every:  # in rank order; integer sums, so the order does not change them
+        total += bits.unpack(payload, n, 1, dtype=torch.int32)
+    return _finish(x, _decide(total, size, tie, 0, phase), packed)
+
+
 def ring_majority_bytes(n: int, size: int, rank: int, *, packing: str = "fixed",
                         check: bool = True) -> int:
     """Return the bytes rank ``rank`` sends in :func:`ring_majority` of ``n`` elements."""
@@ -326,3 +384,29 @@ def alltoall_majority_bytes(n: int, size: int, rank: int, *, check: bool = True)
     total = sum(sign.packed_size(length) for j, length in enumerate(lengths) if j != rank)
     total += (size - 1) * sign.packed_size(lengths[rank])
     return total + _common.control_bytes(size, check)
+
+
+def allgather_majority_bytes(n: int, size: int, *, check: bool = True) -> int:
+    """Return the bytes every rank sends in :func:`allgather_majority` of ``n`` elements."""
+    return (size - 1) * sign.packed_size(n) + _common.control_bytes(size, check)
+
+
+VOTES = {"ring": ring_majority, "alltoall": alltoall_majority, "allgather": allgather_majority}
+"""The majority collectives by the short name optimizers and hooks take (``collective=``)."""
+
+COLLECTIVES = ("auto", *VOTES)
+"""What ``collective=`` accepts: a name of :data:`VOTES`, or ``"auto"`` (:func:`vote_for`)."""
+
+
+def vote_for(collective: str, size: int):  # noqa: ANN201 - one of the majority functions
+    """Return the majority function named ``collective`` for ``size`` ranks.
+
+    ``"auto"`` is :func:`allgather_majority` at 2 ranks, where it sends the ring's bytes in one
+    round instead of two, and :func:`ring_majority` otherwise, where the allgather's
+    ``(N - 1) * K / 8`` bytes outgrow the ring's. All give the same majority.
+    """
+    if collective == "auto":
+        return allgather_majority if size <= 2 else ring_majority
+    if collective not in VOTES:
+        raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
+    return VOTES[collective]

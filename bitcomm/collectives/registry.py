@@ -272,6 +272,11 @@ COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
                                                                       check=check),
         is_majority=True, emulated=True),
     Collective(
+        "allgather-majority", "sign majority from one allgather of every rank's 1-bit votes",
+        lambda comm, x, state, check: majority.allgather_majority(comm, x, check=check),
+        lambda n, size, rank, check: majority.allgather_majority_bytes(n, size, check=check),
+        is_majority=True),
+    Collective(
         "onebit-allreduce", "1-bit Adam's compressed allreduce with error feedback",
         lambda comm, x, state, check: onebit.onebit_allreduce(comm, x, state, check=check),
         lambda n, size, rank, check: onebit.onebit_allreduce_bytes(n, size, check=check),

@@ -121,9 +121,15 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
     else:
         frames = [frame]
     dense = torch.zeros(n, dtype=torch.float32, device=v.device)
-    for f in frames:
-        sparse.decode(f.to(v.device), out=dense)
-    indices, values, _, _ = sparse.decode_entries(frame, n=n)
+    indices = values = None
+    for r, f in enumerate(frames):  # in rank order, so the sum is the same on every rank
+        if r != comm.rank:
+            sparse.decode(f.to(v.device), out=dense)
+            continue
+        # this rank's entries as the receivers decode them, read once for the sum and the
+        # caller's residual bookkeeping
+        indices, values, _, _ = sparse.decode_entries(frame, n=n)
+        dense.index_add_(0, indices, values)  # what sparse.decode(out=dense) adds
     return dense.reshape(x.shape), (indices, values)
 
 

@@ -86,14 +86,12 @@ from bitcomm.codecs._frame import all_finite
 from bitcomm.collectives import (
     NonFiniteError,
     OneBitState,
-    alltoall_majority,
     onebit_allreduce,
     qsgd_allgather,
-    ring_majority,
     sparse_allgather,
 )
 from bitcomm.collectives._common import prepare
-from bitcomm.collectives.majority import check_tie
+from bitcomm.collectives.majority import COLLECTIVES, check_tie, vote_for
 from bitcomm.collectives.onebit import padded_length
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import check_comm, check_range
@@ -378,7 +376,10 @@ class SignState(_HookState):
     Args:
         comm: the transport (a ``TorchComm`` over DDP's process group, or one of its own).
         momentum: Signum's beta in [0, 1); 0 votes on the raw gradient.
-        collective: ``"ring"`` (ring_majority) or ``"alltoall"`` (alltoall_majority).
+        collective: ``"auto"`` (the default: allgather at 2 ranks, where it sends the ring's
+            bytes, else ring), ``"ring"`` (ring_majority), ``"alltoall"``
+            (alltoall_majority) or ``"allgather"`` (allgather_majority: one exchange, where
+            the ring takes 2(N - 1); the cheapest for small buckets).
         tie: the vote where exactly half the workers say +1: ``"alternate"`` (the default,
             unbiased: +1 where the element's index in the bucket plus the iteration is even),
             ``"negative"`` (the paper's -1) or ``"positive"``; as
@@ -391,12 +392,12 @@ class SignState(_HookState):
     __slots__ = ("momentum", "collective", "tie", "momenta")
     _buffers = ("momenta",)
 
-    def __init__(self, comm: Comm, *, momentum: float = 0.0, collective: str = "ring",
+    def __init__(self, comm: Comm, *, momentum: float = 0.0, collective: str = "auto",
                  tie: str = "alternate", check: bool = True, overlap: bool = True):
         super().__init__(comm, check=check, overlap=overlap)
         self.momentum = check_range("momentum", momentum, 0.0, 1.0)
-        if collective not in ("ring", "alltoall"):
-            raise ValueError(f"expected collective 'ring' or 'alltoall', got {collective!r}")
+        if collective not in COLLECTIVES:
+            raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
         check_tie(tie)
         self.collective, self.tie = collective, tie
         self.momenta = ParamBuffers()
@@ -536,7 +537,7 @@ def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torc
         m = state.momenta.get(bucket) if state.momentum else None
         if m is not None:
             v = torch.add(m * state.momentum, v, alpha=1 - state.momentum)
-        vote = ring_majority if state.collective == "ring" else alltoall_majority
+        vote = vote_for(state.collective, state.comm.size)
         out = vote(state.comm, v, tie=state.tie, phase=state.iteration, check=check).to(g.dtype)
         if m is None:
             return out, None

@@ -4,9 +4,10 @@ Each worker keeps a momentum ``m = beta * m + (1 - beta) * g`` (plain signSGD fo
 and votes with the sign of ``m`` (``m >= 0`` votes +1); every parameter then moves by
 ``-lr * majority``. The vote runs on all parameters at once, flattened into one vector, through
 :func:`~bitcomm.collectives.ring_majority` (All-Reducible signSGD, Section 3: counts in
-``ceil(log2(i+1))`` bits around a ring) or 1-bit Adam's all-to-all
-(:func:`~bitcomm.collectives.alltoall_majority`). Both give the same majority, so the choice
-changes only the bytes and who talks to whom. Weight decay is added to the gradient
+``ceil(log2(i+1))`` bits around a ring), 1-bit Adam's all-to-all
+(:func:`~bitcomm.collectives.alltoall_majority`) or one allgather of every worker's signs
+(:func:`~bitcomm.collectives.allgather_majority`). All give the same majority, so the choice
+changes only the bytes, the rounds and who talks to whom. Weight decay is added to the gradient
 (``g + weight_decay * p``) before the momentum, as in ``torch.optim.SGD``.
 
 With an even number of workers half of them can vote each way. The paper's rule sends every
@@ -28,8 +29,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bitcomm.collectives import agree_on, alltoall_majority, ring_majority
-from bitcomm.collectives.majority import check_tie
+from bitcomm.collectives import agree_on
+from bitcomm.collectives.majority import COLLECTIVES, check_tie, vote_for
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     ExtraState,
@@ -45,9 +46,6 @@ from bitcomm.train._common import (
 
 __all__ = ["MajoritySignSGD"]
 
-COLLECTIVES = ("ring", "alltoall")
-
-
 class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
     """Signum with a majority vote of the workers' momentum signs.
 
@@ -57,7 +55,9 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
         lr: step size (each element moves by exactly ``lr`` per step).
         momentum: Signum's ``beta`` in [0, 1); 0 is signSGD.
         weight_decay: added to the gradient as ``weight_decay * p``.
-        collective: ``"ring"`` (ring_majority) or ``"alltoall"`` (alltoall_majority).
+        collective: ``"auto"`` (the default: allgather at 2 workers, else ring), ``"ring"``
+            (ring_majority), ``"alltoall"`` (alltoall_majority) or ``"allgather"``
+            (allgather_majority: one round, for small tensors).
         tie: the vote where exactly half the workers say +1: ``"alternate"`` (by element index
             and step, unbiased), ``"negative"`` (the paper's -1) or ``"positive"``.
         check: run the collectives' input agreement (every rank raises on a NaN gradient).
@@ -65,7 +65,7 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, comm: Comm, lr: float = 1e-3, momentum: float = 0.9,
-                 weight_decay: float = 0.0, *, collective: str = "ring", tie: str = "alternate",
+                 weight_decay: float = 0.0, *, collective: str = "auto", tie: str = "alternate",
                  check: bool = True):
         self.comm = check_comm(comm)
         if collective not in COLLECTIVES:
@@ -114,7 +114,7 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                 m.mul_(beta).add_(g, alpha=1 - beta)
                 moms.append(m)
         flat = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
-        vote = ring_majority if self.collective == "ring" else alltoall_majority
+        vote = vote_for(self.collective, self.comm.size)
         with agree_on(("grads", mask)):
             majority = vote(self.comm, flat, tie=self.tie, phase=self.steps, check=self.check)
         self.steps += 1
