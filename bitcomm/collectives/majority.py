@@ -285,8 +285,7 @@ def alltoall_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negativ
 
 def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check: bool,
                        packed: bool) -> torch.Tensor:
-    v = _common.prepare(comm, x, check, "alltoall_majority", options={"tie": tie, "phase": phase},
-                        validate=lambda v: _check_options(tie, phase))
+    v = _prepare_vote(comm, x, check, "alltoall_majority", tie, phase)
     size, rank, n = comm.size, comm.rank, v.numel()
     if size == 1:
         return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
@@ -307,9 +306,7 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check:
         for p, (lo, hi) in zip(every, chunks, strict=True):
             _frame.kernels().sign_unpack(p, hi - lo, out.dtype, out=out[lo:hi])
         return _frame.kernels().sign_pack(out) if packed else out.reshape(x.shape)
-    total = torch.zeros(lengths[rank], dtype=torch.int32, device=v.device)
-    for payload in got:
-        total += bits.unpack(payload, lengths[rank], 1, dtype=torch.int32)
+    total = _count_votes(got, lengths[rank], v.device)
     decision = sign.pack_mask(_decide(total, size, tie, chunks[rank][0], phase))
     every = comm.allgatherv(decision, every_size)
     decided = torch.cat([sign.unpack_mask(p, length)
@@ -321,16 +318,7 @@ def allgather_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative", ph
                        check: bool = True) -> torch.Tensor:
     """Return the same majority as :func:`ring_majority`, from one allgather of 1-bit votes.
 
-    Args:
-        comm: the transport.
-        x: floating-point tensor, the same number of elements on every rank.
-        tie: ``"negative"``, ``"positive"`` or ``"alternate"`` (as :func:`ring_majority`).
-        phase: the offset of the alternating tie.
-        check: agree on the input first.
-
-    Returns:
-        +-1 tensor like ``x``, identical on every rank.
-
+    The arguments and the result are :func:`alltoall_majority`'s.
     """
     return _allgather_majority(comm, x, tie, phase, check, packed=False)
 
@@ -343,9 +331,7 @@ def allgather_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negati
 
 def _allgather_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check: bool,
                         packed: bool) -> torch.Tensor:
-    v = _common.prepare(comm, x, check, "allgather_majority",
-                        options={"tie": tie, "phase": phase},
-                        validate=lambda v: _check_options(tie, phase))
+    v = _prepare_vote(comm, x, check, "allgather_majority", tie, phase)
     size, n = comm.size, v.numel()
     if size == 1:
         return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
@@ -359,10 +345,22 @@ def _allgather_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check
             return decision
         out, _ = _frame.kernels().sign_unpack(decision, n, x.dtype)  # our own padding: zero
         return out.reshape(x.shape)
-    total = torch.zeros(n, dtype=torch.int32, device=v.device)
-    for payload in every:  # in rank order; integer sums, so the order does not change them
+    return _finish(x, _decide(_count_votes(every, n, v.device), size, tie, 0, phase), packed)
+
+
+def _prepare_vote(comm: Comm, x: torch.Tensor, check: bool, name: str, tie: str, phase: int
+                  ) -> torch.Tensor:
+    # The agreement of the one-round and two-round majorities: the tie rule shapes the result.
+    return _common.prepare(comm, x, check, name, options={"tie": tie, "phase": phase},
+                           validate=lambda v: _check_options(tie, phase))
+
+
+def _count_votes(payloads: list[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
+    # The +1 votes of every rank's packed signs (int32 sums: their order does not matter).
+    total = torch.zeros(n, dtype=torch.int32, device=device)
+    for payload in payloads:
         total += bits.unpack(payload, n, 1, dtype=torch.int32)
-    return _finish(x, _decide(total, size, tie, 0, phase), packed)
+    return total
 
 
 def ring_majority_bytes(n: int, size: int, rank: int, *, packing: str = "fixed",
