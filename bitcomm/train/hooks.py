@@ -57,6 +57,8 @@ before (the first step, DDP's rebuild) is exchanged with the collective's own ag
 well, so ranks with different options or lengths raise on every rank before its bytes move.
 DDP calls a step's hooks before it waits for any of their futures; code that calls a hook by
 hand must do the same, since a bucket's future completes only after the step's last bucket.
+Until then the state holds each bucket's next buffer values (about one float32 copy of the
+step's gradients), so that a refused step can leave the buffers as they were.
 With ``check=False`` nothing is agreed and each future completes on its own: a sign or top-k
 exchange turns an overflow into finite values, and the scaler never hears of it.
 
@@ -384,7 +386,8 @@ class SignState(_HookState):
             unbiased: +1 where the element's index in the bucket plus the iteration is even),
             ``"negative"`` (the paper's -1) or ``"positive"``; as
             :class:`~bitcomm.train.MajoritySignSGD`.
-        check: run the collectives' input agreement (every rank raises on a NaN gradient).
+        check: agree once per step on overflow, options and bucket lengths (the module's
+            "Overflow and loss scaling").
         overlap: exchange on the state's thread while backward goes on.
 
     """
@@ -417,7 +420,7 @@ class OneBitHookState(_HookState):
         freeze_step: iterations that average the gradients exactly (fp32, summed in rank order)
             before compression starts: DeepSpeed's warm-up (its ``freeze_step``), and the
             first iteration's buckets are DDP's provisional ones.
-        check: run the collectives' input agreement.
+        check: agree once per step (as :class:`SignState`).
         overlap: exchange on the state's thread while backward goes on.
 
     """
@@ -447,7 +450,7 @@ class QsgdState(_HookState):
         bucket_size: elements per quantisation scale.
         seed: base seed of the stochastic rounding (each call and rank gets its own stream).
         error_feedback: re-add what quantisation dropped at the next step.
-        check: run the collectives' input agreement.
+        check: agree once per step (as :class:`SignState`).
         overlap: exchange on the state's thread while backward goes on.
 
     """
@@ -489,7 +492,7 @@ class TopkState(_HookState):
         comm: the transport.
         density: fraction of each bucket a worker sends, in (0, 1].
         method: ``"topk"``, ``"trimmed"`` or ``"threshold"`` (RedSync's selections).
-        check: run the collectives' input agreement.
+        check: agree once per step (as :class:`SignState`).
         overlap: exchange on the state's thread while backward goes on.
 
     """
@@ -601,10 +604,11 @@ def qsgd_hook(state: QsgdState, bucket: dist.GradBucket) -> Future[torch.Tensor]
         state.calls += 1
         if not state.error_feedback:
             return mean.to(g.dtype), None
+        dropped = c.sub_(sent)  # what quantisation left out (c is g + e, a tensor of its own)
 
         def settle(keep: bool) -> None:
             if keep:
-                torch.sub(c, sent, out=e)
+                e.copy_(dropped)
 
         return mean.to(g.dtype), settle
 
