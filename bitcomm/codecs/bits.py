@@ -105,10 +105,10 @@ def pack(x: torch.Tensor, width: int, *, check: bool = True) -> torch.Tensor:
         # A narrow working dtype keeps the per-plane passes cheap.
         if width <= 8 and a.dtype != np.uint8:
             a = a.astype(np.uint8)
-        if width == 1:  # one plane, one pass: packbits maps non-zero to 1
-            return torch.from_numpy(np.packbits(a))
         elif 8 < width <= 16 and a.dtype not in (np.uint16, np.int16):
             a = a.astype(np.uint16)
+        if width == 1:  # one plane, one pass: packbits maps non-zero to 1
+            return torch.from_numpy(np.packbits(a))
         out = np.empty((width, nb), dtype=np.uint8)
         tmp = np.empty(min(n, _CHUNK), dtype=a.dtype)
         # Chunk by chunk, every plane of a chunk while it is in cache: the values are read

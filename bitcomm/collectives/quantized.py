@@ -54,13 +54,10 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
     frames = comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1 else [frame]
     n = v.numel()
     total = torch.zeros(n, dtype=torch.float32, device=v.device)
-    sent = total
+    # This rank's own frame as the peers decode it (for error feedback), decoded once.
+    sent = qsgd.decode(frame, n=n)[0]
     for r, f in enumerate(frames):  # every frame must hold n values: a bad one is a ValueError
-        # this rank's own frame as the peers decode it: the bytes it sent, not the copy back
-        values = qsgd.decode(frame if r == comm.rank else f.to(v.device), n=n)[0]
-        total += values
-        if r == comm.rank:
-            sent = values
+        total += sent if r == comm.rank else qsgd.decode(f.to(v.device), n=n)[0]
     return total.div_(comm.size).reshape(x.shape), sent.reshape(x.shape)
 
 
