@@ -60,7 +60,7 @@ from bitcomm.comm.base import Comm, Request
 __all__ = ["ring_majority", "ring_majority_packed", "alltoall_majority",
            "alltoall_majority_packed", "allgather_majority", "allgather_majority_packed",
            "ring_majority_bytes", "alltoall_majority_bytes", "allgather_majority_bytes", "TIES",
-           "VOTES", "COLLECTIVES", "vote_for", "check_tie"]
+           "VOTES", "COLLECTIVES", "vote_for", "check_collective", "check_tie"]
 
 TIES = ("negative", "positive", "alternate")
 """Tie rules for an even number of ranks: the paper's ``-1``, ``+1``, or by index and phase."""
@@ -403,8 +403,13 @@ def vote_for(collective: str, size: int):  # noqa: ANN201 - one of the majority 
     round instead of two, and :func:`ring_majority` otherwise, where the allgather's
     ``(N - 1) * K / 8`` bytes outgrow the ring's. All give the same majority.
     """
-    if collective == "auto":
+    if check_collective(collective) == "auto":
         return allgather_majority if size <= 2 else ring_majority
-    if collective not in VOTES:
-        raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
     return VOTES[collective]
+
+
+def check_collective(collective: object) -> str:
+    """Return ``collective`` if it is one of :data:`COLLECTIVES`, else raise ``ValueError``."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
+    return collective

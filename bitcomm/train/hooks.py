@@ -93,7 +93,7 @@ from bitcomm.collectives import (
     sparse_allgather,
 )
 from bitcomm.collectives._common import prepare
-from bitcomm.collectives.majority import COLLECTIVES, check_tie, vote_for
+from bitcomm.collectives.majority import check_collective, check_tie, vote_for
 from bitcomm.collectives.onebit import padded_length
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import check_comm, check_range
@@ -273,7 +273,8 @@ class _HookState:
             getattr(self, name).numbers(bucket)
         g = bucket.buffer()
         index, last = bucket.index(), bucket.is_last()
-        layout = (g.numel(), tuple(id(p) for p in bucket.parameters()))
+        # what the step agreement remembers per bucket index (only check=True agrees)
+        layout = (g.numel(), tuple(id(p) for p in bucket.parameters())) if self.check else None
         cuda = g.device.type == "cuda"
         fut: Future = Future(devices=[g.device]) if cuda else Future()
 
@@ -399,8 +400,7 @@ class SignState(_HookState):
                  tie: str = "alternate", check: bool = True, overlap: bool = True):
         super().__init__(comm, check=check, overlap=overlap)
         self.momentum = check_range("momentum", momentum, 0.0, 1.0)
-        if collective not in COLLECTIVES:
-            raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
+        check_collective(collective)
         check_tie(tie)
         self.collective, self.tie = collective, tie
         self.momenta = ParamBuffers()

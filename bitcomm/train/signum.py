@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from bitcomm.collectives import agree_on
-from bitcomm.collectives.majority import COLLECTIVES, check_tie, vote_for
+from bitcomm.collectives.majority import check_collective, check_tie, vote_for
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import (
     ExtraState,
@@ -68,8 +68,7 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                  weight_decay: float = 0.0, *, collective: str = "auto", tie: str = "alternate",
                  check: bool = True):
         self.comm = check_comm(comm)
-        if collective not in COLLECTIVES:
-            raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
+        check_collective(collective)
         check_tie(tie)
         defaults = {"lr": check_range("lr", lr, 0.0, lo_open=True),
                     "momentum": check_range("momentum", momentum, 0.0, 1.0),
