@@ -404,8 +404,8 @@ def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int
 @click.option("--hooks", "names", default=",".join(["allreduce", "allreduce/blocking",
                                                      "fp16_compress", "powerSGD",
                                                      "sign", "sign/blocking", "sign/ring",
-                                                     "onebit",
-                                                     "onebit/blocking", "qsgd", "qsgd/blocking",
+                                                     "onebit", "onebit/blocking",
+                                                     "onebit/alltoall", "qsgd", "qsgd/blocking",
                                                      "topk", "topk/blocking"]),
               show_default=True, help="Comma-separated hooks (allreduce, the anchor, always).")
 @click.option("--topology", default=None,

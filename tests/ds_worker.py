@@ -62,18 +62,26 @@ def main():
     comm = TorchComm()
     for n in (1000, 4096 * size + 5):
         state = OneBitState(n, size)
+        # every rank serving every chunk: DeepSpeed's result in one round
+        served = OneBitState(n, size, collective="allgather")
+        chunk = state.server_error.numel()
         ds_worker = torch.zeros_like(state.worker_error)
         ds_server = torch.zeros_like(state.server_error)
         for step in range(4):
             g = torch.Generator().manual_seed(1000 * step + 10 * rank + n)
             x = torch.randn(n, generator=g) * (1 + step)
             ours = onebit_allreduce(comm, x, state)
+            one_round = onebit_allreduce(comm, x, served)
             theirs = backend.compressed_allreduce(x.clone(), ds_worker, ds_server, 0)
             for name, a, b in (("output", ours, theirs),
                                ("worker error", state.worker_error, ds_worker),
                                ("server error", state.server_error, ds_server)):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
                                            msg=f"{name} differs at n={n}, call {step}")
+            assert torch.equal(one_round, ours), f"allgather output differs at n={n}, {step}"
+            assert torch.equal(served.worker_error, state.worker_error)
+            assert torch.equal(served.server_error[rank * chunk:(rank + 1) * chunk],
+                               state.server_error)
     print(f"OK rank {rank}", flush=True)
     # Leave the group before the interpreter exits: a gloo thread still running at exit can
     # abort the process ("terminate called without an active exception", seen once in CI).

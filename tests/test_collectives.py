@@ -25,6 +25,7 @@ from bitcomm.collectives import (
     sparse_allgather,
     sparse_allgather_bytes,
 )
+from bitcomm.collectives.onebit import collective_for
 from bitcomm.comm import run_local
 
 from conftest import forced
@@ -134,10 +135,16 @@ def test_wire_bytes_equal_the_formulas(size, check):
         assert all(c.total_sent == allgather_majority_bytes(n, size, check=check) for c in got)
         got = run_local(lambda c: (allreduce(c, xs[c.rank], check=check), c.counters)[1], size)
         assert all(c.total_sent == allreduce_bytes(n, size, check=check) for c in got)
-        states = [OneBitState(n, size) for _ in range(size)]
-        got = run_local(lambda c: (onebit_allreduce(c, xs[c.rank], states[c.rank], check=check),
-                                   c.counters)[1], size)
-        assert all(c.total_sent == onebit_allreduce_bytes(n, size, check=check) for c in got)
+        for collective in ("alltoall", "allgather"):
+            states = [OneBitState(n, size, collective=collective) for _ in range(size)]
+            got = run_local(lambda c: (onebit_allreduce(c, xs[c.rank], states[c.rank],
+                                                        check=check), c.counters)[1], size)
+            assert all(c.total_sent == onebit_allreduce_bytes(
+                n, size, check=check, collective=collective) for c in got)
+            if collective == "allgather":  # every rank's P/8 bytes of signs and its scale
+                padded = states[0].worker_error.numel()
+                assert all(c.total_sent == (size - 1) * (padded // 8 + 4 + 24 * check)
+                           for c in got)
         k = min(n, 5)
         got = run_local(lambda c: (sparse_allgather(c, xs[c.rank], k, fmt=sparse.Qsgd(seed=1),
                                                     check=check), c.counters)[1], size)
@@ -266,6 +273,44 @@ def test_onebit_allreduce_matches_reference_over_calls(size):
         for r in range(size):
             torch.testing.assert_close(states[r].worker_error, werr[r], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(states[r].server_error, serr[r], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_onebit_allgather_gives_the_alltoalls_result_bit_for_bit(size):
+    """Every rank serving every chunk makes the all-to-all's floats: the same output, worker
+    errors and (chunk by chunk) server errors over calls that feed the errors back."""
+    n = 1001
+    a = [OneBitState(n, size) for _ in range(size)]
+    b = [OneBitState(n, size, collective="allgather") for _ in range(size)]
+    chunk = a[0].server_error.numel()
+    assert b[0].server_error.numel() == size * chunk
+    for step in range(4):
+        xs = inputs(size, n, seed=200 + step)
+        xs[0][:2] = torch.tensor([0.0, -0.0])  # +1 votes, as DeepSpeed's
+        want = run_local(lambda c: onebit_allreduce(c, xs[c.rank], a[c.rank], check=False),
+                         size)
+        got = run_local(lambda c: onebit_allreduce(c, xs[c.rank], b[c.rank], check=False),
+                        size)
+        assert all(torch.equal(g, want[0]) for g in got)
+        for r in range(size):
+            assert torch.equal(b[r].worker_error, a[r].worker_error)
+            for j in range(size):
+                assert torch.equal(b[r].server_error[j * chunk:(j + 1) * chunk],
+                                   a[j].server_error)
+
+
+def test_onebit_collective_names():
+    assert collective_for("auto", 2) == "allgather"
+    assert collective_for("auto", 3) == collective_for("alltoall", 2) == "alltoall"
+    assert OneBitState(10, 2, collective="auto").server_error.numel() == 16
+    assert OneBitState(10, 3, collective="auto").server_error.numel() == 24
+    with pytest.raises(ValueError, match="expected collective in"):
+        OneBitState(10, 2, collective="ring")
+    with pytest.raises(ValueError, match="expected collective in"):
+        onebit_allreduce_bytes(10, 2, collective="ring")
+    saved = OneBitState(10, 3, collective="allgather").state_dict()
+    with pytest.raises(ValueError, match="'alltoall' collective, got one of 'allgather'"):
+        OneBitState(10, 3).load_state_dict(saved)
 
 
 def test_onebit_state_round_trip_and_checks():
@@ -429,9 +474,10 @@ def _inconsistent_cases(n=40):
     def first(other, mine):
         return lambda c, x: (mine if c.rank == 0 else other)(c, x)
 
-    def state(pad=0):  # pad: extra groups of 8 * size elements beyond the default length
+    def state(pad=0, collective="alltoall"):  # pad: extra groups of 8 * size elements
         return lambda c, x: onebit_allreduce(c, x, OneBitState(
-            n, c.size, length=padded_length(n, c.size) + 8 * c.size * pad))
+            n, c.size, length=padded_length(n, c.size) + 8 * c.size * pad,
+            collective=collective))
 
     calls = "different calls"
     return {
@@ -450,6 +496,7 @@ def _inconsistent_cases(n=40):
                              lambda c, x: sparse_allgather(c, x, 3, fmt="qsgd")), ValueError,
                        calls),
         "onebit-length": (first(state(), state(pad=1)), ValueError, calls),
+        "onebit-collective": (first(state(), state(collective="allgather")), ValueError, calls),
         "k-above-n": (first(lambda c, x: sparse_allgather(c, x, 3),
                             lambda c, x: sparse_allgather(c, x, n + 1)), ValueError,
                       "invalid arguments on rank(s) [0]"),

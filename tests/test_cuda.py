@@ -102,6 +102,7 @@ def test_collectives_on_cuda_tensors_match_cpu():
 
     def every(device):
         states = [OneBitState(n, size, device) for _ in range(size)]
+        served = [OneBitState(n, size, device, collective="allgather") for _ in range(size)]
 
         def fn(c):
             x = xs[c.rank].to(device)
@@ -109,16 +110,18 @@ def test_collectives_on_cuda_tensors_match_cpu():
                     alltoall_majority(c, x), ring_majority_packed(c, x),
                     onebit_allreduce(c, x, states[c.rank]),
                     sparse_allgather(c, x, 100, fmt=sparse.Qsgd(seed=1))[0], allreduce(c, x),
-                    allgather_majority(c, x)]
+                    allgather_majority(c, x), onebit_allreduce(c, x, served[c.rank])]
             assert all(o.device.type == torch.device(device).type for o in outs)
             return [o.cpu() for o in outs]
         return run_local(fn, size)[0]
 
-    for i, (cpu, gpu) in enumerate(zip(every("cpu"), every("cuda"), strict=True)):
+    cpus, gpus = every("cpu"), every("cuda")
+    for i, (cpu, gpu) in enumerate(zip(cpus, gpus, strict=True)):
         if i < 4 or i == 7:  # majorities: exact
             assert torch.equal(gpu, cpu), i
         else:
             torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-6)
+    assert torch.equal(gpus[8], gpus[4])  # 1-bit's one-round form: the all-to-all's floats
 
 
 def test_sparcml_on_cuda_tensors_matches_cpu():

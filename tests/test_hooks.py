@@ -293,6 +293,8 @@ def test_each_state_takes_only_its_own_options():
             topk_hook(QsgdState(comm), Bucket(0, [torch.zeros(1)], [torch.zeros(1)]))
         with pytest.raises(ValueError, match="freeze_step"):
             OneBitHookState(comm, freeze_step=-1)
+        with pytest.raises(ValueError, match="expected collective in"):
+            OneBitHookState(comm, collective="ring")
         with pytest.raises(ValueError, match="tie"):
             SignState(comm, tie="up")
         return True
@@ -323,13 +325,18 @@ def test_a_step_of_known_buckets_makes_one_agreement(size):
         if hook is sign_majority_hook:
             return [(rank + 1) % size] * 2 * (size - 1)
         peers = [d for d in range(size) if d != rank]
-        return peers * (2 if hook is onebit_hook else 1)  # allgather_vote: 1, as qsgd, top-k
+        # allgather_vote and onebit_allgather: 1, as qsgd and top-k
+        return peers * (2 if hook is onebit_hook else 1)
 
     def allgather_vote(state, bucket):  # the one-round majority: one message per peer
         return sign_majority_hook(state, bucket)
 
+    def onebit_allgather(state, bucket):  # every rank serving every chunk: one round
+        return onebit_hook(state, bucket)
+
     makes = {sign_majority_hook: lambda c: SignState(c, momentum=0.5, collective="ring"),
-             onebit_hook: lambda c: OneBitHookState(c),
+             onebit_hook: lambda c: OneBitHookState(c, collective="alltoall"),
+             onebit_allgather: lambda c: OneBitHookState(c, collective="allgather"),
              qsgd_hook: lambda c: QsgdState(c, bits=4, bucket_size=8),
              topk_hook: lambda c: TopkState(c, density=0.25),
              allgather_vote: lambda c: SignState(c, momentum=0.5, collective="allgather")}

@@ -300,19 +300,23 @@ def test_fused_majorities_read_nothing_back_to_the_host(monkeypatch, size):
         assert len(host_reads(monkeypatch, job)) >= 2 * (size - 1)
 
 
+@pytest.mark.parametrize("collective", ["alltoall", "allgather"])
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_fused_onebit_allreduce_matches_the_reference_over_calls(size):
+def test_fused_onebit_allreduce_matches_the_reference_over_calls(size, collective):
     """The fused 1-bit allreduce: same bytes sent, same result and error buffers as DeepSpeed's
-    algorithm (test_collectives.onebit_reference) over calls that feed errors back."""
+    algorithm (test_collectives.onebit_reference) over calls that feed errors back, with either
+    exchange (the allgather's server error holds every rank's chunk)."""
     from test_collectives import onebit_reference
 
     from bitcomm.collectives import OneBitState, onebit_allreduce, onebit_allreduce_bytes
     from bitcomm.comm import run_local
 
     n = 1001
-    states = {p: [OneBitState(n, size) for _ in range(size)] for p in ("numpy", "triton")}
+    states = {p: [OneBitState(n, size, collective=collective) for _ in range(size)]
+              for p in ("numpy", "triton")}
     werr = [torch.zeros_like(states["numpy"][0].worker_error) for _ in range(size)]
-    serr = [torch.zeros_like(states["numpy"][0].server_error) for _ in range(size)]
+    chunk = werr[0].numel() // size
+    serr = [torch.zeros(chunk) for _ in range(size)]
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         xs = [torch.randn(n, generator=g) for _ in range(size)]
@@ -326,7 +330,7 @@ def test_fused_onebit_allreduce_matches_the_reference_over_calls(size):
         expect = onebit_reference(xs, werr, serr)
         for r in range(size):
             out, sent = outs["triton"][r]
-            assert sent == onebit_allreduce_bytes(n, size)
+            assert sent == onebit_allreduce_bytes(n, size, collective=collective)
             assert torch.equal(out, outs["triton"][0][0])  # identical on every rank
             torch.testing.assert_close(out, outs["numpy"][r][0], rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
@@ -336,6 +340,8 @@ def test_fused_onebit_allreduce_matches_the_reference_over_calls(size):
             torch.testing.assert_close(fused.server_error, plain.server_error, rtol=1e-6,
                                        atol=1e-7)
             torch.testing.assert_close(fused.worker_error, werr[r], rtol=1e-5, atol=1e-6)
+            served = torch.cat(serr) if collective == "allgather" else serr[r]
+            torch.testing.assert_close(fused.server_error, served, rtol=1e-5, atol=1e-6)
 
 
 def test_ring_steps_needs_the_triton_path():

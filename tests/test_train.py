@@ -151,20 +151,24 @@ def test_onebit_adam_one_worker_by_hand():
     assert werr.tolist() == pytest.approx([m2 - m_avg] + [-m_avg] * 7, rel=1e-5)
 
 
-def test_onebit_adam_two_workers_against_the_reference():
+@pytest.mark.parametrize("collective", ["auto", "alltoall"])
+def test_onebit_adam_two_workers_against_the_reference(collective):
+    """At 2 ranks ``auto`` is the one-round allgather; both exchanges follow DeepSpeed."""
     gs = [torch.tensor([[0.5, -1.0, 2.0], [0.1, 0.0, -0.3]]),
           torch.tensor([[1.5, 1.0, -2.0], [0.3, 0.2, -0.1]])]
     steps, lr, b1, b2, eps = 4, 0.01, 0.9, 0.999, 1e-8
 
     def fn(c):
         p = torch.nn.Parameter(torch.ones(2, 3))
-        opt = OneBitAdam([p], c, lr=lr, eps=eps, freeze_step=2)
+        opt = OneBitAdam([p], c, lr=lr, eps=eps, freeze_step=2, collective=collective)
         for t in range(steps):
             p.grad = gs[c.rank] * (t + 1)
             opt.step()
-        return p.detach()
+        return p.detach(), opt.onebit.collective
 
-    out = run_local(fn, 2, timeout=30)
+    got = run_local(fn, 2, timeout=30)
+    out = [p for p, _ in got]
+    assert got[0][1] == ("alltoall" if collective == "alltoall" else "allgather")
     assert torch.equal(out[0], out[1])
     # reference: dense Adam on the mean for 2 steps, then local momentum + 1-bit average
     p = torch.ones(6)
@@ -289,6 +293,8 @@ def test_configuration_is_checked_up_front():
             OneBitAdam(p, c, freeze_step=0)
         with pytest.raises(ValueError, match="betas"):
             OneBitAdam(p, c, betas=(0.9,))
+        with pytest.raises(ValueError, match="collective"):
+            OneBitAdam(p, c, collective="ring")
         with pytest.raises(ValueError, match="bits"):
             QSGDSGD(p, c, bits=3)
         with pytest.raises(ValueError, match="bucket"):

@@ -76,6 +76,7 @@ HOOKS: dict[str, Callable[[Comm], tuple[object, Callable]]] = {
     "sign/ring": _ours(hooks.sign_majority_hook, hooks.SignState, collective="ring"),
     "onebit": _ours(hooks.onebit_hook, hooks.OneBitHookState),
     "onebit/blocking": _ours(hooks.onebit_hook, hooks.OneBitHookState, overlap=False),
+    "onebit/alltoall": _ours(hooks.onebit_hook, hooks.OneBitHookState, collective="alltoall"),
     "qsgd": _ours(hooks.qsgd_hook, hooks.QsgdState),
     "qsgd/blocking": _ours(hooks.qsgd_hook, hooks.QsgdState, overlap=False),
     "topk": _ours(hooks.topk_hook, hooks.TopkState),

@@ -17,6 +17,14 @@ DeepSpeed sends the scales by separate allgathers; here they ride at the end of 
 messages (the same bytes), so a call takes two exchanges rather than four: with small tensors
 (a DDP bucket) the exchanges' latency, not their bytes, is the cost.
 
+One exchange: with ``OneBitState(..., collective="allgather")`` every rank sends all its packed
+worker signs (and its worker scale) to every rank and then plays the server of every chunk:
+steps 3 and 4 run on every rank for every chunk, in the same float operations, so each rank
+holds the whole server error (``P`` elements, chunk ``j`` equal to rank ``j``'s under the
+all-to-all) and the output is the all-to-all's, bit for bit. It sends ``(N - 1) * (P / 8 + 4)``
+bytes: the all-to-all's ``2 * (N - 1) * (P / (8 * N) + 4)`` at 2 ranks, in one round instead of
+two, and more above 2 ranks. :func:`collective_for` picks it at 2 ranks (``"auto"``).
+
 The signs go on the wire in the sign codec's convention (:func:`bitcomm.codecs.sign.pack_mask`),
 but the scaled sign is DeepSpeed's, not :func:`bitcomm.codecs.sign.encode_scaled`'s: a float32
 norm that stays on the device (no host synchronisation per step) over the padded length, and
@@ -26,8 +34,8 @@ NaN.
 
 Bytes sent per rank (:func:`onebit_allreduce_bytes`), with ``N`` ranks and ``P`` padded elements::
 
-    2 * (N - 1) * P / (8 * N)   signs, phase 1 and 2
-    + 2 * 4 * (N - 1)           worker and server scales
+    2 * (N - 1) * P / (8 * N)   signs, phase 1 and 2       (allgather: (N - 1) * P / 8)
+    + 2 * 4 * (N - 1)           worker and server scales   (allgather: 4 * (N - 1))
     + 24 * (N - 1)              with check
 """
 
@@ -42,7 +50,25 @@ from bitcomm.codecs import _frame, sign
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm
 
-__all__ = ["OneBitState", "onebit_allreduce", "onebit_allreduce_bytes", "padded_length"]
+__all__ = ["OneBitState", "onebit_allreduce", "onebit_allreduce_bytes", "padded_length",
+           "COLLECTIVES", "collective_for"]
+
+COLLECTIVES = ("auto", "alltoall", "allgather")
+"""What ``collective=`` accepts: the exchange of :func:`onebit_allreduce`, or ``"auto"``."""
+
+
+def collective_for(collective: object, size: int) -> str:
+    """Return the exchange ``collective`` names for ``size`` ranks.
+
+    ``"auto"`` is ``"allgather"`` at 2 ranks, where it sends the all-to-all's bytes in one
+    round instead of two, and ``"alltoall"`` otherwise, where the allgather's ``(N - 1) * P / 8``
+    bytes outgrow it. Raises ``ValueError`` for a name not in :data:`COLLECTIVES`.
+    """
+    if collective not in COLLECTIVES:
+        raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")
+    if collective == "auto":
+        return "allgather" if size <= 2 else "alltoall"
+    return collective
 
 
 def padded_length(n: int, size: int) -> int:
@@ -52,20 +78,23 @@ def padded_length(n: int, size: int) -> int:
 
 
 class OneBitState:
-    """Error-feedback buffers of one tensor: worker error (P) and server error (P / N).
+    """Error-feedback buffers of one tensor: worker error (P) and server error.
 
     Args:
         numel: elements of the tensor that will be reduced.
         size: number of ranks.
         device: where the buffers live.
         length: padded length P; by default :func:`padded_length`. Must be a multiple of 8 * N.
+        collective: the exchange, ``"alltoall"`` (DeepSpeed's: the server error is the rank's
+            chunk, P / N elements), ``"allgather"`` (one round: every rank serves every chunk
+            and holds all P) or ``"auto"`` (:func:`collective_for`).
 
     """
 
-    __slots__ = ("numel", "size", "worker_error", "server_error")
+    __slots__ = ("numel", "size", "collective", "worker_error", "server_error")
 
     def __init__(self, numel: int, size: int, device: torch.device | str = "cpu", *,
-                 length: int | None = None):
+                 length: int | None = None, collective: str = "alltoall"):
         if numel < 0 or size < 1:
             raise ValueError(f"expected numel >= 0 and size >= 1, got {numel} and {size}")
         length = padded_length(numel, size) if length is None else length
@@ -74,20 +103,27 @@ class OneBitState:
                              f"{8 * size}, got {length}")
         self.numel = numel
         self.size = size
+        self.collective = collective_for(collective, size)
+        served = length if self.collective == "allgather" else length // size
         self.worker_error = torch.zeros(length, dtype=torch.float32, device=device)
-        self.server_error = torch.zeros(length // size, dtype=torch.float32, device=device)
+        self.server_error = torch.zeros(served, dtype=torch.float32, device=device)
 
     def state_dict(self) -> dict:
         """Return the buffers, for checkpoints."""
-        return {"numel": self.numel, "size": self.size,
+        return {"numel": self.numel, "size": self.size, "collective": self.collective,
                 "worker_error": self.worker_error.clone(),
                 "server_error": self.server_error.clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore buffers saved by :meth:`state_dict`."""
+        """Restore buffers saved by :meth:`state_dict` (of the same size and collective)."""
         if (state["numel"], state["size"]) != (self.numel, self.size):
             raise ValueError(f"expected a state for numel={self.numel}, size={self.size}, got "
                              f"numel={state['numel']}, size={state['size']}")
+        # Without the key, a state is DeepSpeed's layout, the all-to-all's.
+        saved = state.get("collective", "alltoall")
+        if saved != self.collective:
+            raise ValueError(f"expected a state of the {self.collective!r} collective, got one "
+                             f"of {saved!r} (its server error covers other chunks)")
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
 
@@ -123,24 +159,29 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
             raise ValueError(f"expected a state for numel={v.numel()}, size={comm.size}, got "
                              f"numel={state.numel}, size={state.size}")
 
-    # The padded length sets every message's size: ranks must agree on it.
-    length = state.worker_error.numel() if isinstance(state, OneBitState) else None
+    # The padded length sets every message's size, and the collective its rounds: ranks must
+    # agree on both.
+    mine = ((state.worker_error.numel(), state.collective) if isinstance(state, OneBitState)
+            else (None, None))
     v = _common.prepare(comm, x, check, "onebit_allreduce", float32=True,
-                        options={"length": length}, validate=validate)
+                        options={"length": mine[0], "collective": mine[1]}, validate=validate)
     size = comm.size
     length = state.worker_error.numel()
-    chunk = length // size
     buf = torch.zeros(length, dtype=torch.float32, device=v.device)
     buf[: v.numel()] = v
     buf.add_(state.worker_error)
     worker_scale = _rms(buf)
+    one_round = state.collective == "allgather"
     if _frame.use_triton(v):
-        return _fused(comm, x, v, state, buf, worker_scale)
+        return (_fused_allgather if one_round else _fused)(comm, x, v, state, buf, worker_scale)
     signs = buf.sign().add_(1).bool()
     state.worker_error.copy_(buf - worker_scale * _plus_minus(signs))
-
-    nbytes = chunk // 8
     packed = sign.pack_mask(signs)
+    if one_round:
+        return _allgather(comm, x, v, state, packed, worker_scale)
+
+    chunk = length // size
+    nbytes = chunk // 8
     got, scales = _exchange(comm, [packed[j * nbytes : (j + 1) * nbytes] for j in range(size)],
                             worker_scale, nbytes)
     # Chunks are whole bytes (multiples of 8 elements): every rank's signs unpack in one call.
@@ -155,6 +196,30 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     out = _plus_minus(sign.unpack_mask(torch.cat(every), length)).reshape(size, chunk)
     out = out.mul_(server_scales.unsqueeze(1)).flatten()
     return out[: v.numel()].reshape(x.shape)
+
+
+def _allgather(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState,
+               packed: torch.Tensor, worker_scale: torch.Tensor) -> torch.Tensor:
+    # Every rank serves every chunk: the all-to-all's server step, chunk by chunk on the same
+    # (size, chunk) tensors, so the floats and their order are the all-to-all's.
+    size, length = comm.size, state.worker_error.numel()
+    chunk = length // size
+    got, scales = _exchange(comm, packed, worker_scale, length // 8)
+    weights = scales.mul_(1 / size).unsqueeze(1)
+    # (rank, chunk, element): rank i's signs of chunk j
+    received = _plus_minus(sign.unpack_mask(torch.cat(got), size * length)).reshape(
+        size, size, chunk)
+    out = torch.empty(size, chunk, dtype=torch.float32, device=v.device)
+    for j in range(size):
+        error = state.server_error[j * chunk : (j + 1) * chunk]
+        compensated = received[:, j].mul(weights).sum(0)
+        compensated.add_(error)
+        server_scale = _rms(compensated)
+        server_signs = _plus_minus(compensated.sign().add_(1).bool())
+        error.copy_(compensated - server_scale * server_signs)
+        # What the all-to-all's receivers make of the server's signs and its float32 scale.
+        out[j] = server_signs.mul_(server_scale)
+    return out.flatten()[: v.numel()].reshape(x.shape)
 
 
 def _fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState, buf: torch.Tensor,
@@ -178,6 +243,28 @@ def _fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState, buf
     return out.reshape(x.shape)
 
 
+def _fused_allgather(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState,
+                     buf: torch.Tensor, worker_scale: torch.Tensor) -> torch.Tensor:
+    # _fused's kernels with every rank serving every chunk (see _allgather).
+    from bitcomm.collectives import _kernels
+
+    size, length = comm.size, state.worker_error.numel()
+    chunk, nbytes = length // size, length // (8 * size)
+    packed = _kernels.sign_error(buf, worker_scale, state.worker_error)
+    got, weights = _exchange(comm, packed, worker_scale, length // 8)
+    weights = weights.mul_(1 / size)
+    votes = torch.stack(got)
+    served, scales = [], []
+    for j in range(size):
+        error = state.server_error[j * chunk : (j + 1) * chunk]
+        compensated = _kernels.weighted_votes(
+            votes[:, j * nbytes : (j + 1) * nbytes].contiguous(), weights, error)
+        scales.append(_rms(compensated).reshape(1))
+        served.append(_kernels.sign_error(compensated, scales[-1], error))
+    out = _kernels.scaled_signs(torch.cat(served), torch.cat(scales), v.numel(), chunk)
+    return out.reshape(x.shape)
+
+
 def _exchange(comm: Comm, packed: torch.Tensor | list[torch.Tensor], scale: torch.Tensor,
               nbytes: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Send ``packed[j]`` and then ``scale`` (float32) to each rank ``j``, in one message.
@@ -198,10 +285,13 @@ def _exchange(comm: Comm, packed: torch.Tensor | list[torch.Tensor], scale: torc
 
 
 def onebit_allreduce_bytes(numel: int, size: int, *, length: int | None = None,
-                           check: bool = True) -> int:
+                           check: bool = True, collective: str = "alltoall") -> int:
     """Return the bytes each rank sends in :func:`onebit_allreduce` (the same on every rank)."""
     length = padded_length(numel, size) if length is None else length
     if size == 1:
         return 0
-    return 2 * (size - 1) * (length // (8 * size)) + 8 * (size - 1) + _common.control_bytes(
-        size, check)
+    if collective_for(collective, size) == "allgather":
+        signs = (size - 1) * (length // 8 + 4)
+    else:
+        signs = 2 * (size - 1) * (length // (8 * size) + 4)
+    return signs + _common.control_bytes(size, check)

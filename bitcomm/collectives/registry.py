@@ -282,6 +282,14 @@ COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
         lambda n, size, rank, check: onebit.onebit_allreduce_bytes(n, size, check=check),
         state=lambda n, size, device: onebit.OneBitState(n, size, device), emulated=True),
     Collective(
+        "onebit-allgather", "1-bit Adam's compressed allreduce in one round: every rank serves "
+        "every chunk",
+        lambda comm, x, state, check: onebit.onebit_allreduce(comm, x, state, check=check),
+        lambda n, size, rank, check: onebit.onebit_allreduce_bytes(
+            n, size, check=check, collective="allgather"),
+        state=lambda n, size, device: onebit.OneBitState(n, size, device,
+                                                         collective="allgather")),
+    Collective(
         "sparse-allgather", "every rank's top 1% as fp32 (index, value) pairs to every rank",
         lambda comm, x, state, check: sparse.sparse_allgather(comm, x, _k(x.numel()),
                                                               check=check)[0],

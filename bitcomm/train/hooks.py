@@ -94,7 +94,7 @@ from bitcomm.collectives import (
 )
 from bitcomm.collectives._common import prepare
 from bitcomm.collectives.majority import check_collective, check_tie, vote_for
-from bitcomm.collectives.onebit import padded_length
+from bitcomm.collectives.onebit import collective_for, padded_length
 from bitcomm.comm.base import Comm
 from bitcomm.train._common import check_comm, check_range
 
@@ -420,25 +420,30 @@ class OneBitHookState(_HookState):
         freeze_step: iterations that average the gradients exactly (fp32, summed in rank order)
             before compression starts: DeepSpeed's warm-up (its ``freeze_step``), and the
             first iteration's buckets are DDP's provisional ones.
+        collective: the exchange of :func:`~bitcomm.collectives.onebit_allreduce`:
+            ``"alltoall"`` (DeepSpeed's two rounds), ``"allgather"`` (one round, every rank
+            serving every chunk; the same result) or ``"auto"`` (the default: the allgather at
+            2 ranks, where it sends the same bytes, the all-to-all above).
         check: agree once per step (as :class:`SignState`).
         overlap: exchange on the state's thread while backward goes on.
 
     """
 
-    __slots__ = ("freeze_step", "worker_errors", "server_errors")
+    __slots__ = ("freeze_step", "collective", "worker_errors", "server_errors")
     _buffers = ("worker_errors",)
 
-    def __init__(self, comm: Comm, *, freeze_step: int = 0, check: bool = True,
-                 overlap: bool = True):
+    def __init__(self, comm: Comm, *, freeze_step: int = 0, collective: str = "auto",
+                 check: bool = True, overlap: bool = True):
         super().__init__(comm, check=check, overlap=overlap)
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
             raise ValueError(f"expected freeze_step to be an int >= 0, got {freeze_step!r}")
         self.freeze_step = freeze_step
+        self.collective = collective_for(collective, self.comm.size)
         self.worker_errors = ParamBuffers()
         self.server_errors: dict[int, OneBitState] = {}
 
     def _options(self) -> dict:
-        return {"freeze_step": self.freeze_step}
+        return {"freeze_step": self.freeze_step, "collective": self.collective}
 
 
 class QsgdState(_HookState):
@@ -568,7 +573,8 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
         worker_error = state.worker_errors.get(bucket, padded_length(g.numel(), size))
         one = state.server_errors.get(index)
         if one is None or one.worker_error is not worker_error:
-            one = state.server_errors[index] = OneBitState(g.numel(), size, g.device)
+            one = state.server_errors[index] = OneBitState(g.numel(), size, g.device,
+                                                           collective=state.collective)
             one.worker_error = worker_error
         # The collective updates both errors in place: what a refused step restores.
         saved = (one.worker_error.clone(), one.server_error.clone()) if state.check else None

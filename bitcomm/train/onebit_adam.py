@@ -54,13 +54,18 @@ class OneBitAdam(ExtraState, ScalerAware, torch.optim.Optimizer):
         weight_decay: L2 term added to the update (DeepSpeed's form, not decoupled).
         freeze_step: warm-up steps of dense Adam before the variance freezes (>= 1: the frozen
             variance must have seen gradients).
+        collective: the exchange of :func:`~bitcomm.collectives.onebit_allreduce` (its
+            ``OneBitState``'s): ``"alltoall"`` (DeepSpeed's two rounds), ``"allgather"`` (one
+            round, the same result) or ``"auto"`` (the allgather at 2 ranks, where it sends the
+            same bytes, the all-to-all above).
         check: run the collectives' input agreement (every rank raises on a NaN gradient).
 
     """
 
     def __init__(self, params: Iterable, comm: Comm, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, freeze_step: int = 100, check: bool = True):
+                 weight_decay: float = 0.0, *, freeze_step: int = 100, collective: str = "auto",
+                 check: bool = True):
         self.comm = check_comm(comm)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"expected betas to be a pair (b1, b2), got {betas!r}")
@@ -77,7 +82,8 @@ class OneBitAdam(ExtraState, ScalerAware, torch.optim.Optimizer):
         self.steps = 0
         params_ = all_params(self.param_groups)
         self.onebit = OneBitState(sum(p.numel() for p in params_), self.comm.size,
-                                  params_[0].device if params_ else "cpu")
+                                  params_[0].device if params_ else "cpu",
+                                  collective=collective)
 
     @property
     def compressing(self) -> bool:
