@@ -313,6 +313,31 @@ def test_onebit_collective_names():
         OneBitState(10, 3).load_state_dict(saved)
 
 
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+@pytest.mark.parametrize("fn", [alltoall_majority, allgather_majority])
+def test_a_vote_payload_with_padding_bits_set_is_refused(fn, path, monkeypatch):
+    """Rank 1 sends votes whose padding bits are not zero (a corrupt frame): every rank counts
+    some of them, and each raises rather than count a vote that no element cast."""
+    from bitcomm.codecs import sign
+
+    honest = sign.pack
+
+    def corrupt(v):  # rank 1's input is all 7s
+        out = honest(v)
+        if v.numel() and bool(v[0] == 7):
+            out = out.clone()
+            out[-1] |= 1
+        return out
+
+    monkeypatch.setattr(sign, "pack", corrupt)
+    n = 13  # every rank's votes (and both chunks of the all-to-all) end in padding bits
+    with forced(path):
+        out = run_local(lambda c: fn(c, torch.full((n,), -1.0 + 8 * c.rank), check=False), 2,
+                        return_exceptions=True, timeout=10)
+    assert all(isinstance(e, ValueError) and "padding bits must be zero" in str(e)
+               for e in out), out
+
+
 def test_onebit_state_round_trip_and_checks():
     s = OneBitState(10, 3)
     s.worker_error.normal_()

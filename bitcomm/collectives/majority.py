@@ -51,6 +51,7 @@ Example::
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from bitcomm.codecs import _frame, bits, counts, sign
@@ -104,6 +105,11 @@ def _decide(total: torch.Tensor, size: int, tie: str, start: int = 0, phase: int
 def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool) -> torch.Tensor:
     if packed:
         return sign.pack_mask(decided)
+    if x.dtype == torch.float32 and decided.numel() and _frame.use_numpy(decided):
+        out = decided.numpy().astype(np.float32)
+        out *= 2
+        out -= 1
+        return torch.from_numpy(out).reshape(x.shape)
     out = decided.to(x.dtype).mul_(2).sub_(1)
     return out.reshape(x.shape)
 
@@ -306,8 +312,8 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check:
         for p, (lo, hi) in zip(every, chunks, strict=True):
             _frame.kernels().sign_unpack(p, hi - lo, out.dtype, out=out[lo:hi])
         return _frame.kernels().sign_pack(out) if packed else out.reshape(x.shape)
-    total = _count_votes(got, lengths[rank], v.device)
-    decision = sign.pack_mask(_decide(total, size, tie, chunks[rank][0], phase))
+    decision = sign.pack_mask(_majority(got, lengths[rank], v.device, size, tie,
+                                        chunks[rank][0], phase))
     every = comm.allgatherv(decision, every_size)
     decided = torch.cat([sign.unpack_mask(p, length)
                          for p, length in zip(every, lengths, strict=True)])
@@ -345,7 +351,7 @@ def _allgather_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check
             return decision
         out, _ = _frame.kernels().sign_unpack(decision, n, x.dtype)  # our own padding: zero
         return out.reshape(x.shape)
-    return _finish(x, _decide(_count_votes(every, n, v.device), size, tie, 0, phase), packed)
+    return _finish(x, _majority(every, n, v.device, size, tie, 0, phase), packed)
 
 
 def _prepare_vote(comm: Comm, x: torch.Tensor, check: bool, name: str, tie: str, phase: int
@@ -353,6 +359,25 @@ def _prepare_vote(comm: Comm, x: torch.Tensor, check: bool, name: str, tie: str,
     # The agreement of the one-round and two-round majorities: the tie rule shapes the result.
     return _common.prepare(comm, x, check, name, options={"tie": tie, "phase": phase},
                            validate=lambda v: _check_options(tie, phase))
+
+
+def _majority(payloads: list[torch.Tensor], n: int, device: torch.device, size: int, tie: str,
+              start: int, phase: int) -> torch.Tensor:
+    # The decisions (bool, True = +1) from every rank's packed signs of the same n elements.
+    if not (n and _frame.use_numpy(payloads[0]) and device.type == "cpu"):
+        return _decide(_count_votes(payloads, n, device), size, tie, start, phase)
+    # _count_votes and _decide in a few numpy calls: on a DDP bucket's few thousand elements
+    # torch's per-operation dispatch costs more than the work.
+    rows = torch.stack(payloads)
+    _frame.check_padding(rows, n, "bits", "plane")
+    twice = np.unpackbits(rows.numpy(), axis=1, count=n).sum(0, dtype=np.int32) * 2
+    plus = twice > size
+    if tie == "positive":
+        plus |= twice == size
+    elif tie == "alternate" and size % 2 == 0:
+        first = (start + phase) % 2  # the elements at even global index + phase
+        plus[first::2] |= twice[first::2] == size
+    return torch.from_numpy(plus)
 
 
 def _count_votes(payloads: list[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
