@@ -22,8 +22,9 @@ worker signs (and its worker scale) to every rank and then plays the server of e
 steps 3 and 4 run on every rank for every chunk, in the same float operations, so each rank
 holds the whole server error (``P`` elements, chunk ``j`` equal to rank ``j``'s under the
 all-to-all) and the output is the all-to-all's, bit for bit. It sends ``(N - 1) * (P / 8 + 4)``
-bytes: the all-to-all's ``2 * (N - 1) * (P / (8 * N) + 4)`` at 2 ranks, in one round instead of
-two, and more above 2 ranks. :func:`collective_for` picks it at 2 ranks (``"auto"``).
+bytes: at 2 ranks the all-to-all's sign bytes with one scale fewer (``P / 8 + 4`` against
+``P / 8 + 8``), in one round instead of two; above 2 ranks more, as ``(N - 1) * P / 8`` outgrows
+``2 * (N - 1) * P / (8 * N)``. :func:`collective_for` picks it at 2 ranks (``"auto"``).
 
 The signs go on the wire in the sign codec's convention (:func:`bitcomm.codecs.sign.pack_mask`),
 but the scaled sign is DeepSpeed's, not :func:`bitcomm.codecs.sign.encode_scaled`'s: a float32
@@ -60,9 +61,10 @@ COLLECTIVES = ("auto", "alltoall", "allgather")
 def collective_for(collective: object, size: int) -> str:
     """Return the exchange ``collective`` names for ``size`` ranks.
 
-    ``"auto"`` is ``"allgather"`` at 2 ranks, where it sends the all-to-all's bytes in one
-    round instead of two, and ``"alltoall"`` otherwise, where the allgather's ``(N - 1) * P / 8``
-    bytes outgrow it. Raises ``ValueError`` for a name not in :data:`COLLECTIVES`.
+    ``"auto"`` is ``"allgather"`` at 2 ranks, where it sends the all-to-all's sign bytes in
+    one round instead of two, and ``"alltoall"`` otherwise, where the allgather's
+    ``(N - 1) * P / 8`` bytes outgrow it. Raises ``ValueError`` for a name not in
+    :data:`COLLECTIVES`.
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"expected collective in {COLLECTIVES}, got {collective!r}")

@@ -423,7 +423,7 @@ class OneBitHookState(_HookState):
         collective: the exchange of :func:`~bitcomm.collectives.onebit_allreduce`:
             ``"alltoall"`` (DeepSpeed's two rounds), ``"allgather"`` (one round, every rank
             serving every chunk; the same result) or ``"auto"`` (the default: the allgather at
-            2 ranks, where it sends the same bytes, the all-to-all above).
+            2 ranks, where it sends the same sign bytes, the all-to-all above).
         check: agree once per step (as :class:`SignState`).
         overlap: exchange on the state's thread while backward goes on.
 

@@ -57,7 +57,7 @@ class OneBitAdam(ExtraState, ScalerAware, torch.optim.Optimizer):
         collective: the exchange of :func:`~bitcomm.collectives.onebit_allreduce` (its
             ``OneBitState``'s): ``"alltoall"`` (DeepSpeed's two rounds), ``"allgather"`` (one
             round, the same result) or ``"auto"`` (the allgather at 2 ranks, where it sends the
-            same bytes, the all-to-all above).
+            same sign bytes, the all-to-all above).
         check: run the collectives' input agreement (every rank raises on a NaN gradient).
 
     """
