@@ -413,7 +413,8 @@ class OneBitHookState(_HookState):
     """State of :func:`onebit_hook`.
 
     The worker error is kept per parameter and follows DDP's bucket rebuild; the server error
-    belongs to the rank's chunk of a bucket and starts again at zero when the bucket changes.
+    belongs to the bucket (to the rank's chunk of it under the all-to-all) and starts again at
+    zero when the bucket changes.
 
     Args:
         comm: the transport.
