@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bitcomm.comm import run_local
+from bitcomm.train import hooks
 from bitcomm.train.hooks import (
     OneBitHookState,
     ParamBuffers,
@@ -22,6 +23,8 @@ from bitcomm.train.hooks import (
     sign_majority_hook,
     topk_hook,
 )
+
+from conftest import forced, host_reads, needs_interpreter
 
 
 class Bucket:
@@ -366,11 +369,14 @@ def test_a_step_of_known_buckets_makes_one_agreement(size):
             assert all(torch.equal(a, b) for a, b in zip(outs, got[0][1], strict=True))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_an_overflow_in_one_bucket_skips_the_whole_step_on_every_rank(overlap):
+@pytest.mark.parametrize("path,overlap", [
+    ("numpy", True), ("numpy", False), ("torch", True),
+    pytest.param("triton", True, marks=[needs_interpreter, pytest.mark.triton])])
+def test_an_overflow_in_one_bucket_skips_the_whole_step_on_every_rank(path, overlap):
     """Rank 1's middle bucket holds an inf in the third step: every bucket of that step is NaN
     on every rank, every buffer is as it was after the second step, and the fourth step then
-    gives what it gives when the third step never happened."""
+    gives what it gives when the third step never happened. Off the numpy path (a GPU's: torch
+    or Triton, run here on CPU tensors) the overflow is found on the device, read once per step."""
     makes = {sign_majority_hook: lambda c: SignState(c, momentum=0.5, overlap=overlap),
              onebit_hook: lambda c: OneBitHookState(c, overlap=overlap),
              qsgd_hook: lambda c: QsgdState(c, bits=4, bucket_size=8, overlap=overlap),
@@ -401,7 +407,8 @@ def test_an_overflow_in_one_bucket_skips_the_whole_step_on_every_rank(overlap):
                 torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
             return outs, kept
 
-        got = run_local(rank_fn, size=2)
+        with forced(path):
+            got = run_local(rank_fn, size=2)
         for outs, kept in got:
             assert kept, hook.__name__
             assert all(bool(o.isnan().all()) for o in outs[2]), hook.__name__
@@ -409,9 +416,39 @@ def test_an_overflow_in_one_bucket_skips_the_whole_step_on_every_rank(overlap):
         if hook in (onebit_hook, topk_hook):
             # their results depend on nothing but the buffers and the gradients (sign's tie
             # phase and qsgd's seeds follow the call count): the skipped step left no trace
-            clean = run_local(lambda c, hook=hook, make=make: rank_fn(c, hook, make, False), 2)
+            with forced(path):
+                clean = run_local(lambda c, hook=hook, make=make: rank_fn(c, hook, make, False),
+                                  2)
             for a, b in zip(got[0][0][3], clean[0][2], strict=True):
                 assert torch.equal(a, b), hook.__name__
+
+
+@pytest.mark.parametrize("path", ["torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_off_the_numpy_path_a_step_reads_its_overflow_once(path, monkeypatch):
+    """On a GPU each host read waits for the device: a step of known buckets checks them for
+    NaN and inf on the device and reads the result once, at its agreement, however many
+    buckets it has (CPU tensors on the paths a CUDA tensor takes)."""
+    def reads(buckets):
+        state = SignState(run_local(lambda c: c, 1)[0], overlap=False)
+        params = [torch.zeros(8) for _ in range(buckets)]
+
+        def step(k):
+            grads = [torch.randn(8, generator=torch.Generator().manual_seed(k + i))
+                     for i in range(buckets)]
+            futures = [sign_majority_hook(state, Bucket(i, [p], [g], last=i == buckets - 1))
+                       for i, (p, g) in enumerate(zip(params, grads, strict=True))]
+            assert all(not bool(f.wait().isnan().any()) for f in futures)
+
+        step(0)  # first sight of the layout: each bucket's collective agrees on its own
+        with forced(path):
+            seen = host_reads(monkeypatch, lambda: step(1))
+        state.close()
+        return seen
+
+    one, six = reads(1), reads(6)
+    assert len(six) == len(one), six
+    assert [name for name, file, _ in six if file == hooks.__file__] == ["__bool__"]
 
 
 def test_a_step_that_never_reaches_its_last_bucket_is_dropped():

@@ -84,7 +84,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from bitcomm.codecs import qsgd
-from bitcomm.codecs._frame import all_finite
+from bitcomm.codecs._frame import all_finite, use_numpy
 from bitcomm.collectives import (
     NonFiniteError,
     OneBitState,
@@ -190,12 +190,35 @@ Work = Callable[[torch.Tensor, bool], tuple[torch.Tensor, Settle | None]]
 class _Step:
     """The buckets of the step in progress: held until the agreement after its last bucket."""
 
-    __slots__ = ("held", "overflow")
+    __slots__ = ("held", "overflow", "finite")
 
     def __init__(self) -> None:
         # (future, result or None where the collective found an overflow, settle, gradient)
         self.held: list[tuple[Future, torch.Tensor | None, Settle | None, torch.Tensor]] = []
         self.overflow = False
+        # off the numpy path: whether every bucket so far was finite, a 0-dim bool on the device
+        self.finite: torch.Tensor | None = None
+
+    def screen(self, g: torch.Tensor) -> torch.Tensor:
+        """Return ``g``, or zeros if it holds a NaN or inf, noting the overflow.
+
+        Zeros are a stand-in every codec accepts; the step's agreement discards the result.
+        On the numpy path the check is a microsecond's host read. On a device it stays there
+        (a host read per bucket would wait for the device each time): the flags are folded
+        into one read at the step's agreement.
+        """
+        if use_numpy(g):
+            if all_finite(g):
+                return g
+            self.overflow = True
+            return torch.zeros_like(g)
+        finite = torch.isfinite(g).all()
+        self.finite = finite if self.finite is None else self.finite & finite
+        return torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+    def overflowed(self) -> bool:
+        """Say whether a bucket of this step held a NaN or inf (one host read off numpy)."""
+        return self.overflow or (self.finite is not None and not bool(self.finite))
 
     def drop(self, error: BaseException | None = None) -> None:
         """Leave every held bucket's buffers as they were; fail the futures with ``error``."""
@@ -336,9 +359,7 @@ class _HookState:
                     out, settle, step.overflow = None, None, True
                 self._layouts[index] = layout
             else:
-                if not all_finite(g):
-                    # Send a stand-in every codec accepts; the step's agreement discards it.
-                    step.overflow, g = True, torch.zeros_like(g)
+                g = step.screen(g)
                 out, settle = work(g, False)
         except BaseException as e:  # noqa: BLE001 - handed to the waiters, as DDP expects
             self._step = _Step()
@@ -353,7 +374,7 @@ class _HookState:
     def _agree_step(self, step: _Step) -> None:
         # Every rank learns whether any rank's bucket overflowed in this step; the ranks also
         # agree on the hook, its options and the step's bucket lengths.
-        flag = torch.full((1,), float("nan") if step.overflow else 0.0)
+        flag = torch.full((1,), float("nan") if step.overflowed() else 0.0)
         options = {"options": self._options(),
                    "buckets": tuple(g.numel() for _, _, _, g in step.held)}
         try:
