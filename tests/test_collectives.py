@@ -28,7 +28,7 @@ from bitcomm.collectives import (
 from bitcomm.collectives.onebit import collective_for
 from bitcomm.comm import run_local
 
-from conftest import forced
+from conftest import forced, host_reads, needs_interpreter
 
 SIZES = [1, 2, 3, 4, 5, 8]
 
@@ -642,3 +642,23 @@ def test_sparse_allgather_without_check_sends_a_fixed_length_frame_alone(size, m
             assert torch.equal(got[0][0], expect)
     # a threshold frame's length depends on the data: it still sends its length first
     assert sparse_allgather_bytes(50, 3, check=False, fixed=False) == 2 * (50 + 8)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("path", ["torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_qsgd_allgather_reads_the_host_twice_per_call_on_a_device(size, path, monkeypatch):
+    """On CUDA every host read waits for the device: a call checks its scales once when it
+    encodes and every frame it decodes once, together, however many ranks send them (CPU
+    tensors on the paths a CUDA tensor takes; the counts are over all the ranks)."""
+    xs = inputs(size, 1001, seed=3)
+
+    def job():
+        return run_local(lambda c: qsgd_allgather(c, xs[c.rank], bits=4, bucket=100, seed=0,
+                                                  check=False), size)
+
+    with forced(path):
+        got = job()
+        reads = host_reads(monkeypatch, job)
+    assert len(reads) == 2 * size, reads
+    assert identical([mean for mean, _ in got])

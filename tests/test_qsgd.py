@@ -379,3 +379,38 @@ def test_numpy_decode_matches_the_torch_decode_bit_for_bit(bits):
         bad_pad[-1] |= 1
         with pytest.raises(ValueError, match="padding bits"):
             qsgd.decode(bad_pad)
+
+
+def test_decode_all_gives_decodes_values_and_errors(path, monkeypatch):
+    """Frames of one known layout decode to decode's bits on every path, and the same errors;
+    a frame whose header says another layout is refused. Off the numpy path (CUDA's) the
+    checks of all the frames cost one host read, where decode makes two per frame."""
+    from conftest import host_reads
+
+    g = torch.Generator().manual_seed(7)
+    for n, bits, bucket in ((0, 4, 8), (1, 2, 3), (13, 4, 5), (1001, 8, 100), (4099, 2, 512)):
+        xs = [torch.randn(n, generator=g) * 3 for _ in range(3)]
+        frames = [qsgd.encode(x, bits, bucket, seed=i) for i, x in enumerate(xs)]
+        got = qsgd.decode_all(frames, n, bits, bucket)
+        for f, values in zip(frames, got, strict=True):
+            assert torch.equal(values.view(torch.int32), qsgd.decode(f, n=n)[0].view(torch.int32))
+        if path != "numpy":
+            reads = host_reads(monkeypatch, lambda f=frames: qsgd.decode_all(f, n, bits, bucket))
+            assert len(reads) == 1, reads
+    frames = [qsgd.encode(torch.randn(1001, generator=g), 4, 100, seed=i) for i in range(3)]
+    bad_scale, bad_pad = frames[1].clone(), frames[2].clone()
+    bad_scale[14 + 4 * 3: 14 + 4 * 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
+    bad_pad[-1] |= 0x01  # 1001 4-bit codes leave 4 padding bits
+    cases = [([frames[0], bad_scale], "finite scale >= 0 in bucket 3"),
+             ([bad_pad, frames[0]], "padding"),
+             ([frames[0], frames[1][:-1]], "truncated qsgd frame"),
+             ([frames[0], qsgd.encode(torch.randn(1000), 4, 100, seed=0)], "expected n=1001"),
+             ([frames[0], qsgd.encode(torch.randn(1001), 2, 100, seed=0)], "expected bits=4"),
+             ([qsgd.encode(torch.randn(1001), 4, 100, scale="l2", seed=0)], "expected scale=0")]
+    for group, message in cases:
+        with pytest.raises(ValueError, match=message):
+            qsgd.decode_all(group, 1001, 4, 100)
+    same_size = qsgd.encode(torch.randn(1001, generator=g), 4, 91, seed=0)  # 11 buckets too
+    assert same_size.numel() == frames[0].numel()
+    with pytest.raises(ValueError, match="expected bucket=100, got bucket=91"):
+        qsgd.decode_all([frames[0], same_size], 1001, 4, 100)

@@ -50,6 +50,7 @@ decodes to ``[1, -3/7, 0]`` or ``[1, -4/7, 0]``.
 
 from __future__ import annotations
 
+import functools
 import struct
 import warnings
 
@@ -59,8 +60,8 @@ import torch
 from bitcomm.codecs import _frame, _rng
 from bitcomm.codecs._rng import check_seed
 
-__all__ = ["encode", "decode", "encoded_size", "check_config", "check_seed", "HEADER", "BITS",
-           "SCALES", "DEFAULT_BUCKET"]
+__all__ = ["encode", "decode", "decode_all", "encoded_size", "check_config", "check_seed",
+           "HEADER", "BITS", "SCALES", "DEFAULT_BUCKET"]
 
 HEADER = struct.Struct("<qBBI")
 """Frame header: n (int64), bits (uint8), scale kind (uint8), bucket (uint32); 14 bytes."""
@@ -375,22 +376,78 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32, n: int | 
     if _frame.use_numpy(buf):
         return _decode_numpy(scales, codes, n, bits, bucket, dtype), end
     _check_frame(scales, codes, n, bits)
+    return _values(scales, codes, n, bits, bucket, dtype), end
+
+
+def decode_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
+               scale: str = "max", dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Return the values of frames that must each hold ``n`` elements of one layout.
+
+    The layout is ``n`` elements encoded with ``bits``, ``bucket`` and ``scale``. The values
+    are ``decode(f, dtype=dtype, n=n)``'s for each frame, and so are the errors; a frame whose
+    header says another layout is a ``ValueError`` too. Off the numpy path (CUDA), where
+    ``decode`` reads each frame's header and checks to the host, the frames are compared with
+    the expected header and checked on the device, and one host read covers them all.
+    """
+    bits, bucket, scale = check_config(bits, bucket, scale)
+    layout = (_frame.check_count(n, "n"), bits, SCALES.index(scale), bucket)
+    bufs = [_frame.as_buffer(f) for f in frames]
+    size = encoded_size(n, bits, bucket)
+    if bufs and not _frame.use_numpy(bufs[0]) and all(b.numel() == size for b in bufs):
+        rows = torch.stack(bufs)
+        nb, off = -(-n // bucket), HEADER.size
+        scales = torch.empty((len(bufs), nb), dtype=torch.float32, device=rows.device)
+        scales.view(torch.uint8).copy_(rows[:, off : off + 4 * nb])  # aligned for float32
+        flags = [(rows[:, :off] != _header_on(rows.device, *layout)).any(),
+                 (~torch.isfinite(scales) | (scales < 0)).any()]
+        used = (n * bits) % 8
+        if n and used:
+            flags.append((rows[:, -1] & ((1 << (8 - used)) - 1)).any())
+        if not bool(torch.stack(flags).any()):  # the one host read
+            return [_values(scales[i], rows[i, off + 4 * nb :], n, bits, bucket, dtype)
+                    for i in range(len(bufs))]
+    # The numpy path, or some frame is corrupt: one at a time, each raising its precise error.
+    return [_decode_as(b, layout, dtype) for b in bufs]
+
+
+def _decode_as(buf: torch.Tensor, layout: tuple[int, int, int, int], dtype: torch.dtype
+               ) -> torch.Tensor:
+    got = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
+    for field, want, have in zip(("n", "bits", "scale", "bucket"), layout, got, strict=True):
+        if want != have:
+            raise ValueError(f"corrupt {_CODEC} frame: expected {field}={want}, got "
+                             f"{field}={have}")
+    return decode(buf, dtype=dtype, n=layout[0])[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _header_on(device: torch.device, n: int, bits: int, scale_code: int, bucket: int
+               ) -> torch.Tensor:
+    # A frame's expected header on the device, made once per layout: a copy from host memory
+    # waits for the device, as a read does.
+    return _frame.host_bytes(HEADER.pack(n, bits, scale_code, bucket), device)
+
+
+def _values(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, bucket: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    # sign * (level * step) of a checked frame's scales and packed codes (devices other than
+    # numpy's; _decode_numpy is the same arithmetic).
     s = (1 << (bits - 1)) - 1
     # A tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal,
     # which differs from the correctly rounded quotient in the last bit.
     step = scales / torch.full_like(scales, s)
-    if _frame.use_triton(buf):
-        return _frame.kernels().qsgd_values(codes, n, bits, bucket, step, dtype), end
+    if _frame.use_triton(codes):
+        return _frame.kernels().qsgd_values(codes, n, bits, bucket, step, dtype)
     codes = _unpack_codes(codes, n, bits)
     level = (codes & s).to(torch.float32)
     neg = (codes >> (bits - 1)).bool()
-    full = n // bucket
+    full, nb = n // bucket, -(-n // bucket)
     if full:
         level[: full * bucket].view(full, bucket).mul_(step[:full].unsqueeze(1))
     if full < nb:  # the last, partial bucket
         level[full * bucket :].mul_(step[full])
     out = torch.where(neg, -level, level)
-    return out.to(dtype), end
+    return out.to(dtype)
 
 
 def _decode_numpy(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, bucket: int,

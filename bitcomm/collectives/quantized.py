@@ -53,11 +53,14 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
     frame = qsgd.encode(v, bits, bucket, seed=None if seed is None else seed + comm.rank)
     frames = comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1 else [frame]
     n = v.numel()
+    # Every frame must hold n values of this layout (a bad one is a ValueError); this rank's
+    # own is decoded as the peers decode it (for error feedback). One host read on a device.
+    values = qsgd.decode_all([frame if r == comm.rank else f.to(v.device)
+                              for r, f in enumerate(frames)], n, bits, bucket)
     total = torch.zeros(n, dtype=torch.float32, device=v.device)
-    # This rank's own frame as the peers decode it (for error feedback), decoded once.
-    sent = qsgd.decode(frame, n=n)[0]
-    for r, f in enumerate(frames):  # every frame must hold n values: a bad one is a ValueError
-        total += sent if r == comm.rank else qsgd.decode(f.to(v.device), n=n)[0]
+    for r in range(comm.size):  # in rank order: the same sum on every rank
+        total += values[r]
+    sent = values[comm.rank]
     return total.div_(comm.size).reshape(x.shape), sent.reshape(x.shape)
 
 
