@@ -3,6 +3,8 @@ import torch
 
 from bitcomm.codecs import select
 
+from conftest import forced, host_reads, needs_interpreter
+
 
 def brute_topk(s: torch.Tensor, k: int) -> list[int]:
     order = sorted(range(s.numel()), key=lambda i: (-float(s[i]), i))
@@ -10,13 +12,25 @@ def brute_topk(s: torch.Tensor, k: int) -> list[int]:
 
 
 @pytest.mark.parametrize("method", ["topk", "trimmed"])
-def test_exact_selectors_match_brute_force_with_ties(method):
+def test_exact_selectors_match_brute_force_with_ties(method, path):
+    """On every path (CPU, and the sync-free form a CUDA tensor takes) the same set."""
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 9, 100, 1000):
         s = torch.randint(0, 6, (n,), generator=g).float()  # many ties
         for k in (0, 1, n // 3, n - 1, n, n + 5):
-            got = select.select(s, k, method).tolist()
-            assert got == brute_topk(s, min(k, n)), (n, k)
+            got = select.select(s, k, method)
+            assert got.dtype == torch.int64
+            assert got.tolist() == brute_topk(s, min(k, n)), (n, k)
+
+
+@pytest.mark.parametrize("path", ["torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_exact_topk_reads_nothing_back_off_the_numpy_path(path, monkeypatch):
+    """The chosen set's size is k: on a device it is written without a host read."""
+    s = torch.randint(0, 6, (1000,), generator=torch.Generator().manual_seed(3)).float()
+    with forced(path):
+        assert host_reads(monkeypatch, lambda: select.topk(s, 300, check=False)) == []
+        assert select.topk(s, 300, check=False).tolist() == brute_topk(s, 300)
 
 
 def test_trimmed_equals_topk_on_continuous_data():

@@ -84,9 +84,18 @@ def _exact(s: torch.Tensor, k: int) -> torch.Tensor:
     if k >= n:
         return _all(s)
     kth = torch.topk(s, k, sorted=False).values.min()
-    above = torch.nonzero(s > kth).reshape(-1)
-    equal = torch.nonzero(s == kth).reshape(-1)[: k - above.numel()]
-    return torch.cat([above, equal]).sort().values
+    if _frame.use_numpy(s):
+        above = torch.nonzero(s > kth).reshape(-1)
+        equal = torch.nonzero(s == kth).reshape(-1)[: k - above.numel()]
+        return torch.cat([above, equal]).sort().values
+    # On a device each nonzero's size is a host read, which waits for the device. The same
+    # set without one: the ties that fit, counted in index order, and every chosen index
+    # written to its rank among the chosen (the others to a spare slot past k).
+    above, equal = s > kth, s == kth
+    chosen = above | (equal & (torch.cumsum(equal, 0) <= k - above.sum()))
+    slot = torch.where(chosen, torch.cumsum(chosen, 0) - 1, k)
+    out = torch.zeros(k + 1, dtype=torch.int64, device=s.device)
+    return out.scatter_(0, slot, torch.arange(n, device=s.device))[:k]
 
 
 def topk(scores: torch.Tensor, k: int, *, check: bool = True) -> torch.Tensor:
