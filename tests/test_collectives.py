@@ -662,3 +662,24 @@ def test_qsgd_allgather_reads_the_host_twice_per_call_on_a_device(size, path, mo
         reads = host_reads(monkeypatch, job)
     assert len(reads) == 2 * size, reads
     assert identical([mean for mean, _ in got])
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("path", ["torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_sparse_allgather_reads_the_host_twice_per_call_on_a_device(size, path, monkeypatch):
+    """The exact top-k selects without a host read, the frame's checks are one read, and the
+    frames every rank receives (their length known to all) are checked with one more."""
+    xs = inputs(size, 1001, seed=4)
+    with forced("numpy"):
+        want = run_local(lambda c: sparse_allgather(c, xs[c.rank], 10, check=False), size)
+
+    def job():
+        return run_local(lambda c: sparse_allgather(c, xs[c.rank], 10, check=False), size)
+
+    with forced(path):
+        got = job()
+        reads = host_reads(monkeypatch, job)
+    assert len(reads) == 2 * size, reads
+    for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
+        assert torch.equal(dense, dense0) and torch.equal(idx, idx0) and torch.equal(val, val0)

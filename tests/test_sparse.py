@@ -207,3 +207,45 @@ def test_qsgd_settings_travel_as_one_value_format():
         sparse.encode(idx, val, n, "qsgd", bits=2)
     with pytest.raises(ValueError, match="fmt"):
         sparse.encode(idx, val, n, object())
+
+
+def test_decode_all_gives_decode_entries_entries_and_errors(path, monkeypatch):
+    """Frames of k entries of n decode to decode_entries' entries on every path, with its
+    errors; a frame whose header says another k or format is refused. Off the numpy path
+    (CUDA's) the fp32 and fp16 frames' checks cost one host read for all of them."""
+    g = torch.Generator().manual_seed(5)
+
+    def frames_of(n, k, fmt, count=3):
+        out = []
+        for _ in range(count):
+            idx = torch.randperm(n, generator=g)[:k].sort().values
+            out.append(sparse.encode(idx, torch.randn(k, generator=g), n, fmt))
+        return out
+
+    for n, k, fmt in ((1, 1, "fp32"), (9, 4, "fp16"), (1000, 10, "fp32"), (70000, 7, "fp16"),
+                      (50, 0, "fp32"), (300, 5, sparse.Qsgd(bits=4, bucket=2, seed=0))):
+        frames = frames_of(n, k, fmt)
+        got = sparse.decode_all(frames, n, k, fmt)
+        for f, (idx, val) in zip(frames, got, strict=True):
+            want_idx, want_val, _, _ = sparse.decode_entries(f, n=n)
+            assert idx.dtype == torch.int64 and torch.equal(idx, want_idx)
+            assert torch.equal(val.view(torch.int32), want_val.view(torch.int32))
+        if path != "numpy" and k and fmt in ("fp32", "fp16"):
+            reads = host_reads(monkeypatch, lambda f=frames: sparse.decode_all(f, n, k, fmt))
+            assert len(reads) == 1, reads
+    good = frames_of(1000, 10, "fp32")
+    unordered, outside, nan = good[0].clone(), good[1].clone(), good[2].clone()
+    off = sparse.HEADER.size
+    unordered[off:off + 8] = torch.tensor([5, 0, 0, 0, 5, 0, 0, 0], dtype=torch.uint8)
+    outside[off + 36:off + 40] = torch.tensor([0xE8, 0x03, 0, 0], dtype=torch.uint8)  # 1000
+    nan[off + 40:off + 44] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
+    cases = [([good[0], unordered], "strictly increasing"),
+             ([outside], r"indices in \[0, 1000\)"),
+             ([good[1], nan], "finite fp32"),
+             ([good[0], good[1][:-1]], "truncated sparse frame"),
+             ([frames_of(999, 10, "fp32", 1)[0]], "expected n=1000"),
+             ([good[0], frames_of(1000, 11, "fp32", 1)[0]], "expected k=10"),
+             ([frames_of(1000, 10, "fp16", 1)[0]], "expected format=0")]
+    for group, message in cases:
+        with pytest.raises(ValueError, match=message):
+            sparse.decode_all(group, 1000, 10, "fp32")

@@ -37,6 +37,7 @@ Worked example: ``encode(torch.tensor([5, 2]), torch.tensor([1.0, -2.0]), n=8)``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
 
@@ -45,8 +46,8 @@ import torch
 
 from bitcomm.codecs import _frame, qsgd
 
-__all__ = ["encode", "decode", "decode_entries", "encoded_size", "value_format", "Qsgd",
-           "ValueFormat", "HEADER", "FORMATS", "FP16_MAX"]
+__all__ = ["encode", "decode", "decode_all", "decode_entries", "encoded_size", "value_format",
+           "Qsgd", "ValueFormat", "HEADER", "FORMATS", "FP16_MAX"]
 
 HEADER = struct.Struct("<qqB")
 """Frame header: n (int64), k (int64), value format (uint8); 17 bytes."""
@@ -270,6 +271,58 @@ def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bou
             raise ValueError(f"corrupt {_CODEC} frame: expected a zero mean to be +0, got -0")
         val = torch.full((k,), mean, dtype=dtype, device=buf.device)
     return idx, val, n, end
+
+
+def decode_all(frames: list[torch.Tensor], n: int, k: int, fmt: ValueFormat = "fp32", *,
+               dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Return ``(indices, values)`` of frames that must each hold ``k`` entries of ``n``.
+
+    The entries of ``decode_entries(f, dtype=dtype, n=n)`` for each frame, and its errors; a
+    frame whose header says another ``k`` or format is a ``ValueError`` too. Off the numpy
+    path (CUDA), where ``decode_entries`` reads each frame's header and rules to the host,
+    fp32 and fp16 frames are compared with the expected header and checked on the device, and
+    one host read covers them all.
+    """
+    form = value_format(fmt)
+    n, k = _frame.check_count(n, "n"), _frame.check_count(k, "k")
+    code = FORMATS.index(form if isinstance(form, str) else "qsgd")
+    bufs = [_frame.as_buffer(f) for f in frames]
+    if (form in ("fp32", "fp16") and 0 < k <= n and bufs and not _frame.use_numpy(bufs[0])
+            and all(b.numel() == encoded_size(n, k, form) for b in bufs)):
+        rows = torch.stack(bufs)
+        itype = _index_dtype(n)
+        vtype = torch.float32 if form == "fp32" else torch.float16
+        off = HEADER.size
+        parts = []
+        for t in (itype, vtype):  # copied out of the rows, so aligned for their dtypes
+            part = torch.empty((len(bufs), k), dtype=t, device=rows.device)
+            part.view(torch.uint8).copy_(rows[:, off : off + k * t.itemsize])
+            parts.append(part)
+            off += k * t.itemsize
+        idx, val = parts[0].to(torch.int64), parts[1].to(dtype)
+        flags = [(rows[:, : HEADER.size] != _header_on(rows.device, n, k, code)).any(),
+                 (idx[:, 0] < 0).any(), (idx[:, -1] >= n).any(),
+                 (idx[:, 1:] <= idx[:, :-1]).any(), (~torch.isfinite(parts[1])).any()]
+        if not bool(torch.stack(flags).any()):  # the one host read
+            return [(idx[i], val[i]) for i in range(len(bufs))]
+    # The numpy path, other formats, or some frame is corrupt: one at a time, each raising
+    # its precise error.
+    out = []
+    for b in bufs:
+        got = _frame.read_struct(b, 0, HEADER, _CODEC, "header")
+        for field, want, have in zip(("n", "k", "format"), (n, k, code), got, strict=True):
+            if want != have:
+                raise ValueError(f"corrupt {_CODEC} frame: expected {field}={want}, got "
+                                 f"{field}={have}")
+        out.append(decode_entries(b, dtype=dtype, n=n)[:2])
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _header_on(device: torch.device, n: int, k: int, code: int) -> torch.Tensor:
+    # A frame's expected header on the device, made once per layout: a copy from host memory
+    # waits for the device, as a read does.
+    return _frame.host_bytes(HEADER.pack(n, k, code), device)
 
 
 def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,

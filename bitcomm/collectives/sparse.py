@@ -106,9 +106,9 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
                                        options=_call_options(k, fmt, method, side),
                                        validate=validate)
     n, frame = v.numel(), made[0]
+    fixed = _fixed_length(n, k, fmt, method)
     if comm.size > 1:
-        fixed = None if lengths is not None else _fixed_length(n, k, fmt, method)
-        if fixed is not None:
+        if lengths is None and fixed is not None:
             if frame.numel() != fixed:  # the selector broke its promise of exactly k
                 raise RuntimeError(f"sparse_allgather: expected a {fixed}-byte frame from "
                                    f"{method!r}, built {frame.numel()} bytes")
@@ -121,6 +121,12 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
     else:
         frames = [frame]
     dense = torch.zeros(n, dtype=torch.float32, device=v.device)
+    if fixed is not None:
+        # Frames of one known layout: checked together, one host read on a device.
+        entries = sparse.decode_all([f.to(v.device) for f in frames], n, k, fmt)
+        for idx, val in entries:  # in rank order, so the sum is the same on every rank
+            dense.index_add_(0, idx, val)  # what sparse.decode(out=dense) adds
+        return dense.reshape(x.shape), entries[comm.rank]
     indices = values = None
     for r, f in enumerate(frames):  # in rank order, so the sum is the same on every rank
         if r != comm.rank:
