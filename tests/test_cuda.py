@@ -173,6 +173,39 @@ def test_fused_majorities_do_not_synchronise(size):
             torch.cuda.set_sync_debug_mode("default")
 
 
+def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
+    """The exact top-k selects on the device without a synchronisation, and qsgd's and
+    sparse's decode_all check every frame with one; all give the CPU's bits."""
+    import warnings
+
+    g = torch.Generator().manual_seed(9)
+    n, k = 100_003, 1000
+    scores = torch.randint(0, 50, (n,), generator=g).float()  # many ties at the k-th value
+    assert torch.equal(select.topk(scores, k), select.topk(scores.cuda(), k).cpu())
+    q = [qsgd.encode(torch.randn(n, generator=g), 4, 512, seed=i) for i in range(3)]
+    idx = select.topk(scores, k)
+    sp = [sparse.encode(idx, torch.randn(k, generator=g), n) for _ in range(3)]
+    for cpu, gpu in zip(qsgd.decode_all(q, n, 4, 512),
+                        qsgd.decode_all([f.cuda() for f in q], n, 4, 512), strict=True):
+        assert torch.equal(cpu.view(torch.int32), gpu.cpu().view(torch.int32))
+    for (ci, cv), (gi, gv) in zip(sparse.decode_all(sp, n, k),
+                                  sparse.decode_all([f.cuda() for f in sp], n, k), strict=True):
+        assert torch.equal(ci, gi.cpu()) and torch.equal(cv, gv.cpu())
+    on_gpu = scores.cuda(), [f.cuda() for f in q], [f.cuda() for f in sp]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            select.topk(on_gpu[0], k, check=False)
+            qsgd.decode_all(on_gpu[1], n, 4, 512)
+            sparse.decode_all(on_gpu[2], n, k)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 2, [str(w.message) for w in syncs]
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("transport", ["mpi", "gloo"])
 def test_collectives_on_cuda_tensors_across_processes(transport, tmp_path):
