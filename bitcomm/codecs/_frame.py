@@ -208,6 +208,30 @@ def host_bytes(data: bytes, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def check_header(buf: torch.Tensor, fmt: struct.Struct, names: tuple[str, ...],
+                 want: tuple, codec: str) -> None:
+    """Raise ``ValueError`` naming the first field of ``buf``'s header that is not ``want``'s.
+
+    For callers that know the layout of every frame they receive (a collective's): a frame
+    that decodes, but as another layout, is as corrupt as one that does not.
+    """
+    got = read_struct(buf, 0, fmt, codec, "header")
+    for field, expected, value in zip(names, want, got, strict=True):
+        if expected != value:
+            raise ValueError(f"corrupt {codec} frame: expected {field}={expected}, got "
+                             f"{field}={value}")
+
+
+@functools.lru_cache(maxsize=128)
+def header_on(device: torch.device, fmt: struct.Struct, fields: tuple) -> torch.Tensor:
+    """Return ``fmt.pack(*fields)`` as uint8 on ``device``, made once per value.
+
+    A header to compare frames with on the device: a copy from host memory waits for the
+    device, as a read does, so it is made once per layout. Never written to.
+    """
+    return host_bytes(fmt.pack(*fields), device)
+
+
 def _empty_u8() -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
 

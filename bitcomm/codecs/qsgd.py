@@ -50,7 +50,6 @@ decodes to ``[1, -3/7, 0]`` or ``[1, -4/7, 0]``.
 
 from __future__ import annotations
 
-import functools
 import struct
 import warnings
 
@@ -398,7 +397,7 @@ def decode_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
         nb, off = -(-n // bucket), HEADER.size
         scales = torch.empty((len(bufs), nb), dtype=torch.float32, device=rows.device)
         scales.view(torch.uint8).copy_(rows[:, off : off + 4 * nb])  # aligned for float32
-        flags = [(rows[:, :off] != _header_on(rows.device, *layout)).any(),
+        flags = [(rows[:, :off] != _frame.header_on(rows.device, HEADER, layout)).any(),
                  (~torch.isfinite(scales) | (scales < 0)).any()]
         used = (n * bits) % 8
         if n and used:
@@ -412,20 +411,8 @@ def decode_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
 
 def _decode_as(buf: torch.Tensor, layout: tuple[int, int, int, int], dtype: torch.dtype
                ) -> torch.Tensor:
-    got = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
-    for field, want, have in zip(("n", "bits", "scale", "bucket"), layout, got, strict=True):
-        if want != have:
-            raise ValueError(f"corrupt {_CODEC} frame: expected {field}={want}, got "
-                             f"{field}={have}")
+    _frame.check_header(buf, HEADER, ("n", "bits", "scale", "bucket"), layout, _CODEC)
     return decode(buf, dtype=dtype, n=layout[0])[0]
-
-
-@functools.lru_cache(maxsize=64)
-def _header_on(device: torch.device, n: int, bits: int, scale_code: int, bucket: int
-               ) -> torch.Tensor:
-    # A frame's expected header on the device, made once per layout: a copy from host memory
-    # waits for the device, as a read does.
-    return _frame.host_bytes(HEADER.pack(n, bits, scale_code, bucket), device)
 
 
 def _values(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, bucket: int,

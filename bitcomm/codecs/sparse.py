@@ -37,7 +37,6 @@ Worked example: ``encode(torch.tensor([5, 2]), torch.tensor([1.0, -2.0]), n=8)``
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import struct
 
@@ -300,29 +299,19 @@ def decode_all(frames: list[torch.Tensor], n: int, k: int, fmt: ValueFormat = "f
             parts.append(part)
             off += k * t.itemsize
         idx, val = parts[0].to(torch.int64), parts[1].to(dtype)
-        flags = [(rows[:, : HEADER.size] != _header_on(rows.device, n, k, code)).any(),
-                 (idx[:, 0] < 0).any(), (idx[:, -1] >= n).any(),
-                 (idx[:, 1:] <= idx[:, :-1]).any(), (~torch.isfinite(parts[1])).any()]
+        header = _frame.header_on(rows.device, HEADER, (n, k, code))
+        flags = [(rows[:, : HEADER.size] != header).any(), (idx[:, 0] < 0).any(),
+                 (idx[:, -1] >= n).any(), (idx[:, 1:] <= idx[:, :-1]).any(),
+                 (~torch.isfinite(parts[1])).any()]
         if not bool(torch.stack(flags).any()):  # the one host read
             return [(idx[i], val[i]) for i in range(len(bufs))]
     # The numpy path, other formats, or some frame is corrupt: one at a time, each raising
     # its precise error.
     out = []
     for b in bufs:
-        got = _frame.read_struct(b, 0, HEADER, _CODEC, "header")
-        for field, want, have in zip(("n", "k", "format"), (n, k, code), got, strict=True):
-            if want != have:
-                raise ValueError(f"corrupt {_CODEC} frame: expected {field}={want}, got "
-                                 f"{field}={have}")
+        _frame.check_header(b, HEADER, ("n", "k", "format"), (n, k, code), _CODEC)
         out.append(decode_entries(b, dtype=dtype, n=n)[:2])
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _header_on(device: torch.device, n: int, k: int, code: int) -> torch.Tensor:
-    # A frame's expected header on the device, made once per layout: a copy from host memory
-    # waits for the device, as a read does.
-    return _frame.host_bytes(HEADER.pack(n, k, code), device)
 
 
 def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
