@@ -6,7 +6,7 @@ codec's tests) and the Triton kernels under the interpreter (test_kernels.py).""
 import pytest
 import torch
 
-from bitcomm.codecs import bits, counts, qsgd, redsync, select, sign, sparse
+from bitcomm.codecs import bits, counts, qsgd, redsync, select, sign, sparse, stream
 
 from conftest import needs_cuda
 
@@ -204,6 +204,64 @@ def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 2, [str(w.message) for w in syncs]
+
+
+def _syncs(fn):
+    """Return the synchronisations torch reports while ``fn`` runs on the GPU."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+def test_encoders_copy_their_headers_without_waiting():
+    """A header goes to the GPU from pinned memory: sign's and stream's encoders do not wait
+    for the device, qsgd's waits once (its scale check), and every frame is the CPU's."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(100_003, generator=g)
+    idx = select.topk(x.abs(), 500)
+    sparse_s, dense_s = stream.from_entries(idx, x[idx], x.numel()), stream.from_dense(x)
+    jobs = [lambda v: sign.encode(v), lambda v: stream.encode(sparse_s.to(v.device)),
+            lambda v: stream.encode(dense_s.to(v.device))]
+    for job in jobs:
+        assert torch.equal(job(x), job(x.cuda()).cpu())
+    on_gpu = x.cuda()
+    streams = sparse_s.to("cuda"), dense_s.to("cuda")
+    assert _syncs(lambda: (sign.encode(on_gpu), stream.encode(streams[0]),
+                           stream.encode(streams[1]))) == []
+    assert len(_syncs(lambda: qsgd.encode(on_gpu, 4, 512, seed=1))) == 1
+
+
+def test_sparcml_reads_the_host_once_per_received_round():
+    """Recursive doubling on the GPU: the entries' check, then per round the peer's length and
+    its frame's check, plus what torch.unique waits for when two sparse streams merge."""
+    from bitcomm.collectives import sparcml
+    from bitcomm.comm import run_local
+
+    n, k = 100_000, 500
+    sets = [torch.randperm(n, generator=torch.Generator().manual_seed(r))[:k].sort().values
+            for r in range(2)]
+    vals = [torch.randn(k, generator=torch.Generator().manual_seed(10 + r)) for r in range(2)]
+
+    on_gpu = [(ix.cuda(), v.cuda()) for ix, v in zip(sets, vals, strict=True)]
+
+    def call(inputs):
+        return run_local(lambda c: sparcml.ssar_recursive_double(
+            c, *inputs[c.rank], n, check=False), 2)
+
+    cpu, gpu = call(list(zip(sets, vals, strict=True))), call(on_gpu)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert torch.equal(a.to_dense(), b.to_dense().cpu())
+    syncs = _syncs(lambda: call(on_gpu))
+    # per rank: the entries' check, the length read, the frame check and the merge's unique
+    assert len(syncs) <= 2 * 4, syncs
 
 
 @pytest.mark.timeout(400)

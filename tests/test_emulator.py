@@ -173,19 +173,31 @@ def test_nothing_is_left_after_a_killed_run(tmp_path, victim):
     proc = subprocess.Popen([sys.executable, "-m", "bitcomm.cli", *cmd, "--out",
                              str(tmp_path / "out")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def rank_pids():
+        mine = [ns for ns in set(namespaces()) - before if ns.endswith("-r1")]
+        if not mine:
+            return []
+        out = subprocess.run(["ip", "netns", "pids", mine[0]], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
     deadline = time.monotonic() + 60
     pids = []
     while time.monotonic() < deadline and not pids:
-        mine = [ns for ns in set(namespaces()) - before if ns.endswith("-r1")]
-        if mine:
-            out = subprocess.run(["ip", "netns", "pids", mine[0]], capture_output=True,
-                                 text=True)
-            pids = [int(p) for p in out.stdout.split()]
+        pids = rank_pids()
         time.sleep(0.5)
     assert pids, "the run never started a rank"
     time.sleep(3)  # let the job get going
     if victim == "rank":
-        os.kill(pids[0], signal.SIGKILL)
+        # listed again: the first look may have caught the set-up's short-lived sysctl
+        killed = False
+        for pid in rank_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+                break
+            except ProcessLookupError:
+                continue
+        assert killed, "no process of rank 1 was left to kill"
     else:
         proc.send_signal(signal.SIGINT if victim == "compare" else signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)

@@ -6,6 +6,8 @@ import torch
 from bitcomm.collectives.oktopk import OkTopkState, oktopk_allreduce, oktopk_allreduce_bytes
 from bitcomm.comm import run_local
 
+from conftest import forced, host_reads, needs_interpreter
+
 
 def _accs(size: int, n: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -246,3 +248,49 @@ def test_the_feedback_factors_are_options():
 
     # one raise to 100.1: 50 of 2 * (1..100) pass (> 5k/4), so the correction multiplies by 1.5
     assert run_local(fn, 1, timeout=30)[0] == pytest.approx(91.0 * 1.1 * 1.5)
+
+
+def test_a_corrupt_piece_raises_naming_the_lowest_rank_that_sent_one(monkeypatch):
+    """Every piece a step received is checked together, before its indices address memory."""
+    from bitcomm.collectives import oktopk
+
+    size, n, k = 3, 300, 60
+    accs = _accs(size, n, seed=4)
+    real = oktopk._pack
+    monkeypatch.setattr(oktopk, "_pack", lambda idx, val, n_: real(idx + n_, val, n_))
+
+    def fn(c):
+        try:
+            oktopk_allreduce(c, accs[c.rank], k, OkTopkState(regions="even"), check=False)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    out = run_local(fn, size, timeout=30)
+    for rank, message in enumerate(out):
+        lowest = min(r for r in range(size) if r != rank)
+        assert message is not None and f"rank {lowest} sent indices outside" in message, out
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("path", ["torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_a_call_reads_the_host_as_often_at_any_number_of_ranks(size, path, monkeypatch):
+    """On CUDA each host read waits for the device. A call that reuses its thresholds reads
+    the local selection's size, the region cuts, the pieces' counts, its own region's entries
+    and the checks of all pieces received and of all gathered entries, once each: 7 reads
+    whatever the ranks, none per piece."""
+    n, k = 2000, 40
+    accs = _accs(size, n, seed=5)
+    states = [OkTopkState(tau_prime=8, tau=8) for _ in range(size)]
+    run_local(lambda c: oktopk_allreduce(c, accs[c.rank], k, states[c.rank]), size)
+
+    def call():
+        return run_local(lambda c: oktopk_allreduce(c, accs[c.rank], k, states[c.rank],
+                                                    check=False), size)
+
+    with forced(path):
+        reads = host_reads(monkeypatch, call)
+    assert all(not s.last.recomputed and not s.last.repartitioned for s in states)
+    in_oktopk = [r for r in reads if r[1].endswith("oktopk.py")]
+    assert len(in_oktopk) == 7 * size, in_oktopk

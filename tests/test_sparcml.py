@@ -10,6 +10,8 @@ from bitcomm.codecs import stream
 from bitcomm.collectives import sparcml
 from bitcomm.comm import run_local
 
+from conftest import forced, host_reads, needs_interpreter
+
 SSAR = ("ssar_recursive_double", "ssar_split_allgather")
 ALL = (*SSAR, "dsar_split_allgather", "stream_allgather")
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16)
@@ -328,3 +330,62 @@ def test_the_experiments_inputs_fill_in_as_e_k_says(density):
         union[idx] = True
     k = idx.numel()
     assert int(union.sum()) == pytest.approx(sparcml.expected_nnz(n, k, size), rel=0.02)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_without_the_agreement_bad_entries_still_raise_here(name):
+    """check=False: the rank's own entries are checked once, non-finite values included."""
+    fn = getattr(sparcml, name)
+    for ix, v, message in [(torch.tensor([1, 3]), torch.tensor([1.0, float("nan")]), "finite"),
+                           (torch.tensor([3, 1]), torch.ones(2), "decrease"),
+                           (torch.tensor([1, 10]), torch.ones(2), "indices in")]:
+        with pytest.raises(ValueError, match=message):
+            run_local(lambda c, ix=ix, v=v: fn(c, ix, v, 10, check=False), 1)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("path", ["torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path, monkeypatch):
+    """On CUDA each host read waits for the device. The stream codec reads the rank's entries'
+    rules once, each received round's frames once together (not each header and each frame's
+    rules), and a split's bounds once (CPU tensors on the paths a CUDA tensor takes)."""
+    n = 4000
+    sets = index_sets("random", size, n, 200, 5)
+    values = integer_values(sets, 5)
+    rounds = size.bit_length() - 1
+    # per rank: its entries, then the rounds of frames it receives; the split-allgathers split
+    # (one search, one round of received parts) before their rounds, and DSAR's rounds carry
+    # dense ranges, which are not streams
+    per_rank = {"ssar_recursive_double": 1 + rounds, "ssar_split_allgather": 3 + rounds,
+                "dsar_split_allgather": 3, "stream_allgather": 2}
+    for name, want in per_rank.items():
+        with forced("numpy"):
+            expect = run(name, sets, values, n)
+        with forced(path):
+            reads = host_reads(monkeypatch, lambda name=name: run(name, sets, values, n))
+            got = run(name, sets, values, n)
+        in_codec = [r for r in reads if r[1].endswith("stream.py")]
+        assert len(in_codec) == size * want, (name, in_codec)
+        for (a, _), (b, _) in zip(got, expect, strict=True):
+            assert frame_bytes(a) == frame_bytes(b)
+
+
+@pytest.mark.parametrize("n, lengths", [(4000, 1), (4001, 2)])
+def test_quantised_dsar_checks_the_gathered_frames_once_per_range_length(n, lengths,
+                                                                         monkeypatch):
+    """The owner's encoder checks its scales once; the gathered QSGD frames, one per range,
+    are checked with one host read per distinct range length (the last range may be longer)."""
+    size = 4
+    sets = index_sets("random", size, n, 200, 6)
+    values = [v + 0.5 for v in integer_values(sets, 6)]
+    with forced("numpy"):
+        expect = run("dsar_split_allgather", sets, values, n, bits=4, seed=3)
+    with forced("torch"):
+        reads = host_reads(monkeypatch, lambda: run("dsar_split_allgather", sets, values, n,
+                                                    bits=4, seed=3, check=False))
+        got = run("dsar_split_allgather", sets, values, n, bits=4, seed=3)
+    in_qsgd = [r for r in reads if r[1].endswith("qsgd.py")]
+    assert len(in_qsgd) == size * (1 + lengths), in_qsgd
+    for (a, _), (b, _) in zip(got, expect, strict=True):
+        assert torch.equal(a, b)

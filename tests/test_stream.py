@@ -180,3 +180,81 @@ def test_wide_indices_above_2_31():
     assert frame.numel() == 17 + 2 * 8 + 2 * 4
     back, _ = stream.decode(frame, n=n)
     assert back.indices.tolist() == [0, n - 1]
+
+
+@pytest.mark.parametrize("n, size, want", [
+    (8, 17 + 32, (8, True)),    # dense: 4n bytes of values
+    (8, 17 + 3 * 8, (3, False)),  # 3 pairs of 8 bytes
+    (8, 17, (0, False)),        # an empty sparse stream
+    (0, 17, (0, True)),         # length 0 is dense
+    (8, 17 + 4 * 8, (8, True)),  # 4 pairs would be at the limit: that size is the dense one
+    (8, 17 + 5, None), (8, 16, None), (8, 17 + 5 * 8, None),
+    ((1 << 31) + 10, 17 + 2 * 12, (2, False)),  # int64 indices above 2**31
+])
+def test_a_frames_size_fixes_its_layout(n, size, want):
+    assert stream.layout(n, size) == want
+
+
+def _streams_for_decode_all():
+    return [_sparse(100, {3: 1.5, 10: -2.0, 99: 3.0}), stream.empty(100),
+            stream.from_dense(torch.arange(100.0) - 50), _sparse(100, {0: 4.0})]
+
+
+def test_decode_all_gives_decodes_streams_on_every_path(path):
+    frames = [stream.encode(s) for s in _streams_for_decode_all()]
+    got = stream.decode_all(frames, 100)
+    for s, f, g in zip(_streams_for_decode_all(), frames, got, strict=True):
+        d, _ = stream.decode(f, n=100)
+        assert g.n == 100 and g.dense == s.dense == d.dense
+        assert torch.equal(g.values, s.values)
+        if not s.dense:
+            assert torch.equal(g.indices, s.indices)
+    assert stream.decode_all([], 100) == []
+    zero = stream.decode_all([stream.encode(stream.empty(0))], 0)[0]
+    assert zero.n == 0 and zero.dense and zero.values.numel() == 0
+
+
+@pytest.mark.parametrize("frame, message", [
+    (_frame(9, 1, 0, struct.pack("<if", 2, 1.0)), "expected n=8"),
+    (_frame(8, 2, 0, struct.pack("<if", 2, 1.0)), "truncated"),  # the header claims 2 pairs
+    (_frame(8, 8, 0, bytes(32)), "0 <= nnz < 4"),  # the dense size with a sparse flag
+    (_frame(8, 8, 2, bytes(32)), "dense flag"),
+    (_frame(8, 1, 0, struct.pack("<if", 8, 1.0)), "indices in"),
+    (_frame(8, 1, 0, struct.pack("<if", -1, 1.0)), "indices in"),
+    (_frame(8, 2, 0, struct.pack("<iiff", 3, 2, 1.0, 1.0)), "decrease"),
+    (_frame(8, 1, 0, struct.pack("<if", 1, float("nan"))), "finite"),
+    (_frame(8, 8, 1, struct.pack("<8f", *[0.0] * 7, float("inf"))), "finite"),
+    (_frame(8, 0, 0, bytes(3)), "expected 17 bytes"),  # bytes past the stream
+    (_frame(8, 1, 0, struct.pack("<if", 1, 1.0) + bytes(8)), "expected 25 bytes"),
+])
+def test_decode_all_refuses_what_decode_refuses_on_every_path(path, frame, message):
+    good = stream.encode(_sparse(8, {1: 2.0}))
+    with pytest.raises(ValueError, match=message):
+        stream.decode_all([good, frame], 8)
+
+
+def test_split_gives_each_part_with_one_search(path):
+    s = _sparse(100, {3: 1, 10: 2, 11: 3, 40: 4, 99: 5})
+    bounds = [(0, 10), (10, 40), (9, 12), (40, 100), (50, 50), (0, 100)]
+    for got, (lo, hi) in zip(stream.split(s, bounds), bounds, strict=True):
+        want = stream.part(s, lo, hi)
+        assert got.n == want.n == hi - lo and got.dense == want.dense
+        assert torch.equal(got.to_dense(), s.to_dense()[lo:hi])
+    dense = stream.from_dense(torch.arange(10.0))
+    assert [p.values.tolist() for p in stream.split(dense, [(0, 3), (3, 10)])] == [
+        [0, 1, 2], [3, 4, 5, 6, 7, 8, 9]]
+    assert stream.split(s, []) == []
+    with pytest.raises(ValueError, match="lo <= hi"):
+        stream.split(s, [(0, 10), (5, 4)])
+
+
+def test_decode_all_reads_the_host_once_off_the_numpy_path(monkeypatch):
+    from conftest import forced, host_reads
+
+    frames = [stream.encode(s) for s in _streams_for_decode_all()]
+    with forced("torch"):
+        reads = host_reads(monkeypatch, lambda: stream.decode_all(frames, 100))
+        assert len(reads) == 1, reads
+        per_frame = host_reads(monkeypatch, lambda: [stream.decode(f, n=100) for f in frames])
+    # decode reads each header (a copy and a view: two calls) and each frame's rules
+    assert len(per_frame) > 2 * len(frames)

@@ -202,9 +202,21 @@ def read_struct(buf: torch.Tensor, offset: int, fmt: struct.Struct, codec: str, 
     return fmt.unpack(raw)
 
 
-def host_bytes(data: bytes, device: torch.device) -> torch.Tensor:
-    """Return ``data`` as a uint8 tensor on ``device``."""
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else _empty_u8()
+def host_bytes(data: bytes, device: torch.device | str) -> torch.Tensor:
+    """Return ``data`` as a uint8 tensor on ``device`` (copied as :func:`to_device` copies)."""
+    return to_device(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
+                     _empty_u8(), device)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Return the host tensor ``t`` on ``device``, without waiting for a GPU.
+
+    To a GPU the copy goes from pinned memory: one from pageable memory waits for the device as
+    a read does, and every encoder writes its header this way. (The pinned block is not reused
+    before the copy is done: PyTorch's host allocator records it.)
+    """
+    if t.numel() and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 
@@ -226,8 +238,8 @@ def check_header(buf: torch.Tensor, fmt: struct.Struct, names: tuple[str, ...],
 def header_on(device: torch.device, fmt: struct.Struct, fields: tuple) -> torch.Tensor:
     """Return ``fmt.pack(*fields)`` as uint8 on ``device``, made once per value.
 
-    A header to compare frames with on the device: a copy from host memory waits for the
-    device, as a read does, so it is made once per layout. Never written to.
+    A header to compare frames with on the device, copied there once per layout rather than
+    once per call. Never written to.
     """
     return host_bytes(fmt.pack(*fields), device)
 

@@ -68,8 +68,7 @@ def encoded_size(n: int, width: int) -> int:
 def _check_range(v: torch.Tensor, width: int) -> None:
     if v.numel() == 0:
         return
-    lo, hi = torch.aminmax(v)
-    lo, hi = int(lo.item()), int(hi.item())
+    lo, hi = torch.stack(torch.aminmax(v)).tolist()  # one host read: on a GPU, one wait
     if lo < 0 or hi >= (1 << width):
         bad = lo if lo < 0 else hi
         raise OverflowError(f"expected values in [0, {(1 << width) - 1}] for width={width}, "

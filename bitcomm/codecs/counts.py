@@ -126,8 +126,7 @@ def encoded_size(n: int, m: int, packing: str = "fixed") -> int:
 def _check_range(v: torch.Tensor, m: int) -> None:
     if v.numel() == 0:
         return
-    lo, hi = torch.aminmax(v)
-    lo, hi = int(lo.item()), int(hi.item())
+    lo, hi = torch.stack(torch.aminmax(v)).tolist()  # one host read: on a GPU, one wait
     if lo < 0 or hi > m:
         bad = lo if lo < 0 else hi
         raise OverflowError(f"expected counts in [0, {m}], got {bad}")

@@ -134,8 +134,8 @@ def _unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     per = 8 // bits
     if per == 1:
         return packed
-    shifts = torch.tensor([8 - bits * (j + 1) for j in range(per)], dtype=torch.uint8,
-                          device=packed.device)
+    shifts = _frame.to_device(torch.tensor([8 - bits * (j + 1) for j in range(per)],
+                                           dtype=torch.uint8), packed.device)
     return ((packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
 
 

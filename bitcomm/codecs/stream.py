@@ -47,8 +47,9 @@ import torch
 
 from bitcomm.codecs import _frame
 
-__all__ = ["Stream", "HEADER", "sparse_limit", "index_width", "encoded_size", "from_entries",
-           "from_dense", "empty", "add", "add_all", "concat", "part", "encode", "decode"]
+__all__ = ["Stream", "HEADER", "sparse_limit", "index_width", "encoded_size", "layout",
+           "from_entries", "from_dense", "empty", "add", "add_all", "concat", "part", "split",
+           "encode", "decode", "decode_all"]
 
 HEADER = struct.Struct("<qqB")
 """Frame header: n (int64), nnz (int64), dense flag (uint8); 17 bytes."""
@@ -123,6 +124,22 @@ def encoded_size(n: int, nnz: int, dense: bool) -> int:
     return HEADER.size + nnz * (index_width(n) + 4)
 
 
+def layout(n: int, size: int) -> tuple[int, bool] | None:
+    """Return ``(nnz, dense)`` of a frame of ``size`` bytes for a stream of length ``n``.
+
+    A frame's size fixes its layout: a dense frame is ``HEADER.size + 4 * n`` bytes and a sparse
+    one, holding fewer pairs than :func:`sparse_limit`, is always smaller. ``None`` when no
+    frame of length ``n`` has that size.
+    """
+    if size == HEADER.size + 4 * n:
+        return n, True
+    width = index_width(n) + 4
+    nnz, rest = divmod(size - HEADER.size, width)
+    if size < HEADER.size or rest or nnz >= sparse_limit(n):
+        return None
+    return nnz, False
+
+
 def empty(n: int, device: torch.device | str = "cpu") -> Stream:
     """Return the all-zero stream of length ``n`` (sparse, no pairs; dense if ``n`` is 0)."""
     if not n:
@@ -137,17 +154,20 @@ def from_dense(x: torch.Tensor) -> Stream:
     return Stream(v.numel(), None, v.to(torch.float32, copy=True))
 
 
-def from_entries(indices: torch.Tensor, values: torch.Tensor, n: int) -> Stream:
+def from_entries(indices: torch.Tensor, values: torch.Tensor, n: int, *,
+                 check: bool = True) -> Stream:
     """Return the stream of pairs ``(indices[i], values[i])`` of a vector of length ``n``.
 
     ``indices`` must be strictly increasing and in ``[0, n)``, ``values`` finite floats, one per
     index (``ValueError`` otherwise; ``TypeError`` for tensors of the wrong kind). The stream is
-    dense when the pairs reach :func:`sparse_limit`.
+    dense when the pairs reach :func:`sparse_limit`. ``check=False`` skips the entries' rules
+    (one host read, which waits for a GPU) for entries that :func:`check_entries` has passed.
     """
     idx = _frame.check_int(indices, "indices")
     val = _frame.check_float(values, "values")
     n = _frame.check_count(n, "n")
-    check_entries(idx, val, n)
+    if check:
+        check_entries(idx, val, n)
     idx = idx.to(device=val.device, dtype=torch.int64)
     val = val.to(torch.float32)
     if _is_sparse(n, idx.numel()):
@@ -246,18 +266,34 @@ def part(s: Stream, lo: int, hi: int) -> Stream:
     A sparse stream's part is sparse or dense by the limit of its own length; a dense one's
     part is dense.
     """
-    if not 0 <= lo <= hi <= s.n:
-        raise ValueError(f"expected 0 <= lo <= hi <= {s.n}, got [{lo}, {hi})")
+    return split(s, [(lo, hi)])[0]
+
+
+def split(s: Stream, bounds: list[tuple[int, int]]) -> list[Stream]:
+    """Return :func:`part` of ``s`` for each ``(lo, hi)`` of ``bounds``.
+
+    The ranges' ends are found among the indices in one search and one host read (which waits
+    for a GPU), not one per range.
+    """
+    for lo, hi in bounds:
+        if not 0 <= lo <= hi <= s.n:
+            raise ValueError(f"expected 0 <= lo <= hi <= {s.n}, got [{lo}, {hi})")
     if s.indices is None:
-        return Stream(hi - lo, None, s.values[lo:hi].clone())
-    first, last = torch.searchsorted(s.indices, torch.tensor([lo, hi], device=s.indices.device)
-                                     ).tolist()
-    idx, val = s.indices[first:last] - lo, s.values[first:last]
-    if _is_sparse(hi - lo, idx.numel()):
-        return Stream(hi - lo, idx, val)
-    out = torch.zeros(hi - lo, dtype=torch.float32, device=val.device)
-    out[idx] = val
-    return Stream(hi - lo, None, out)
+        return [Stream(hi - lo, None, s.values[lo:hi].clone()) for lo, hi in bounds]
+    ends = [e for pair in bounds for e in pair]
+    at = torch.searchsorted(s.indices, _frame.to_device(torch.tensor(ends, dtype=torch.int64),
+                                                        s.indices.device)).tolist()
+    out = []
+    for j, (lo, hi) in enumerate(bounds):
+        first, last = at[2 * j], at[2 * j + 1]
+        idx, val = s.indices[first:last] - lo, s.values[first:last]
+        if _is_sparse(hi - lo, idx.numel()):
+            out.append(Stream(hi - lo, idx, val))
+            continue
+        dense = torch.zeros(hi - lo, dtype=torch.float32, device=val.device)
+        dense[idx] = val
+        out.append(Stream(hi - lo, None, dense))
+    return out
 
 
 def encode(s: Stream) -> torch.Tensor:
@@ -312,3 +348,44 @@ def decode(frame: torch.Tensor, *, n: int | None = None) -> tuple[Stream, int]:
     except ValueError as e:
         raise ValueError(f"corrupt {_CODEC} frame: {e}") from None
     return Stream(length, idx, val), end + 4 * nnz
+
+
+def decode_all(frames: list[torch.Tensor], n: int) -> list[Stream]:
+    """Return the streams of ``frames``, each of which must hold a whole stream of length ``n``.
+
+    ``decode(f, n=n)[0]`` for each frame, with its errors, and a frame with bytes past its
+    stream is a ``ValueError`` too. A frame's size fixes its layout (:func:`layout`), so off
+    the numpy path (CUDA), where :func:`decode` reads each header and each frame's rules to the
+    host, the headers are compared with the layouts and the rules checked on the device, and
+    one host read covers every frame.
+    """
+    n = _frame.check_count(n, "n")
+    bufs = [_frame.as_buffer(f) for f in frames]
+    shapes = [layout(n, b.numel()) for b in bufs]
+    if bufs and not _frame.use_numpy(bufs[0]) and None not in shapes:
+        itype = torch.int32 if index_width(n) == 4 else torch.int64
+        flags, out = [], []
+        for b, (nnz, dense) in zip(bufs, shapes, strict=True):
+            head = _frame.from_bytes(b[:16], torch.int64)
+            flags += [head[0] != n, head[1] != nnz, b[16] != int(dense)]
+            off = HEADER.size if dense else HEADER.size + nnz * index_width(n)
+            val = _frame.from_bytes(b[off:], torch.float32).clone()
+            flags.append(~torch.isfinite(val).all())
+            if dense:
+                out.append(Stream(n, None, val))
+                continue
+            idx = _frame.from_bytes(b[HEADER.size:off], itype).to(torch.int64)
+            if nnz:
+                flags += [idx[0] < 0, idx[-1] >= n, (idx[1:] <= idx[:-1]).any()]
+            out.append(Stream(n, idx, val))
+        if not bool(torch.stack(flags).any()):  # the one host read
+            return out
+    # The numpy path, or some frame is corrupt: one at a time, each raising its precise error.
+    streams = []
+    for b in bufs:
+        s, used = decode(b, n=n)
+        if used != b.numel():
+            raise ValueError(f"corrupt {_CODEC} frame: expected {used} bytes for its stream, "
+                             f"got {b.numel()}")
+        streams.append(s)
+    return streams

@@ -249,14 +249,15 @@ def _local(acc: torch.Tensor, k: int, state: OkTopkState, recompute: bool) -> to
         else:
             state.local_th = sidco.threshold(mag, min(1.0, k / mag.numel()), state.local_fit,
                                              state.local_stages, check=False)
-    keep = nonzero & (mag >= state.local_th)
+    # The selection's size is its count: one host read per try (on a GPU, a wait), not two.
+    local = torch.nonzero(nonzero & (mag >= state.local_th)).reshape(-1)
     if state.feedback and not recompute:
         for _ in range(state.raise_tries):
-            if 3 * int(keep.sum()) <= 4 * k:
+            if 3 * local.numel() <= 4 * k:
                 break
             state.local_th *= state.raise_step
-            keep = nonzero & (mag >= state.local_th)
-    return torch.nonzero(keep).reshape(-1)
+            local = torch.nonzero(nonzero & (mag >= state.local_th)).reshape(-1)
+    return local
 
 
 def _proposal(local: torch.Tensor, n: int, size: int) -> list[int]:
@@ -281,24 +282,36 @@ def _pack(idx: torch.Tensor, val: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([idx.to(itype).view(torch.uint8), val.contiguous().view(torch.uint8)])
 
 
-def _unpack(buf: torch.Tensor, count: int, n: int, lo: int, hi: int, peer: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _unpack(buf: torch.Tensor, count: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return a received piece's indices and values, unchecked (see :func:`_check_pieces`)."""
     iw = stream.index_width(n)
     itype = torch.int32 if iw == 4 else torch.int64
-    idx = buf[: iw * count].view(itype).to(torch.int64)
-    val = buf[iw * count:].view(torch.float32)
-    if count and (int(idx.min()) < lo or int(idx.max()) >= hi
-                  or (count > 1 and not bool((idx[1:] > idx[:-1]).all()))):
+    return buf[: iw * count].view(itype).to(torch.int64), buf[iw * count:].view(torch.float32)
+
+
+def _check_pieces(pieces: list[tuple[int, torch.Tensor, int, int]]) -> None:
+    """Raise ``ValueError`` unless each ``(peer, indices, lo, hi)`` increases within [lo, hi).
+
+    Every piece a step received is checked in one host read (on a GPU, one wait), before any
+    of its indices addresses memory; the message names the lowest peer whose piece broke a rule.
+    """
+    pieces = [p for p in pieces if p[1].numel()]
+    if not pieces:
+        return
+    bad = torch.stack([(idx[0] < lo) | (idx[-1] >= hi) | (idx[1:] <= idx[:-1]).any()
+                       for _, idx, lo, hi in pieces]).tolist()
+    if any(bad):
+        peer, _, lo, hi = min((p for p, b in zip(pieces, bad, strict=True) if b),
+                              key=lambda p: p[0])
         raise ValueError(f"oktopk_allreduce: rank {peer} sent indices outside [{lo}, {hi}) or "
                          "out of order")
-    return idx, val
 
 
 def _counts(comm: Comm, mine: list[int]) -> list[int]:
     """All-to-all of one int64 count per rank."""
     bufs = [torch.tensor([c], dtype=torch.int64).view(torch.uint8) for c in mine]
     got = comm.alltoallv(bufs, [8] * comm.size)
-    return [int(g.cpu().view(torch.int64)[0]) for g in got]
+    return torch.cat(got).cpu().view(torch.int64).tolist()
 
 
 def _allgather_counts(comm: Comm, c: int) -> list[int]:
@@ -321,7 +334,8 @@ def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: 
     Returns the own region's reduced entries, the entries sent to others and those received.
     """
     size, rank = comm.size, comm.rank
-    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype, device=idx.device))
+    cuts = torch.searchsorted(idx, _frame.to_device(torch.tensor(bounds, dtype=idx.dtype),
+                                                    idx.device))
     edges = [0, *cuts.tolist(), idx.numel()]
     parts = [(idx[edges[j]:edges[j + 1]], val[edges[j]:edges[j + 1]]) for j in range(size)]
     lo, hi = ([0, *bounds][rank], [*bounds, n][rank])
@@ -341,8 +355,9 @@ def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: 
             if counts[src]:
                 buf = comm.recv(torch.empty(w * counts[src], dtype=torch.uint8,
                                             device=val.device), src)
-                got[src] = _unpack(buf, counts[src], n, lo, hi, src)
+                got[src] = _unpack(buf, counts[src], n)
         Request.wait_all(sends)
+    _check_pieces([(r, got[r][0], lo, hi) for r in sorted(got) if r != rank])
     dense = torch.zeros(hi - lo, dtype=torch.float32, device=val.device)
     present = torch.zeros(hi - lo, dtype=torch.bool, device=val.device)
     for r in range(size):  # rank order: the bits do not depend on arrival
@@ -373,6 +388,7 @@ def _balance(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts: list[int]
             moved += hi - lo
     b_lo, b_hi = blocks[rank]
     out_i, out_v = [], []
+    received: list[tuple[int, torch.Tensor, int, int]] = []
     for h in range(size):
         lo, hi = max(offsets[h], b_lo), min(offsets[h + 1], b_hi)
         if lo >= hi:
@@ -383,10 +399,12 @@ def _balance(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts: list[int]
             out_v.append(val[a:b])
         else:
             buf = comm.recv(torch.empty(w * (hi - lo), dtype=torch.uint8, device=val.device), h)
-            i, v = _unpack(buf, hi - lo, n, 0, n, h)
+            i, v = _unpack(buf, hi - lo, n)
+            received.append((h, i, 0, n))
             out_i.append(i)
             out_v.append(v)
     Request.wait_all(sends)
+    _check_pieces(received)
     if not out_i:
         return idx[:0], val[:0], moved
     return torch.cat(out_i), torch.cat(out_v), moved
@@ -396,8 +414,9 @@ def _allgatherv_entries(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts
                         n: int) -> tuple[torch.Tensor, torch.Tensor]:
     w = _entry_bytes(n)
     got = comm.allgatherv(_pack(idx, val, n), [w * c for c in counts])
-    parts = [(idx, val) if r == comm.rank else _unpack(g.to(val.device), counts[r], n, 0, n, r)
+    parts = [(idx, val) if r == comm.rank else _unpack(g.to(val.device), counts[r], n)
              for r, g in enumerate(got)]
+    _check_pieces([(r, p[0], 0, n) for r, p in enumerate(parts) if r != comm.rank])
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -469,7 +488,7 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
         else:
             every = [mag]
         state.global_th = _kth_largest(torch.cat(every), k)
-        counts = [int((e >= state.global_th).sum()) for e in every]
+        counts = torch.stack([(e >= state.global_th).sum() for e in every]).tolist()
     keep = mag >= state.global_th
     g_idx, g_val = r_idx[keep], r_val[keep]
     if not recompute:

@@ -110,7 +110,7 @@ def _swap(comm: Comm, s: Stream, peer: int, n: int) -> Stream:
     size = _read_length(theirs, peer, n)
     got = comm.sendrecv(frame, peer, torch.empty(size, dtype=torch.uint8, device=frame.device),
                         peer)
-    return stream.decode(got, n=n)[0]
+    return stream.decode_all([got], n)[0]
 
 
 def _send_stream(comm: Comm, s: Stream, peer: int) -> None:
@@ -119,10 +119,13 @@ def _send_stream(comm: Comm, s: Stream, peer: int) -> None:
     comm.send(frame, peer)
 
 
-def _recv_stream(comm: Comm, peer: int, n: int, device: torch.device) -> Stream:
+def _recv_frame(comm: Comm, peer: int, n: int, device: torch.device) -> torch.Tensor:
     size = _read_length(comm.recv(torch.empty(_LEN.size, dtype=torch.uint8), peer), peer, n)
-    got = comm.recv(torch.empty(size, dtype=torch.uint8, device=device), peer)
-    return stream.decode(got, n=n)[0]
+    return comm.recv(torch.empty(size, dtype=torch.uint8, device=device), peer)
+
+
+def _recv_stream(comm: Comm, peer: int, n: int, device: torch.device) -> Stream:
+    return stream.decode_all([_recv_frame(comm, peer, n, device)], n)[0]
 
 
 def _read_length(buf: torch.Tensor, peer: int, n: int) -> int:
@@ -162,15 +165,17 @@ def _prepare(comm: Comm, name: str, indices: object, values: object, n: object, 
         if indices.dtype.is_floating_point or indices.dtype in (torch.bool, torch.complex64,
                                                                 torch.complex128):
             raise TypeError(f"expected indices to be an integer tensor, got {indices.dtype}")
-        # finiteness is the agreement's own check (a NonFiniteError on every rank)
-        stream.check_entries(indices.detach().reshape(-1).to(v.device), v, count, finite=False)
+        # With the agreement, finiteness is its own check (a NonFiniteError on every rank).
+        # Every rule is checked here, once: the stream is made without checking them again.
+        stream.check_entries(indices.detach().reshape(-1).to(v.device), v, count,
+                             finite=not check)
         if validate is not None:
             validate()
 
     length = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else -2
     v = _common.prepare(comm, values, check, name, float32=True, options=options,
                         validate=check_input, length=length)
-    return stream.from_entries(indices.detach().reshape(-1).to(v.device), v, n)
+    return stream.from_entries(indices.detach().reshape(-1).to(v.device), v, n, check=False)
 
 
 def _common_n(n: object) -> int:
@@ -238,21 +243,22 @@ def _split(comm: Comm, fold: Fold, mine: Stream, bounds: list[tuple[int, int]]) 
     The parts come in virtual-rank order, this rank's own included.
     """
     v = fold.vrank
+    mine_by_range = stream.split(mine, bounds)
     sends = []
     for s in range(1, fold.pof2):
         dest = (v + s) % fold.pof2
-        length, frame = _frame_message(stream.part(mine, *bounds[dest]))
+        length, frame = _frame_message(mine_by_range[dest])
         peer = fold.real(dest)
         sends += [comm.isend(length, peer), comm.isend(frame, peer)]
     lo, hi = bounds[v]
-    parts: list[Stream | None] = [None] * fold.pof2
-    parts[v] = stream.part(mine, lo, hi)
-    for s in range(1, fold.pof2):
-        source = (v - s) % fold.pof2
-        parts[source] = _recv_stream(comm, fold.real(source), hi - lo, mine.values.device)
+    sources = [(v - s) % fold.pof2 for s in range(1, fold.pof2)]
+    frames = [_recv_frame(comm, fold.real(u), hi - lo, mine.values.device) for u in sources]
+    parts: list[Stream] = [mine_by_range[v]] * fold.pof2
+    for u, got in zip(sources, stream.decode_all(frames, hi - lo), strict=True):
+        parts[u] = got
     for r in sends:
         r.wait()
-    return parts  # type: ignore[return-value]
+    return parts
 
 
 def ssar_split_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n: int, *,
@@ -348,11 +354,14 @@ def dsar_split_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor
             comm.send(payload, fold.rank - 1)
     if bits is None:
         return payload.view(torch.float32).clone()
-    out, at = [], 0
-    for lo, hi in bounds:
-        values_, used = qsgd.decode(payload[at:], n=hi - lo)
-        out.append(values_)
-        at += used
+    frames = payload.split([_range_bytes(lo, hi, bits, bucket) for lo, hi in bounds])
+    out: list[torch.Tensor] = [payload[:0]] * len(bounds)
+    # The ranges have at most two lengths: the frames of each are checked with one host read.
+    for length in sorted({hi - lo for lo, hi in bounds}):
+        which = [j for j, (lo, hi) in enumerate(bounds) if hi - lo == length]
+        got = qsgd.decode_all([frames[j] for j in which], length, bits, bucket)
+        for j, values_ in zip(which, got, strict=True):
+            out[j] = values_
     return torch.cat(out)
 
 
@@ -500,10 +509,10 @@ def stream_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n:
     if comm.size == 1:
         return s
     length, frame = _frame_message(s)
-    sizes = [_read_length(t.cpu(), r, n) for r, t in
-             enumerate(comm.allgatherv(length, [_LEN.size] * comm.size))]
+    lengths = comm.allgatherv(length, [_LEN.size] * comm.size)
+    sizes = [_read_length(t, r, n) for r, t in enumerate(torch.cat(lengths).cpu().split(_LEN.size))]
     frames = comm.allgatherv(frame, sizes)
-    return stream.add_all([stream.decode(f, n=n)[0] for f in frames])
+    return stream.add_all(stream.decode_all(frames, n))
 
 
 def stream_allgather_bytes(index_sets: Sequence[torch.Tensor], n: int, *,
