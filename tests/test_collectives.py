@@ -647,10 +647,10 @@ def test_sparse_allgather_without_check_sends_a_fixed_length_frame_alone(size, m
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-def test_qsgd_allgather_reads_the_host_twice_per_call_on_a_device(size, path, monkeypatch):
-    """On CUDA every host read waits for the device: a call checks its scales once when it
-    encodes and every frame it decodes once, together, however many ranks send them (CPU
-    tensors on the paths a CUDA tensor takes; the counts are over all the ranks)."""
+def test_qsgd_allgather_reads_the_host_once_per_call_on_a_device(size, path, monkeypatch):
+    """On CUDA every host read waits for the device: a call checks its own scales and every
+    frame it decodes with one read at its end, however many ranks send them (CPU tensors on
+    the paths a CUDA tensor takes; the counts are over all the ranks)."""
     xs = inputs(size, 1001, seed=3)
 
     def job():
@@ -660,8 +660,26 @@ def test_qsgd_allgather_reads_the_host_twice_per_call_on_a_device(size, path, mo
     with forced(path):
         got = job()
         reads = host_reads(monkeypatch, job)
-    assert len(reads) == 2 * size, reads
+    assert len(reads) == size, reads
     assert identical([mean for mean, _ in got])
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_qsgd_allgather_without_the_agreement_raises_a_bad_scale_on_every_rank(path):
+    """check=False: rank 1's NaN makes a non-finite scale. Its frame still goes out, so every
+    rank raises at the end of the call (rank 1 naming its input, the others its frame)
+    instead of waiting for a frame that rank 1 would never send."""
+    xs = inputs(3, 1001, seed=6)
+    xs[1][700] = float("nan")
+    with forced(path):
+        out = run_local(lambda c: qsgd_allgather(c, xs[c.rank], bits=4, bucket=100, seed=0,
+                                                 check=False), 3,
+                        return_exceptions=True, timeout=20)
+    assert all(isinstance(e, ValueError) for e in out), out
+    assert "non-finite max scale nan in bucket 7" in str(out[1]), out[1]
+    assert all("corrupt qsgd frame: expected a finite scale >= 0 in bucket 7" in str(out[r])
+               for r in (0, 2)), out
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -683,3 +701,57 @@ def test_sparse_allgather_reads_the_host_twice_per_call_on_a_device(size, path, 
     assert len(reads) == 2 * size, reads
     for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
         assert torch.equal(dense, dense0) and torch.equal(idx, idx0) and torch.equal(val, val0)
+
+
+@pytest.mark.parametrize("packing, path", [
+    ("fixed", "numpy"), ("fixed", "torch"), ("radix", "numpy"), ("radix", "torch"),
+    pytest.param("radix", "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_a_ring_count_above_its_ranks_is_refused_at_the_end_of_the_call(packing, path):
+    """Rank 1's second step sends counts over 2 ranks in which element 0 says 3 (fixed) or its
+    radix group's code is 255 (a corrupt payload): rank 2, which receives it, raises the
+    decoder's error once the ring is done, and the others finish rather than wait for it."""
+    planes = counts.width(2) if packing == "fixed" else counts.radix_group(2)[1]
+
+    def job(c):
+        if c.rank == 1:
+            honest, calls = c.shift, []
+
+            def shift(buf, dest, out, source):
+                calls.append(1)
+                if len(calls) == 2:
+                    buf = buf.clone()
+                    buf.view(planes, -1)[:, 0] |= 0x80
+                return honest(buf, dest, out, source)
+
+            c.shift = shift
+        return ring_majority(c, torch.ones(40), packing=packing, check=False)
+
+    with forced(path):
+        out = run_local(job, 3, return_exceptions=True, timeout=20)
+    assert isinstance(out[2], ValueError), out
+    assert ("decoded count 3 > m=2" if packing == "fixed" else "radix code 255") in str(out[2])
+    assert all(isinstance(out[r], torch.Tensor) for r in (0, 1)), out
+
+
+@pytest.mark.parametrize("packing", ["fixed", "radix"])
+@pytest.mark.parametrize("path", ["torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_the_unfused_ring_checks_its_payloads_with_one_read_per_call(packing, path,
+                                                                     monkeypatch):
+    """On a device every step's payload checks are flags, read once at the end of the call
+    (the fused fixed ring on the Triton path does not check, and reads nothing)."""
+    size, n = 4, 1001  # odd chunks: every decision payload ends in padding bits
+    xs = inputs(size, n, seed=8)
+    with forced("numpy"):
+        want = run_local(lambda c: ring_majority(c, xs[c.rank], packing=packing), size)
+
+    def job():
+        return run_local(lambda c: ring_majority(c, xs[c.rank], packing=packing,
+                                                 check=False), size)
+
+    with forced(path):
+        got = job()
+        reads = host_reads(monkeypatch, job)
+    fused = packing == "fixed" and path == "triton"
+    assert len(reads) == (0 if fused else size), reads
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -234,3 +234,56 @@ def test_fuzzed_frames_are_refused_cleanly_or_decoded_exactly():
     assert stats["grew"] < 128 << 20, stats["grew"]
     # the mutations reach both outcomes in numbers: neither side is an untested corner
     assert stats["decoded"] > 200 and stats["refused"] > 1000, stats
+
+
+def test_deferred_checks_read_once_and_raise_the_first_broken_rule(monkeypatch):
+    from bitcomm.codecs import _frame
+
+    from conftest import forced, host_reads
+
+    good = sign.pack(torch.randn(13))
+    bad_pad = good.clone()
+    bad_pad[-1] |= 1  # 13 signs: the last 3 bits are padding
+    over = counts.pack(torch.tensor([3, 0, 1]), 3)  # a 3 where m=2 allows at most 2
+    fine = counts.pack(torch.tensor([2, 0, 1]), 2)
+    with forced("torch"):
+        def ok():
+            with _frame.deferred():
+                for _ in range(3):
+                    sign.unpack(good, 13)
+                    counts.unpack(fine, 3, 2)
+
+        assert len(host_reads(monkeypatch, ok)) == 1  # six decodes, one read at the end
+        with pytest.raises(ValueError, match="decoded count 3 > m=2"):
+            with _frame.deferred():
+                sign.unpack(good, 13)
+                counts.unpack(over, 3, 2)  # flagged first
+                sign.unpack(bad_pad, 13)  # flagged too
+        with pytest.raises(ValueError, match="padding bits must be zero"):
+            sign.unpack(bad_pad, 13)  # outside a block: at once
+        with pytest.raises(KeyError):  # an error inside the block is not masked by the checks
+            with _frame.deferred():
+                counts.unpack(over, 3, 2)
+                raise KeyError("boom")
+
+
+def test_a_deferred_qsgd_frame_is_decoded_quietly_then_refused():
+    """On the numpy path a frame with broken rules is decoded (without numpy's warnings) and
+    refused at the end of the block: both rules, each alone."""
+    import warnings
+
+    from bitcomm.codecs import _frame
+
+    frame = qsgd.encode(torch.randn(13), 4, 8, seed=0)  # 13 * 4 bits: 4 padding bits
+    padded = frame.clone()
+    padded[-1] |= 1
+    scaled = frame.clone()
+    scaled[qsgd.HEADER.size:qsgd.HEADER.size + 4] = torch.tensor(
+        list(struct.pack("<f", float("inf"))), dtype=torch.uint8)
+    for bad, message in [(padded, "codes padding bits"), (scaled, "finite scale >= 0")]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match=message):
+                with _frame.deferred():
+                    values, _ = qsgd.decode(bad)
+                    assert values.numel() == 13

@@ -371,11 +371,10 @@ def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path, monkeyp
             assert frame_bytes(a) == frame_bytes(b)
 
 
-@pytest.mark.parametrize("n, lengths", [(4000, 1), (4001, 2)])
-def test_quantised_dsar_checks_the_gathered_frames_once_per_range_length(n, lengths,
-                                                                         monkeypatch):
-    """The owner's encoder checks its scales once; the gathered QSGD frames, one per range,
-    are checked with one host read per distinct range length (the last range may be longer)."""
+@pytest.mark.parametrize("n", [4000, 4001])
+def test_quantised_dsar_checks_its_scales_and_the_gathered_frames_with_one_read(n, monkeypatch):
+    """The owner's encoder flags its scales, the gathered QSGD frames (one per range, of one
+    or two lengths) are flagged too, and one host read at the end checks them all."""
     size = 4
     sets = index_sets("random", size, n, 200, 6)
     values = [v + 0.5 for v in integer_values(sets, 6)]
@@ -385,7 +384,25 @@ def test_quantised_dsar_checks_the_gathered_frames_once_per_range_length(n, leng
         reads = host_reads(monkeypatch, lambda: run("dsar_split_allgather", sets, values, n,
                                                     bits=4, seed=3, check=False))
         got = run("dsar_split_allgather", sets, values, n, bits=4, seed=3)
-    in_qsgd = [r for r in reads if r[1].endswith("qsgd.py")]
-    assert len(in_qsgd) == size * (1 + lengths), in_qsgd
+    quantised = [r for r in reads if not r[1].endswith(("stream.py", "sparcml.py"))]
+    assert len(quantised) == size, quantised
     for (a, _), (b, _) in zip(got, expect, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_quantised_dsar_raises_an_overflowed_range_on_every_rank(path):
+    """check=False: two ranks' finite values sum to inf in one range. Its owner's scale is not
+    finite, yet its frame goes out, and every rank raises instead of waiting for it."""
+    n = 400
+    sets = [torch.tensor([5]), torch.tensor([5]), torch.tensor([300]), torch.tensor([300])]
+    values = [torch.tensor([3e38]), torch.tensor([3e38]), torch.ones(1), torch.ones(1)]
+    with forced(path):
+        out = run_local(lambda c: sparcml.dsar_split_allgather(
+            c, sets[c.rank], values[c.rank], n, bits=4, seed=1, check=False), 4,
+            return_exceptions=True, timeout=20)
+    assert all(isinstance(e, ValueError) for e in out), out
+    owner = [r for r, e in enumerate(out) if "non-finite max scale inf" in str(e)]
+    assert len(owner) == 1, out
+    assert all("corrupt qsgd frame: expected a finite scale" in str(e)
+               for r, e in enumerate(out) if r != owner[0]), out

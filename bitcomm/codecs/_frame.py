@@ -14,6 +14,8 @@ bytes; the tests check that on the CPU by forcing the torch path, and the Triton
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import struct
@@ -90,11 +92,52 @@ def raise_if(flags: torch.Tensor, fallback) -> None:
     """Call ``fallback()`` (which raises the precise error) if any kernel flag is set.
 
     The one host synchronisation of a Triton decoder: its kernels only flag a broken rule, and
-    the torch path, re-run on the bad input, says which rule with the usual message.
+    the torch path, re-run on the bad input, says which rule with the usual message. Inside
+    :func:`deferred` the read waits for the end of the block.
     """
-    if flags.numel() and bool(flags.any()):
+    if flags.numel():
+        check_later(flags.any(), fallback)
+
+
+_PENDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("bitcomm_checks",
+                                                                       default=None)
+
+
+def check_later(flag: torch.Tensor, fallback) -> None:
+    """Call ``fallback()`` (which raises the precise error) if the bool tensor ``flag`` is set.
+
+    At once (a host read, which waits for a GPU), or, inside :func:`deferred`, at the end of
+    the block with every other flag of it in one read.
+    """
+    pending = _PENDING.get()
+    if pending is not None:
+        pending.append((flag, fallback))
+    elif bool(flag):
         fallback()
-        raise AssertionError("a kernel flagged a payload that the torch path accepted")
+        raise AssertionError("a payload was flagged that the precise check accepted")
+
+
+@contextlib.contextmanager
+def deferred():
+    """Check the flags that :func:`check_later` gets inside the block together, at its end.
+
+    For a collective whose steps decode payloads and only add, compare and repack what they
+    hold (no decoded value addresses memory): a flag per step would be a host read per step.
+    On a broken rule the block's first flagged payload raises its precise error. Per thread
+    (and task): blocks in other threads do not see each other's flags.
+    """
+    token = _PENDING.set([])
+    try:
+        yield
+        pending = _PENDING.get()
+    finally:
+        _PENDING.reset(token)
+    if not pending:
+        return
+    bad = torch.stack([f.reshape(()).to(torch.bool) for f, _ in pending])
+    if bool(bad.any()):  # the block's one host read
+        pending[bad.cpu().tolist().index(True)][1]()
+        raise AssertionError("a payload was flagged that the precise check accepted")
 
 
 def _check_tensor(x: object, name: str) -> None:
@@ -315,10 +358,12 @@ def check_padding(rows: torch.Tensor, n: int, codec: str, field: str) -> None:
     mask = (1 << (8 - rem)) - 1
     if use_numpy(last) and not (last.numpy() & mask).any():
         return  # the common case, in numpy's microsecond
-    bad = torch.nonzero(last & mask).reshape(-1)
-    if bad.numel():
-        row = int(bad[0].item())
+
+    def explain() -> None:
+        row = int(torch.nonzero(last & mask)[0, 0])
         raise ValueError(
             f"corrupt {codec} frame: {field} padding bits must be zero, got last byte "
             f"0x{int(last[row].item()):02x} in row {row} with n={n}"
         )
+
+    check_later((last & mask).any(), explain)

@@ -214,25 +214,36 @@ def _unpack_torch(buf: torch.Tensor, n: int, m: int, g: int, b: int, dtype: torc
     groups = -(-n // g)
     code = bits.unpack(buf, groups, b, dtype=torch.int32)
     limit = (m + 1) ** g
-    hi = int(code.max().item())
-    if hi >= limit:
-        raise ValueError(f"corrupt {_CODEC} payload: radix code {hi} >= (m + 1)**g = {limit}")
+    hi = code.max()
+
+    def too_big() -> None:
+        raise ValueError(f"corrupt {_CODEC} payload: radix code {int(hi)} >= (m + 1)**g = "
+                         f"{limit}")
+
+    # Flags, not reads: inside _frame.deferred a collective reads them once per call.
+    _frame.check_later(hi >= limit, too_big)
     digits = torch.empty(groups, g, dtype=torch.int32, device=buf.device)
     for j in range(g - 1, -1, -1):
         digits[:, j] = code % (m + 1)
         code = code.div_(m + 1, rounding_mode="floor")
     flat = digits.reshape(-1)
-    if flat[n:].any():
+
+    def padded() -> None:
         raise ValueError(f"corrupt {_CODEC} payload: padding counts after n={n} must be zero")
+
+    _frame.check_later(flat[n:].any(), padded)
     return flat[:n].to(dtype)
 
 
 def _check_decoded(v: torch.Tensor, m: int) -> None:
     if m + 1 == 1 << m.bit_length():
         return  # every w-bit value is a valid count
-    hi = int(v.max().item())
-    if hi > m:
-        raise ValueError(f"corrupt {_CODEC} payload: decoded count {hi} > m={m}")
+    hi = v.max()
+
+    def too_big() -> None:
+        raise ValueError(f"corrupt {_CODEC} payload: decoded count {int(hi)} > m={m}")
+
+    _frame.check_later(hi > m, too_big)
 
 
 def encode(x: torch.Tensor, m: int, packing: str = "fixed") -> torch.Tensor:

@@ -50,6 +50,7 @@ decodes to ``[1, -3/7, 0]`` or ``[1, -4/7, 0]``.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import warnings
 
@@ -120,14 +121,17 @@ def _scales_into(out: torch.Tensor, v: torch.Tensor, bucket: int, kind: str) -> 
 
 
 def _check_scales(scales: torch.Tensor, bucket: int, n: int, kind: str) -> None:
-    if scales.device.type == "cpu" and np.isfinite(scales.numpy()).all():
+    if _frame.use_numpy(scales) and np.isfinite(scales.numpy()).all():
         return  # numpy's test of a few scales costs a microsecond, torch's three ops ~30
-    bad = torch.nonzero(~torch.isfinite(scales)).reshape(-1)
-    if bad.numel():
-        i = int(bad[0].item())
+
+    def explain() -> None:
+        i = int(torch.nonzero(~torch.isfinite(scales))[0, 0])
         raise ValueError(f"expected finite values, got a non-finite {kind} scale "
                          f"{float(scales[i].item())} in bucket {i} (elements {i * bucket}.."
                          f"{min(n, (i + 1) * bucket) - 1})")
+
+    # A flag: inside _frame.deferred (a collective) it is read with the call's other checks.
+    _frame.check_later((~torch.isfinite(scales)).any(), explain)
 
 
 def _unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
@@ -402,10 +406,14 @@ def decode_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
         used = (n * bits) % 8
         if n and used:
             flags.append((rows[:, -1] & ((1 << (8 - used)) - 1)).any())
-        if not bool(torch.stack(flags).any()):  # the one host read
-            return [_values(scales[i], rows[i, off + 4 * nb :], n, bits, bucket, dtype)
-                    for i in range(len(bufs))]
-    # The numpy path, or some frame is corrupt: one at a time, each raising its precise error.
+        # The one host read, or inside _frame.deferred a flag read with the call's others:
+        # decoded values only ever get added, never address memory. A broken rule is named by
+        # the frame-by-frame decode.
+        _frame.check_later(torch.stack(flags).any(),
+                           lambda: [_decode_as(b, layout, dtype) for b in bufs])
+        return [_values(scales[i], rows[i, off + 4 * nb :], n, bits, bucket, dtype)
+                for i in range(len(bufs))]
+    # The numpy path: one at a time, each raising its precise error.
     return [_decode_as(b, layout, dtype) for b in bufs]
 
 
@@ -443,22 +451,26 @@ def _decode_numpy(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, 
     # where torch's dispatch costs several: small buckets of a DDP hook decode in a few ops.
     sc, c = scales.numpy(), codes.numpy()
     used = (n * bits) % 8
-    if not (np.isfinite(sc).all() and (sc >= 0).all()) or (
-            n and used and c[-1] & ((1 << (8 - used)) - 1)):
-        _check_frame(scales, codes, n, bits)  # raises the precise error
-    s = (1 << (bits - 1)) - 1
-    step = sc / np.float32(s)  # float32 / float32: the correctly rounded quotient
-    if bits < 8:
-        shifts = np.arange(8 - bits, -1, -bits, dtype=np.uint8)
-        c = ((c[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
-    level = (c & s).astype(np.float32)
-    full = n // bucket
-    if full:
-        whole = level[: full * bucket].reshape(full, bucket)  # a view: scaled in place
-        np.multiply(whole, step[:full, None], out=whole)
-    if full * bucket < n:  # the last, partial bucket
-        level[full * bucket :] *= step[full]
-    np.negative(level, out=level, where=(c >> (bits - 1)).astype(bool))
+    flagged = not (np.isfinite(sc).all() and (sc >= 0).all()) or bool(
+        n and used and c[-1] & ((1 << (8 - used)) - 1))
+    if flagged:
+        # Raises the precise error, or, inside _frame.deferred, flags it for the end of the
+        # block: the refused frame's values are decoded meanwhile, without numpy's warnings.
+        _check_frame(scales, codes, n, bits)
+    with np.errstate(invalid="ignore", over="ignore") if flagged else contextlib.nullcontext():
+        s = (1 << (bits - 1)) - 1
+        step = sc / np.float32(s)  # float32 / float32: the correctly rounded quotient
+        if bits < 8:
+            shifts = np.arange(8 - bits, -1, -bits, dtype=np.uint8)
+            c = ((c[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
+        level = (c & s).astype(np.float32)
+        full = n // bucket
+        if full:
+            whole = level[: full * bucket].reshape(full, bucket)  # a view: scaled in place
+            np.multiply(whole, step[:full, None], out=whole)
+        if full * bucket < n:  # the last, partial bucket
+            level[full * bucket :] *= step[full]
+        np.negative(level, out=level, where=(c >> (bits - 1)).astype(bool))
     return torch.from_numpy(level).to(dtype)
 
 
@@ -467,11 +479,13 @@ def _check_frame(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int) -
     bad_scale = ~torch.isfinite(scales) | (scales < 0)
     used = (n * bits) % 8
     pad = codes[-1:] & ((1 << (8 - used)) - 1) if n and used else codes[:0]
-    if not bool(torch.cat([bad_scale.any().reshape(1), (pad != 0).any().reshape(1)]).any()):
-        return
-    bad = torch.nonzero(bad_scale).reshape(-1)
-    if bad.numel():
-        i = int(bad[0].item())
-        raise ValueError(f"corrupt {_CODEC} frame: expected a finite scale >= 0 in bucket {i}, "
-                         f"got {float(scales[i].item())}")
-    raise ValueError(f"corrupt {_CODEC} frame: codes padding bits must be zero")
+
+    def explain() -> None:
+        bad = torch.nonzero(bad_scale).reshape(-1)
+        if bad.numel():
+            i = int(bad[0].item())
+            raise ValueError(f"corrupt {_CODEC} frame: expected a finite scale >= 0 in bucket "
+                             f"{i}, got {float(scales[i].item())}")
+        raise ValueError(f"corrupt {_CODEC} frame: codes padding bits must be zero")
+
+    _frame.check_later(bad_scale.any() | (pad != 0).any(), explain)

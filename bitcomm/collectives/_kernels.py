@@ -12,8 +12,9 @@ the error feedback in one pass, :func:`weighted_votes` adds up every rank's scal
 the server error, and :func:`scaled_signs` writes the result; the scales stay on the device.
 
 Payloads arriving inside one collective come from bitcomm on the other ranks over a reliable
-transport, so these kernels do not re-check them: a check would cost a host synchronisation per
-step, and an error raised mid-ring on one rank would leave the others waiting.
+transport, so these kernels do not re-check them: the unfused paths flag a broken payload and
+read their flags once per call at its end (:func:`bitcomm.codecs._frame.deferred`), and the
+fused steps spend no host read at all.
 """
 
 from __future__ import annotations

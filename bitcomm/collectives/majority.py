@@ -169,31 +169,34 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
     # and combined, so no link idles while a rank waits for the transport to confirm its send
     # (see Comm.isend). A step's message is a fresh tensor, kept alive by its request until
     # the end.
-    sends: list[Request] = []
-    running = votes(rank)  # step 1 sends this rank's own votes: counts over 1 rank
-    for i in range(1, size):
-        # All-Reducible signSGD, Section 3: counts over i ranks need ceil(log2(i+1)) bits.
-        c = rank - i
-        length = part(v, c).numel()
-        got = torch.empty(counts.packed_size(length, i, packing), dtype=torch.uint8,
-                          device=v.device)
-        sends.append(comm.shift(counts.pack(running, i, packing, check=False), nxt, got, prv))
-        running = counts.unpack(got, length, i, packing, dtype=torch.int32) + votes(c)
-    # Then the ring allgather of the 1-bit decisions (_ring_allgather).
-    decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
-    out = None if packed else torch.empty(n, dtype=x.dtype, device=v.device)
+    # The received payloads' checks are flags until the end: counts are only added, compared
+    # and repacked, so one host read per call checks every step (not one or two per step).
+    with _frame.deferred():
+        sends: list[Request] = []
+        running = votes(rank)  # step 1 sends this rank's own votes: counts over 1 rank
+        for i in range(1, size):
+            # All-Reducible signSGD, Section 3: counts over i ranks need ceil(log2(i+1)) bits.
+            c = rank - i
+            length = part(v, c).numel()
+            got = torch.empty(counts.packed_size(length, i, packing), dtype=torch.uint8,
+                              device=v.device)
+            sends.append(comm.shift(counts.pack(running, i, packing, check=False), nxt, got, prv))
+            running = counts.unpack(got, length, i, packing, dtype=torch.int32) + votes(c)
+        # Then the ring allgather of the 1-bit decisions (_ring_allgather).
+        decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
+        out = None if packed else torch.empty(n, dtype=x.dtype, device=v.device)
 
-    def keep(c: int, chunk: torch.Tensor) -> None:
-        if decided is not None:
-            part(decided, c).copy_(chunk)
-        else:
-            part(out, c).copy_(chunk).mul_(2).sub_(1)
+        def keep(c: int, chunk: torch.Tensor) -> None:
+            if decided is not None:
+                part(decided, c).copy_(chunk)
+            else:
+                part(out, c).copy_(chunk).mul_(2).sub_(1)
 
-    mine = _decide(running, size, tie, _ring_start(n, size, rank + 1), phase)
-    keep(rank + 1, mine)
-    _ring_allgather(comm, sign.pack_mask(mine), part, v, sends,
-                    lambda c, got, length: keep(c, sign.unpack_mask(got, length)))
-    Request.wait_all(sends)
+        mine = _decide(running, size, tie, _ring_start(n, size, rank + 1), phase)
+        keep(rank + 1, mine)
+        _ring_allgather(comm, sign.pack_mask(mine), part, v, sends,
+                        lambda c, got, length: keep(c, sign.unpack_mask(got, length)))
+        Request.wait_all(sends)
     if decided is not None:
         return sign.pack_mask(decided)
     return out.reshape(x.shape)

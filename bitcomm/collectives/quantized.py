@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from bitcomm.codecs import qsgd
+from bitcomm.codecs import _frame, qsgd
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm
 
@@ -50,13 +50,18 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
     # The seed is left out of the call's fingerprint: ranks offset it anyway.
     v = _common.prepare(comm, x, check, "qsgd_allgather", float32=True,
                         options={"bits": bits, "bucket": bucket}, validate=validate)
-    frame = qsgd.encode(v, bits, bucket, seed=None if seed is None else seed + comm.rank)
-    frames = comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1 else [frame]
     n = v.numel()
-    # Every frame must hold n values of this layout (a bad one is a ValueError); this rank's
-    # own is decoded as the peers decode it (for error feedback). One host read on a device.
-    values = qsgd.decode_all([frame if r == comm.rank else f.to(v.device)
-                              for r, f in enumerate(frames)], n, bits, bucket)
+    # The encoder's scale check and the frames' checks are read once, together, at the end (on
+    # a device, one wait per call): values are only added. A rank whose scales are not finite
+    # sends its frame anyway, so every rank raises instead of waiting for it.
+    with _frame.deferred():
+        frame = qsgd.encode(v, bits, bucket, seed=None if seed is None else seed + comm.rank)
+        frames = (comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1
+                  else [frame])
+        # Every frame must hold n values of this layout (a bad one is a ValueError); this
+        # rank's own is decoded as the peers decode it (for error feedback).
+        values = qsgd.decode_all([frame if r == comm.rank else f.to(v.device)
+                                  for r, f in enumerate(frames)], n, bits, bucket)
     total = torch.zeros(n, dtype=torch.float32, device=v.device)
     for r in range(comm.size):  # in rank order: the same sum on every rank
         total += values[r]

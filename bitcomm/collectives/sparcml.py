@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bitcomm.codecs import qsgd, stream
+from bitcomm.codecs import _frame, qsgd, stream
 from bitcomm.codecs.stream import Stream
 from bitcomm.collectives import _common, dense
 from bitcomm.comm.base import Comm
@@ -326,43 +326,48 @@ def dsar_split_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor
             return 4 * (bounds[hi - 1][1] - bounds[lo][0])
         return sum(_range_bytes(*bounds[j], bits, bucket) for j in range(lo, hi))
 
-    payload = None
-    if mine is not None:
-        v = fold.vrank
-        lo, hi = bounds[v]
-        owned = torch.zeros(hi - lo, dtype=torch.float32, device=s.values.device)
-        for p in _split(comm, fold, mine, bounds):
-            owned = stream.add(Stream(hi - lo, None, owned), p).values
+    # The owner's QSGD scale check and the gathered frames' checks are read once, at the end
+    # (values are only decoded, never used as positions): one host read, not one per range
+    # length and one for the encoder; and an owner whose sum overflowed still sends its frame,
+    # so every rank raises rather than waits. The streams of the split check theirs at once.
+    with _frame.deferred():
+        payload = None
+        if mine is not None:
+            v = fold.vrank
+            lo, hi = bounds[v]
+            owned = torch.zeros(hi - lo, dtype=torch.float32, device=s.values.device)
+            for p in _split(comm, fold, mine, bounds):
+                owned = stream.add(Stream(hi - lo, None, owned), p).values
+            if bits is None:
+                payload = owned.contiguous().view(torch.uint8)
+            else:
+                payload = _encode_range(owned, bits, bucket, seed, comm.rank)
+            mask = 1
+            while mask < fold.pof2:
+                peer = v ^ mask
+                base = peer & ~(mask - 1)
+                theirs = _swap_bytes(comm, payload, fold.real(peer), block_bytes(base, base + mask))
+                payload = torch.cat([payload, theirs] if v < peer else [theirs, payload])
+                mask <<= 1
+        if fold.rank < 2 * fold.rem:
+            if payload is None:
+                payload = torch.empty(block_bytes(0, fold.pof2), dtype=torch.uint8,
+                                      device=s.values.device)
+                if payload.numel():
+                    comm.recv(payload, fold.rank + 1)
+            elif payload.numel():
+                comm.send(payload, fold.rank - 1)
         if bits is None:
-            payload = owned.contiguous().view(torch.uint8)
-        else:
-            payload = _encode_range(owned, bits, bucket, seed, comm.rank)
-        mask = 1
-        while mask < fold.pof2:
-            peer = v ^ mask
-            base = peer & ~(mask - 1)
-            theirs = _swap_bytes(comm, payload, fold.real(peer), block_bytes(base, base + mask))
-            payload = torch.cat([payload, theirs] if v < peer else [theirs, payload])
-            mask <<= 1
-    if fold.rank < 2 * fold.rem:
-        if payload is None:
-            payload = torch.empty(block_bytes(0, fold.pof2), dtype=torch.uint8,
-                                  device=s.values.device)
-            if payload.numel():
-                comm.recv(payload, fold.rank + 1)
-        elif payload.numel():
-            comm.send(payload, fold.rank - 1)
-    if bits is None:
-        return payload.view(torch.float32).clone()
-    frames = payload.split([_range_bytes(lo, hi, bits, bucket) for lo, hi in bounds])
-    out: list[torch.Tensor] = [payload[:0]] * len(bounds)
-    # The ranges have at most two lengths: the frames of each are checked with one host read.
-    for length in sorted({hi - lo for lo, hi in bounds}):
-        which = [j for j, (lo, hi) in enumerate(bounds) if hi - lo == length]
-        got = qsgd.decode_all([frames[j] for j in which], length, bits, bucket)
-        for j, values_ in zip(which, got, strict=True):
-            out[j] = values_
-    return torch.cat(out)
+            return payload.view(torch.float32).clone()
+        frames = payload.split([_range_bytes(lo, hi, bits, bucket) for lo, hi in bounds])
+        out: list[torch.Tensor] = [payload[:0]] * len(bounds)
+        # The ranges have at most two lengths: the frames of each are checked together.
+        for length in sorted({hi - lo for lo, hi in bounds}):
+            which = [j for j, (lo, hi) in enumerate(bounds) if hi - lo == length]
+            got = qsgd.decode_all([frames[j] for j in which], length, bits, bucket)
+            for j, values_ in zip(which, got, strict=True):
+                out[j] = values_
+        return torch.cat(out)
 
 
 def _range_bytes(lo: int, hi: int, bits: int, bucket: int) -> int:
