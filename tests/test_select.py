@@ -100,3 +100,42 @@ def test_fine_eps_finishes_in_a_bounded_number_of_passes():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
     assert torch.equal(redsync.encode(x, 10, "top", "trimmed", eps=1e-9),
                        redsync.encode(x, 10, "top", "topk"))
+
+
+def test_every_path_searches_to_the_same_thresholds():
+    """Off the numpy path the counts of the next levels' thresholds come in one read; the
+    search replays the same steps on them, so it picks the same set as the numpy path."""
+    g = torch.Generator().manual_seed(6)
+    cases = [torch.randn(5000, generator=g).abs(), torch.rand(4097, generator=g),
+             torch.randint(0, 9, (3000,), generator=g).float(),  # ties at every threshold
+             torch.randn(2000, generator=g).abs().double()]
+    for s in cases:
+        for k in (1, 7, 100, 900):
+            for eps in (1e-3, 0.05, 1e-9):
+                with forced("numpy"):
+                    want = select.threshold_search(s, k, eps=eps)
+                with forced("torch"):
+                    got = select.threshold_search(s, k, eps=eps)
+                assert torch.equal(got, want), (s.dtype, k, eps)
+            for eps in (0.2, 0.01, 0.3):
+                with forced("torch"):
+                    got = select.trimmed_topk(s, k, eps=eps)
+                assert got.tolist() == brute_topk(s, k), (s.dtype, k, eps)
+
+
+@pytest.mark.parametrize("method, eps, reads", [
+    ("trimmed", 0.2, 3),  # mean and max; the 5 steps' counts; the survivors
+    ("threshold", 1e-3, 4),  # mean and max; 11 counts, 7 a read; the selection
+])
+def test_redsyncs_searches_read_the_host_a_few_times_off_the_numpy_path(method, eps, reads,
+                                                                        monkeypatch):
+    # 100 scores of 1, 10000 of 0.5, the rest 0: no threshold keeps 150..300 of them, so the
+    # threshold search halves its interval all 10 times
+    s = torch.cat([torch.ones(100), torch.full((10_000,), 0.5), torch.zeros(9_900)])
+    with forced("torch"):
+        seen = host_reads(monkeypatch, lambda: select.select(s, 150, method, check=False,
+                                                              eps=eps))
+        got = select.select(s, 150, method, eps=eps)
+    assert len(seen) == reads, seen
+    with forced("numpy"):
+        assert torch.equal(got, select.select(s, 150, method, eps=eps))

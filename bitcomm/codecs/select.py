@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from bitcomm.codecs import _frame, sidco
@@ -69,7 +70,67 @@ def _prepare(scores: torch.Tensor, k: int, check: bool) -> tuple[torch.Tensor, i
 
 def _mean_max(s: torch.Tensor) -> tuple[float, float]:
     """Mean and max of the scores: the two ends RedSync's thresholds interpolate between."""
-    return float(s.mean(dtype=torch.float64).item()), float(s.max().item())
+    mean, top = torch.stack([s.mean(dtype=torch.float64), s.max().to(torch.float64)]).tolist()
+    return mean, top  # one host read
+
+
+LEVELS = 6
+"""Bisection levels a device settles per host read: the ``2**LEVELS - 1`` thresholds the next
+levels can probe are counted in one pass, and the search replays its steps on those counts."""
+
+
+class _Counts:
+    """How many scores exceed a threshold, fetched ahead for the device paths.
+
+    On the numpy path each count is one vectorised pass, asked for when the search needs it.
+    Off it (CUDA) a host read waits for the device, so each read brings the counts of every
+    threshold the next :data:`LEVELS` steps of the search could ask for, from one pass
+    (``bucketize`` against the sorted thresholds, then a histogram). The counts are exact
+    integers and each threshold is rounded to the scores' dtype as a comparison rounds it, so
+    both ways give the search the same numbers and the same result.
+    """
+
+    def __init__(self, s: torch.Tensor):
+        self.s = s
+        self.known: dict[float, int] = {}
+        # float32 and float64 compare with the threshold rounded to their own dtype on every
+        # device; 16-bit scores may compare in float32 on a GPU, so they ask one at a time.
+        self.ahead = not _frame.use_numpy(s) and s.dtype in (torch.float32, torch.float64)
+
+    def __call__(self, threshold: float, speculate) -> int:
+        """Return how many scores exceed ``threshold``; ``speculate()`` lists what may follow."""
+        if threshold not in self.known:
+            if not self.ahead:
+                self.known[threshold] = int((self.s > threshold).sum().item())
+            else:
+                self._fetch(sorted({threshold, *speculate()}))
+        return self.known[threshold]
+
+    def _fetch(self, thresholds: list[float]) -> None:
+        rounded = np.asarray(thresholds, dtype=np.float64).astype(
+            np.float32 if self.s.dtype == torch.float32 else np.float64)
+        order = np.sort(rounded)
+        bounds = _frame.to_device(torch.from_numpy(order), self.s.device)
+        ids = torch.bucketize(self.s, bounds, out_int32=True)  # how many bounds lie below
+        hist = torch.bincount(ids, minlength=len(thresholds) + 1)
+        above = hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # the one host read
+        # a threshold's count is that of its first copy among the sorted (equal ones agree)
+        for t, j in zip(thresholds, np.searchsorted(order, rounded), strict=True):
+            self.known[t] = above[int(j)]
+
+
+def _halvings(lo, hi, mid, levels: int) -> list:
+    """Return the midpoints ``mid(a, b)`` that ``levels`` steps of bisection of (lo, hi) visit."""
+    out, spans = [], [(lo, hi)]
+    for _ in range(levels):
+        nxt = []
+        for a, b in spans:
+            m = mid(a, b)
+            if a < m < b:
+                out.append(m)
+                nxt += [(a, m), (m, b)]
+        spans = nxt
+    return out
 
 
 def _all(s: torch.Tensor) -> torch.Tensor:
@@ -127,22 +188,28 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
     if k == 0 or k >= s.numel():
         return _exact(s, k)
     mean, top = _mean_max(s)
+    counts = _Counts(s)
 
     def threshold(step: int) -> float:
         return mean + (1.0 - eps * step) * (top - mean)
 
-    def kept(step: int) -> int:
-        return int((s > threshold(step)).sum().item())
+    def halve(a: int, b: int) -> int:
+        return (a + b) // 2
+
+    def kept(step: int, lo: int, hi: int) -> int:
+        # what the search may ask next: the steps of the bisection of (lo, hi)
+        return counts(threshold(step), lambda: [threshold(m) for m in
+                                                _halvings(lo, hi, halve, LEVELS)])
 
     # Steps 1..last keep the threshold at or above the mean; below it the survivors would be
     # most of the tensor anyway, so the exact top-k runs on all of it.
     last = math.floor(1 / eps)
-    if last < 1 or kept(last) < k:
+    if last < 1 or kept(last, 0, last) < k:
         return _exact(s, k)
     lo, hi = 0, last  # kept(lo) < k (step 0 is the max itself), kept(hi) >= k
     while hi - lo > 1:  # at most log2(1 / eps) + 1 passes
-        mid = (lo + hi) // 2
-        if kept(mid) >= k:
+        mid = halve(lo, hi)
+        if kept(mid, lo, hi) >= k:
             hi = mid
         else:
             lo = mid
@@ -166,14 +233,27 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
     if k == 0 or k >= s.numel():
         return _exact(s, k)
     mean, top = _mean_max(s)
-    if int((s > mean).sum().item()) < k:
+    counts = _Counts(s)
+
+    def threshold(ratio: float) -> float:
+        return mean + ratio * (top - mean)
+
+    def halve(a: float, b: float) -> float:
+        return a + (b - a) / 2
+
+    def above(ratio: float, lo: float, hi: float) -> int:
+        # what the search may ask next: the ratios of the bisection of (lo, hi)
+        return counts(threshold(ratio), lambda: [threshold(r) for r in
+                                                 _halvings(lo, hi, halve, LEVELS)])
+
+    if above(0.0, 0.0, 1.0) < k:
         return _exact(s, k)
     lo, hi = 0.0, 1.0  # invariant: at least k scores exceed the threshold at ratio lo
     for _ in range(math.ceil(math.log2(1 / eps)) + 1):  # each round halves hi - lo
         if hi - lo <= eps:
             break
-        mid = lo + (hi - lo) / 2
-        nnz = int((s > mean + mid * (top - mean)).sum().item())
+        mid = halve(lo, hi)
+        nnz = above(mid, lo, hi)
         if k <= nnz <= 2 * k:
             lo = mid
             break
@@ -181,7 +261,7 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
             hi = mid
         else:
             lo = mid
-    return torch.nonzero(s > mean + lo * (top - mean)).reshape(-1)
+    return torch.nonzero(s > threshold(lo)).reshape(-1)
 
 
 def select(scores: torch.Tensor, k: int, method: str = "topk", *, check: bool = True,
