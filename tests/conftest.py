@@ -65,17 +65,31 @@ def host_reads(monkeypatch, fn):
     """
     root = str(Path(bitcomm.__file__).parent)
     seen = []
+
+    def record(name):
+        caller = sys._getframe(2).f_code.co_filename
+        if caller.startswith(root) and not caller.endswith("_kernels.py"):
+            seen.append((name, caller, sys._getframe(2).f_lineno))
+
     # torch.nonzero's output size depends on the data, so on CUDA it waits for the device too.
     for owner, name in [(torch.Tensor, n) for n in _SYNCS] + [(torch, "nonzero")]:
         original = getattr(owner, name)
 
         def spy(*a, _original=original, _name=name, **k):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(root) and not caller.endswith("_kernels.py"):
-                seen.append((_name, caller, sys._getframe(1).f_lineno))
+            record(_name)
             return _original(*a, **k)
 
         monkeypatch.setattr(owner, name, spy)
+    # So does indexing with a bool mask (x[mask]): its size is the mask's count.
+    getitem = torch.Tensor.__getitem__
+
+    def masked(t, index):
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool and p.dim() for p in parts):
+            record("mask")
+        return getitem(t, index)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", masked)
     try:
         fn()
     finally:

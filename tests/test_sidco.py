@@ -158,3 +158,20 @@ def test_benchmark_vectors_have_the_tails_they_are_named_for():
     assert 2.8 < kurt["gauss"] < 3.2 and 5 < kurt["laplace"] < 7 and kurt["t3"] > 10
     with pytest.raises(ValueError, match="dist"):
         sample("cauchy", 10)
+
+
+@pytest.mark.parametrize("dist", ["exponential", "pareto"])
+@pytest.mark.parametrize("stages, reads", [(1, 2), (3, 6)])
+def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, monkeypatch):
+    """On a device a stage's range, scale and moments come back in one read; a later stage
+    also keeps only the exceedances (a mask: one more), and the selection is one."""
+    from conftest import forced, host_reads
+
+    s = torch.randn(20_000, generator=torch.Generator().manual_seed(0)).abs()
+    with forced("numpy"):
+        want = sidco.sidco(s, 200, dist, stages)
+    with forced("torch"):
+        seen = host_reads(monkeypatch, lambda: sidco.sidco(s, 200, dist, stages, check=False))
+        got = sidco.sidco(s, 200, dist, stages)
+    assert len(seen) == reads, seen
+    assert torch.equal(got, want)

@@ -86,14 +86,13 @@ def _check_stages(stages: object) -> int:
     return stages
 
 
-def _exponential(y: torch.Tensor, delta: float) -> float:
-    return float(y.mean()) * math.log(1 / delta)
+def _exponential(mu: float, delta: float) -> float:
+    """Exponential by its mean ``mu``: the threshold a fraction ``delta`` exceeds."""
+    return mu * math.log(1 / delta)
 
 
-def _pareto(y: torch.Tensor, delta: float) -> float | None:
+def _pareto(mu: float, var: float, delta: float) -> float | None:
     """Generalized Pareto (location 0) by moments; ``None`` when the values are all equal."""
-    mu = float(y.mean())
-    var = float(y.var(correction=0))
     if var <= 0 or mu <= 0:
         return None
     r = mu * mu / var
@@ -127,14 +126,13 @@ def _gamma_inverse(alpha: float, q: float) -> float:
     return 0.5 * (lo + hi)
 
 
-def _gamma(y: torch.Tensor, delta: float) -> float | None:
-    """Gamma by the closed-form shape, threshold by the exact inverse; ``None`` if all equal."""
-    pos = y[y > 0]
-    if pos.numel() == 0:
-        return None
-    delta = min(1.0, delta * y.numel() / pos.numel())
-    mu = float(pos.mean())
-    s = math.log(mu) - float(pos.log().mean())
+def _gamma(mu: float, log_mean: float, delta: float) -> float | None:
+    """Gamma by the closed-form shape, threshold by the exact inverse; ``None`` if all equal.
+
+    ``mu`` and ``log_mean`` are the mean and the mean log of the positive values, ``delta``
+    the fraction of them to exceed.
+    """
+    s = math.log(mu) - log_mean
     if s <= 1e-12:  # every positive value equal (s >= 0 by Jensen)
         return None
     alpha = (3 - s + math.sqrt((s - 3) ** 2 + 24 * s)) / (12 * s)
@@ -171,33 +169,49 @@ def threshold(scores: torch.Tensor, delta: float, dist: str = "exponential", sta
             raise ValueError("expected non-negative scores (|g| or a clamp of it)")
     if s.numel() == 0:
         return math.inf
-    top = float(s.max())
-    if top <= 0:
-        return math.inf
+    # Scaled by the largest score (a tensor: the quotient is correctly rounded on every
+    # device); each stage reads what its fit needs, with the range, in one host read.
+    top = s.max().to(torch.float64)
     y = s.to(torch.float64) / top
     if delta >= first:
         stages = 1
     ratios = [delta] if stages == 1 else \
         [first] + [(delta / first) ** (1 / (stages - 1))] * (stages - 1)
-    eta = 0.0
+    eta, scale = 0.0, None
     for m, ratio in enumerate(ratios):
         if m and y.numel():
             y = y[y >= eta]  # the exceedances, still in scaled units
         if y.numel() == 0:
             break
-        if float(y.min()) == float(y.max()):  # equal values: keep them all
-            eta = eta if m else float(y[0])
-            break
-        if m == 0:
-            fit = {"exponential": _exponential, "pareto": _pareto,
-                   "gamma-pareto": _gamma}[dist](y, ratio)
+        z = y - eta if m else y  # later stages fit the exceedances over eta
+        gamma = m == 0 and dist == "gamma-pareto"
+        # the positive values (a gamma fit's data; the smallest is kept when a fit fails)
+        pos = y[y > 0] if gamma else None
+        least = torch.where(y > 0, y, math.inf).min()
+        if gamma:
+            fitted = [pos.mean(), pos.log().mean()]
+        elif dist == "exponential":
+            fitted = [z.mean()]
         else:
-            fit = (_exponential if dist == "exponential" else _pareto)(y - eta, ratio)
-        if fit is None:  # the positive values are all equal (a gamma fit): keep them all
-            eta = float(y[y > 0].min())
+            fitted = [z.mean(), z.var(correction=0)]
+        low, high, head, scale, smallest, *moments = torch.stack(
+            [y.min(), y.max(), y[0], top, least, *fitted]).tolist()  # the stage's one read
+        if scale <= 0:
+            return math.inf
+        if low == high:  # equal values: keep them all
+            eta = eta if m else head
+            break
+        if gamma:  # fitted to the positive values, for their share of the target
+            fit = _gamma(*moments, min(1.0, ratio * y.numel() / pos.numel()))
+        elif dist == "exponential":
+            fit = _exponential(*moments, ratio)
+        else:
+            fit = _pareto(*moments, ratio)
+        if fit is None:  # the positive values are all equal: keep them all
+            eta = smallest
             break
         eta += fit
-    return eta * top
+    return eta * scale if scale is not None else math.inf
 
 
 def sidco(scores: torch.Tensor, k: int, dist: str = "exponential", stages: int = 1, *,

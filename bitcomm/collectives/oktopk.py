@@ -489,7 +489,7 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
             every = [mag]
         state.global_th = _kth_largest(torch.cat(every), k)
         counts = torch.stack([(e >= state.global_th).sum() for e in every]).tolist()
-    keep = mag >= state.global_th
+    keep = torch.nonzero(mag >= state.global_th).reshape(-1)  # one read for both
     g_idx, g_val = r_idx[keep], r_val[keep]
     if not recompute:
         counts = (_checked(_allgather_counts(comm, g_idx.numel()), n, "a selection of")
