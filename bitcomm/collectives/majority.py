@@ -315,11 +315,13 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check:
         for p, (lo, hi) in zip(every, chunks, strict=True):
             _frame.kernels().sign_unpack(p, hi - lo, out.dtype, out=out[lo:hi])
         return _frame.kernels().sign_pack(out) if packed else out.reshape(x.shape)
-    decision = sign.pack_mask(_majority(got, lengths[rank], v.device, size, tie,
-                                        chunks[rank][0], phase))
-    every = comm.allgatherv(decision, every_size)
-    decided = torch.cat([sign.unpack_mask(p, length)
-                         for p, length in zip(every, lengths, strict=True)])
+    # Off the numpy path every payload's padding check is a flag, read once at the end.
+    with _frame.deferred():
+        decision = sign.pack_mask(_majority(got, lengths[rank], v.device, size, tie,
+                                            chunks[rank][0], phase))
+        every = comm.allgatherv(decision, every_size)
+        decided = torch.cat([sign.unpack_mask(p, length)
+                             for p, length in zip(every, lengths, strict=True)])
     return _finish(x, decided, packed)
 
 
@@ -354,7 +356,9 @@ def _allgather_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check
             return decision
         out, _ = _frame.kernels().sign_unpack(decision, n, x.dtype)  # our own padding: zero
         return out.reshape(x.shape)
-    return _finish(x, _majority(every, n, v.device, size, tie, 0, phase), packed)
+    with _frame.deferred():  # the payloads' padding checks: one read at the end
+        decided = _majority(every, n, v.device, size, tie, 0, phase)
+    return _finish(x, decided, packed)
 
 
 def _prepare_vote(comm: Comm, x: torch.Tensor, check: bool, name: str, tie: str, phase: int
