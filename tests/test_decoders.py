@@ -261,6 +261,12 @@ def test_deferred_checks_read_once_and_raise_the_first_broken_rule(monkeypatch):
                 sign.unpack(bad_pad, 13)  # flagged too
         with pytest.raises(ValueError, match="padding bits must be zero"):
             sign.unpack(bad_pad, 13)  # outside a block: at once
+        q = qsgd.encode(torch.randn(13), 4, 8, seed=0)  # 13 * 4 bits: 4 padding bits
+        q[-1] |= 1
+        with pytest.raises(ValueError, match="codes padding bits"):
+            with _frame.deferred():  # an inner block's precise check raises in an outer one
+                with _frame.deferred():
+                    qsgd.decode_all([q], 13, 4, 8)
         with pytest.raises(KeyError):  # an error inside the block is not masked by the checks
             with _frame.deferred():
                 counts.unpack(over, 3, 2)

@@ -232,6 +232,37 @@ def test_topo_up_interrupted_mid_build_leaves_nothing(sig, after):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the point
+def test_a_signal_whose_exception_a_finalizer_swallowed_still_stops_the_build(monkeypatch):
+    """Python prints and drops an exception raised in a finalizer (Popen.__del__, run by the
+    garbage collector at any moment), the handler's KeyboardInterrupt included: the build then
+    went on to 'is up'. It must still stop between its commands and remove what it made."""
+    from bitcomm.netem import emulator
+
+    before = set(namespaces())
+    net = Emulator(load(CHAIN))
+    real = emulator._run
+    calls = []
+
+    class Dropped:
+        def __del__(self):
+            net._on_signal(signal.SIGTERM, None)  # raised here, printed, lost
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        out = real(cmd, **kw)
+        if len(calls) == 3:  # the signal lands in a finalizer mid-build
+            Dropped()
+        return out
+
+    monkeypatch.setattr(emulator, "_run", run)
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        net.build()
+    assert len(calls) < 10, "the build went on after the signal"
+    assert set(namespaces()) == before
+
+
+@pytest.mark.timeout(60)
 def test_topo_up_failing_mid_build_leaves_nothing(monkeypatch):
     from click.testing import CliRunner
 

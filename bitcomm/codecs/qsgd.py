@@ -390,7 +390,8 @@ def decode_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
     are ``decode(f, dtype=dtype, n=n)``'s for each frame, and so are the errors; a frame whose
     header says another layout is a ``ValueError`` too. Off the numpy path (CUDA), where
     ``decode`` reads each frame's header and checks to the host, the frames are compared with
-    the expected header and checked on the device, and one host read covers them all.
+    the expected header and checked on the device, and one host read covers them all (inside
+    :func:`bitcomm.codecs._frame.deferred`, the block's read at its end).
     """
     bits, bucket, scale = check_config(bits, bucket, scale)
     layout = (_frame.check_count(n, "n"), bits, SCALES.index(scale), bucket)

@@ -292,8 +292,9 @@ def _unpack(buf: torch.Tensor, count: int, n: int) -> tuple[torch.Tensor, torch.
 def _check_pieces(pieces: list[tuple[int, torch.Tensor, int, int]]) -> None:
     """Raise ``ValueError`` unless each ``(peer, indices, lo, hi)`` increases within [lo, hi).
 
-    Every piece a step received is checked in one host read (on a GPU, one wait), before any
-    of its indices addresses memory; the message names the lowest peer whose piece broke a rule.
+    The pieces of one exchange are checked in one host read (on a GPU, one wait), before any
+    of their indices addresses memory; the message names the lowest peer whose piece broke a
+    rule.
     """
     pieces = [p for p in pieces if p[1].numel()]
     if not pieces:

@@ -182,6 +182,7 @@ class Emulator:
             raise ValueError(f"expected a prefix starting with {PREFIX!r}, got {self.prefix!r}")
         self.created: list[str] = []
         self._old_handlers: dict[int, object] = {}
+        self._stopped_by: int | None = None
 
     # -- names -------------------------------------------------------------------------------
 
@@ -201,6 +202,7 @@ class Emulator:
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
             self.up()
+            self._stop_if_signalled()
         except BaseException:
             self.down()
             raise
@@ -221,8 +223,22 @@ class Emulator:
     def _on_signal(self, signum: int, frame: object) -> None:
         # Only raise: the teardown runs where the exception lands (__exit__, or build's and
         # __enter__'s except), after the command it interrupted has been reaped. Tearing down
-        # here raced a namespace that `ip netns add` was still creating.
+        # here raced a namespace that `ip netns add` was still creating. The signal is noted
+        # too: an exception that lands in a finalizer (Popen.__del__) is printed and dropped,
+        # so the build also asks between its commands (_stop_if_signalled).
+        self._stopped_by = signum
         raise KeyboardInterrupt(f"stopped by signal {signum}; removing the namespaces")
+
+    def _stop_if_signalled(self) -> None:
+        if self._stopped_by is not None:
+            raise KeyboardInterrupt(f"stopped by signal {self._stopped_by}; removing the "
+                                    "namespaces")
+
+    def _run(self, cmd: list[str], **kwargs: object) -> str:
+        # A build step: the command, then a look for a signal whose exception was dropped.
+        out = _run(cmd, **kwargs)
+        self._stop_if_signalled()
+        return out
 
     def up(self) -> None:
         """Create namespaces, bridges, links, shaping, addresses and routes."""
@@ -233,8 +249,8 @@ class Emulator:
         for v in topo.vertices():
             name = self.ns(v)
             self.created.append(name)  # first: an interrupted add may still leave it behind
-            _run(["ip", "netns", "add", name])
-            _run(["ip", "-n", name, "link", "set", "lo", "up"])
+            self._run(["ip", "netns", "add", name])
+            self._run(["ip", "-n", name, "link", "set", "lo", "up"])
             if isinstance(v, int):
                 # No slow start after idle: a ring step waits for its neighbour between
                 # messages, and restarting from a small window on every step would measure TCP's
@@ -250,7 +266,8 @@ class Emulator:
                                    ("net.ipv4.tcp_congestion_control", self.congestion),
                                    *self._rmem()):
                     try:
-                        _run(["ip", "netns", "exec", name, "sysctl", "-qw", f"{key}={value}"])
+                        self._run(["ip", "netns", "exec", name, "sysctl", "-qw",
+                                   f"{key}={value}"])
                     except EmulatorError as e:
                         if key != "net.ipv4.tcp_congestion_control":
                             raise
@@ -263,25 +280,25 @@ class Emulator:
                             "sysctl net.ipv4.tcp_allowed_congestion_control can add one of "
                             "net.ipv4.tcp_available_congestion_control)") from e
             else:
-                _run(["ip", "-n", name, "link", "add", "br0", "type", "bridge"])
-                _run(["ip", "-n", name, "link", "set", "br0", "up"])
+                self._run(["ip", "-n", name, "link", "add", "br0", "type", "bridge"])
+                self._run(["ip", "-n", name, "link", "set", "br0", "up"])
         for link in topo.links:
             dev = self.dev(link)
-            _run(["ip", "link", "add", "name", dev, "netns", self.ns(link.a), "type", "veth",
-                  "peer", "name", dev, "netns", self.ns(link.b)])
+            self._run(["ip", "link", "add", "name", dev, "netns", self.ns(link.a), "type",
+                       "veth", "peer", "name", dev, "netns", self.ns(link.b)])
             for end in link.ends():
                 ns = self.ns(end)
                 if isinstance(end, int):
-                    _run(["ip", "-n", ns, "addr", "add", str(topo.address(end, link)), "dev",
-                          dev])
+                    self._run(["ip", "-n", ns, "addr", "add", str(topo.address(end, link)),
+                               "dev", dev])
                 else:
-                    _run(["ip", "-n", ns, "link", "set", dev, "master", "br0"])
+                    self._run(["ip", "-n", ns, "link", "set", dev, "master", "br0"])
                 self._shape(ns, dev, link)
-                _run(["ip", "-n", ns, "link", "set", dev, "up"])
+                self._run(["ip", "-n", ns, "link", "set", dev, "up"])
         for rank in range(topo.nodes):
             batch = self._routes(rank)
             if batch:
-                _run(["ip", "-n", self.ns(rank), "-batch", "-"], input=batch)
+                self._run(["ip", "-n", self.ns(rank), "-batch", "-"], input=batch)
 
     def receive_buffer(self) -> int | None:
         """Return the ``tcp_rmem`` maximum in bytes set in every rank (``None``: kernel default)."""
@@ -306,18 +323,18 @@ class Emulator:
         tbf = ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(limit)]
         if link.delay:
             try:
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:",
-                      "netem", "delay", f"{link.delay * 1e6:.0f}us"])
+                self._run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:",
+                           "netem", "delay", f"{link.delay * 1e6:.0f}us"])
             except EmulatorError as e:
                 if "unknown" not in str(e):
                     raise
                 raise EmulatorError(f"link {link.index} ({link.a}-{link.b}) has a delay, which "
                                     "needs tc's netem qdisc (kernel module sch_netem); this "
                                     "kernel does not have it: remove the delay") from None
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
-                  *tbf])
+            self._run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle",
+                       "10:", *tbf])
         else:
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+            self._run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
 
     def _routes(self, rank: int) -> str:
         topo = self.topo
