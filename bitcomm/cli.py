@@ -382,6 +382,13 @@ def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int
                        f"{row.moved:>12} {row.hbm_seconds * 1e3:>8.3f} {row.vs_hbm:>6.2f} "
                        f"{row.wire_bytes or '':>11} {wire:>8}")
     _save(out, f"collectives-cuda-{ranks}", config, [r.as_dict() for r in rows])
+    n = min(sizes)
+    click.echo(f"# host synchronisations per call and rank: {ranks} ranks as threads on this "
+               f"GPU, {_human(4 * n)} of float32 each, check=False, after a warm-up call")
+    counted = bench_mod.syncs(n, ranks, device="cuda", seed=seed)
+    for row in counted:
+        click.echo(f"{row.collective:<24} {row.syncs:>6.1f}")
+    _save(out, f"syncs-cuda-{ranks}", config | {"n": n}, [r.as_dict() for r in counted])
 
 
 @bench.command("hooks")

@@ -303,6 +303,21 @@ def test_gpu_benchmarks_run_and_check_their_results():
     assert all(r.seconds > 0 for r in steps)
 
 
+def test_the_sync_count_of_each_collective_on_the_gpu():
+    """The counts the CPU tests make on the GPU's paths, counted by torch on the GPU itself
+    (4 ranks, 4001 elements: every payload padded)."""
+    from bitcomm.bench.collectives import syncs
+
+    got = {r.collective: r.syncs for r in syncs(4001, 4)}
+    for name in ("ring-majority", "alltoall-majority", "allgather-majority", "onebit-allreduce",
+                 "onebit-allgather"):
+        assert got[name] == 0, (name, got)
+    assert got["ring-majority-radix"] == 1, got  # its payloads' checks, at the end
+    assert got["sparse-allgather"] == 2, got  # its frame's check, the received frames' check
+    # at most the reads that tests/test_oktopk.py counts on the CPU (some are of host memory)
+    assert got["oktopk"] <= 11, got
+
+
 def test_bench_hooks_over_nccl_runs_the_hooks_cuda_path(tmp_path):
     """One NCCL rank per GPU (NCCL refuses two on one device): DDP on the GPU with every
     bitcomm hook, overlapped (its CUDA stream) and blocking, against allreduce_hook."""

@@ -20,6 +20,7 @@ collective's wire-byte formula. ``wire_bytes`` and ``expected_bytes`` are the la
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -31,7 +32,8 @@ from bitcomm.collectives import _common, registry
 from bitcomm.comm import run_local
 from bitcomm.comm.base import Comm
 
-__all__ = ["Row", "StepRow", "run", "ring_steps", "DEFAULT_SIZES"]
+__all__ = ["Row", "StepRow", "SyncRow", "run", "ring_steps", "syncs", "count_syncs",
+           "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = (1 << 20, 8 << 20)
 
@@ -210,4 +212,64 @@ def ring_steps(n: int, size: int, *, device: str | torch.device = "cuda", repeat
     t = time_call(call, max(1, repeat // 5), device)
     rows.append(StepRow("call", size, n, n, t, moved * size, moved * size / hbm,
                         t * hbm / (moved * size), wire, wire * 8 / (link_gbps * 1e9)))
+    return rows
+
+
+@dataclasses.dataclass
+class SyncRow:
+    """The host synchronisations of one call of a collective, per rank, on a GPU.
+
+    Every rank is a thread of this process on one device (:class:`~bitcomm.comm.LocalComm`:
+    no transport staging), the call is made with ``check=False`` (the agreement's own read
+    left out) after a warm-up call and, for primed collectives, the priming one; ``syncs`` is
+    the count torch reports over all ranks, divided by the ranks.
+    """
+
+    collective: str
+    ranks: int
+    n: int
+    syncs: float
+
+    def as_dict(self) -> dict:
+        """Return the row as a JSON-friendly dict."""
+        return dataclasses.asdict(self)
+
+
+def count_syncs(fn: Callable[[], object]) -> int:
+    """Return the host synchronisations torch reports while ``fn()`` runs on CUDA devices.
+
+    ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronising CUDA call (a read of
+    a device value, ``nonzero``, a blocking copy) warn; the warnings of every thread are
+    counted, then the mode is set back to its default.
+    """
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def syncs(n: int, size: int, *, device: str | torch.device = "cuda", seed: int = 0,
+          algorithms: tuple[str, ...] = tuple(registry.COLLECTIVES)) -> list[SyncRow]:
+    """Count each collective's host synchronisations per call on ``size`` ranks of ``n`` floats.
+
+    Every rank runs as a thread on ``device`` (see :class:`SyncRow`).
+    """
+    device = torch.device(device)
+    xs = [registry.standard_input(seed, r, n).to(device) for r in range(size)]
+    rows = []
+    for name in algorithms:
+        spec = registry.get(name)
+        states = [spec.new_state(n, size, device) for _ in range(size)]
+
+        def call(spec=spec, states=states) -> None:
+            run_local(lambda comm: spec(comm, xs[comm.rank], state=states[comm.rank],
+                                        check=False), size)
+
+        call()  # warm-up: compiles the kernels, and primes the collectives that need it
+        rows.append(SyncRow(name, size, n, count_syncs(call) / size))
     return rows
