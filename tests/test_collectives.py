@@ -776,3 +776,52 @@ def test_the_one_round_majorities_read_the_host_at_most_once_per_call(fn, path, 
         reads = host_reads(monkeypatch, job)
     assert len(reads) == (0 if path == "triton" else size), reads
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("fmt, method", [("fp32", "threshold"), ("mean", "topk"),
+                                         ("fp16", "sidco-e")])
+def test_frames_of_data_dependent_lengths_are_checked_with_one_read(fmt, method, monkeypatch):
+    """A selector that picks about k, or a sign-uniform frame: every rank knows every frame's
+    length, so the frames' checks are one host read for all of them, at any number of ranks
+    (the codec's reads: this rank's frame, then the received ones)."""
+    for size in (2, 4):
+        xs = inputs(size, 3001, seed=size)
+
+        def job():
+            return run_local(lambda c: sparse_allgather(c, xs[c.rank], 30, fmt=fmt,
+                                                        method=method, check=False), size)
+
+        with forced("numpy"):
+            want = job()
+        with forced("torch"):
+            got = job()
+            reads = host_reads(monkeypatch, job)
+        in_codec = [r for r in reads if r[1].endswith("codecs/sparse.py")]
+        # the frames' check: one per rank; this rank's entries: one where it has any
+        assert sum(name == "__bool__" for name, _, _ in in_codec) == size, in_codec
+        assert len(in_codec) <= 2 * size, in_codec
+        for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
+            assert torch.equal(dense, dense0) and torch.equal(idx, idx0)
+            assert torch.equal(val, val0)
+
+
+def test_an_announced_frame_length_is_bounded_before_anything_is_allocated():
+    """Rank 1 says its threshold frame is 2**40 bytes: every rank refuses the lengths before
+    allocating the frames."""
+    xs = inputs(3, 1000, seed=2)
+
+    def job(c):
+        if c.rank == 1:
+            honest = c.allgatherv
+
+            def allgatherv(buf, sizes):
+                if buf.numel() == 8:  # the length message
+                    buf = torch.tensor(list((1 << 40).to_bytes(8, "little")), dtype=torch.uint8)
+                return honest(buf, sizes)
+
+            c.allgatherv = allgatherv
+        return sparse_allgather(c, xs[c.rank], 10, method="threshold", check=False)
+
+    out = run_local(job, 3, return_exceptions=True, timeout=20)
+    assert all(isinstance(e, ValueError) and "rank(s) [1] announced frames of [1099511627776]"
+               in str(e) for e in out), out

@@ -1,3 +1,5 @@
+import struct
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -249,3 +251,73 @@ def test_decode_all_gives_decode_entries_entries_and_errors(path, monkeypatch):
     for group, message in cases:
         with pytest.raises(ValueError, match=message):
             sparse.decode_all(group, 1000, 10, "fp32")
+
+
+@pytest.mark.parametrize("n, size, fmt, want", [
+    (1000, 17 + 10 * 8, "fp32", 10), (1000, 17 + 10 * 6, "fp16", 10),
+    (1000, 17 + 10 * 4 + 4, "mean", 10), (1000, 17 + 4, "mean", 0), (1000, 17, "fp32", 0),
+    (1000, 17 + 7, "fp32", None), (1000, 16, "fp32", None), (1000, 17, "mean", None),
+    (3, 17 + 4 * 8, "fp32", None),  # 4 entries of a 3-vector
+    ((1 << 31) + 1, 17 + 2 * 12, "fp32", 2),  # int64 indices
+    (1000, 100, "qsgd", None),
+])
+def test_a_frames_size_says_how_many_entries_it_holds(n, size, fmt, want):
+    assert sparse.entries_in(n, size, fmt) == want
+
+
+def _mixed_frames():
+    g = torch.Generator().manual_seed(8)
+    out = []
+    for k, fmt in ((0, "fp32"), (3, "fp32"), (17, "fp32"), (5, "fp16"), (0, "fp16"),
+                   (4, "mean"), (0, "mean"), (9, "mean")):
+        idx = torch.randperm(500, generator=g)[:k].sort().values
+        out.append((fmt, sparse.encode(idx, torch.randn(k, generator=g), 500, fmt)))
+    return out
+
+
+def test_decode_all_of_frames_of_any_size_on_every_path(path, monkeypatch):
+    """k=None: each frame holds what its size says; off the numpy path one host read checks
+    the frames of every size together."""
+    for fmt in ("fp32", "fp16", "mean"):
+        frames = [f for form, f in _mixed_frames() if form == fmt]
+        got = sparse.decode_all(frames, 500, None, fmt)
+        for f, (idx, val) in zip(frames, got, strict=True):
+            want_idx, want_val, _, _ = sparse.decode_entries(f, n=500)
+            assert idx.dtype == torch.int64 and torch.equal(idx, want_idx)
+            assert val.dtype == torch.float32 and torch.equal(val, want_val)
+        if path != "numpy":
+            reads = host_reads(monkeypatch, lambda f=frames, m=fmt: sparse.decode_all(
+                f, 500, None, m))
+            assert len(reads) == 1, reads
+
+
+def _mean_frame(idx, mean_bytes, n=500):
+    return torch.tensor(list(sparse.HEADER.pack(n, len(idx), 3) + struct.pack(
+        f"<{len(idx)}i", *idx) + mean_bytes), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("frame, message", [
+    (_mean_frame([1, 2], struct.pack("<f", float("inf"))), "finite mean"),
+    (_mean_frame([], struct.pack("<f", 2.0)), "k = 0 to come with mean 0"),
+    (_mean_frame([3], struct.pack("<f", -0.0)), "zero mean to be \\+0"),
+    (_mean_frame([3, 3], struct.pack("<f", 1.0)), "strictly increasing"),
+    (_mean_frame([500], struct.pack("<f", 1.0)), r"indices in \[0, 500\)"),
+    (_mean_frame([1], struct.pack("<f", 1.0), n=501), "expected n=500"),
+    (torch.cat([_mean_frame([1, 4], struct.pack("<f", 1.0))[:17],
+                torch.tensor([9, 0, 0, 0], dtype=torch.uint8),
+                _mean_frame([1, 4], struct.pack("<f", 1.0))[17:]]), "expected k=3, got k=2"),
+])
+def test_decode_all_of_any_size_refuses_what_decode_entries_refuses(path, frame, message):
+    good = _mixed_frames()[5][1]
+    with pytest.raises(ValueError, match=message):
+        sparse.decode_all([good, frame], 500, None, "mean")
+
+
+def test_decode_all_refuses_bytes_past_the_entries_and_another_format(path):
+    fp32 = _mixed_frames()[1][1]
+    with pytest.raises(ValueError, match="expected 41 bytes"):  # not a whole entry more
+        sparse.decode_all([torch.cat([fp32, torch.zeros(3, dtype=torch.uint8)])], 500, None)
+    with pytest.raises(ValueError, match="expected k=4, got k=3"):  # an entry more
+        sparse.decode_all([torch.cat([fp32, torch.zeros(8, dtype=torch.uint8)])], 500, None)
+    with pytest.raises(ValueError, match="expected format=1"):
+        sparse.decode_all([fp32], 500, None, "fp16")

@@ -45,8 +45,8 @@ import torch
 
 from bitcomm.codecs import _frame, qsgd
 
-__all__ = ["encode", "decode", "decode_all", "decode_entries", "encoded_size", "value_format",
-           "Qsgd", "ValueFormat", "HEADER", "FORMATS", "FP16_MAX"]
+__all__ = ["encode", "decode", "decode_all", "decode_entries", "encoded_size", "entries_in",
+           "value_format", "Qsgd", "ValueFormat", "HEADER", "FORMATS", "FP16_MAX"]
 
 HEADER = struct.Struct("<qqB")
 """Frame header: n (int64), k (int64), value format (uint8); 17 bytes."""
@@ -272,45 +272,118 @@ def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bou
     return idx, val, n, end
 
 
-def decode_all(frames: list[torch.Tensor], n: int, k: int, fmt: ValueFormat = "fp32", *,
+def decode_all(frames: list[torch.Tensor], n: int, k: int | None, fmt: ValueFormat = "fp32", *,
                dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Return ``(indices, values)`` of frames that must each hold ``k`` entries of ``n``.
+    """Return ``(indices, values)`` of frames of ``n``-vectors that must each hold ``k`` entries.
 
     The entries of ``decode_entries(f, dtype=dtype, n=n)`` for each frame, and its errors; a
-    frame whose header says another ``k`` or format is a ``ValueError`` too. Off the numpy
-    path (CUDA), where ``decode_entries`` reads each frame's header and rules to the host,
-    fp32 and fp16 frames are compared with the expected header and checked on the device, and
-    one host read covers them all.
+    frame whose header says another ``k`` or format, or with bytes past its entries, is a
+    ``ValueError`` too. ``k=None``: each frame holds however many its size says
+    (:func:`entries_in`). Off the numpy path (CUDA), where ``decode_entries`` reads each
+    frame's header and rules to the host, fp32, fp16 and mean frames are compared with the
+    expected header and checked on the device, and one host read covers them all.
     """
     form = value_format(fmt)
-    n, k = _frame.check_count(n, "n"), _frame.check_count(k, "k")
+    n = _frame.check_count(n, "n")
+    if k is not None:
+        k = _frame.check_count(k, "k")
     code = FORMATS.index(form if isinstance(form, str) else "qsgd")
     bufs = [_frame.as_buffer(f) for f in frames]
-    if (form in ("fp32", "fp16") and 0 < k <= n and bufs and not _frame.use_numpy(bufs[0])
-            and all(b.numel() == encoded_size(n, k, form) for b in bufs)):
-        rows = torch.stack(bufs)
-        itype = _index_dtype(n)
-        vtype = torch.float32 if form == "fp32" else torch.float16
-        off = HEADER.size
-        parts = []
-        for t in (itype, vtype):  # copied out of the rows, so aligned for their dtypes
-            part = torch.empty((len(bufs), k), dtype=t, device=rows.device)
-            part.view(torch.uint8).copy_(rows[:, off : off + k * t.itemsize])
-            parts.append(part)
-            off += k * t.itemsize
-        idx, val = parts[0].to(torch.int64), parts[1].to(dtype)
-        header = _frame.header_on(rows.device, HEADER, (n, k, code))
-        flags = [(rows[:, : HEADER.size] != header).any(), (idx[:, 0] < 0).any(),
-                 (idx[:, -1] >= n).any(), (idx[:, 1:] <= idx[:, :-1]).any(),
-                 (~torch.isfinite(parts[1])).any()]
-        if not bool(torch.stack(flags).any()):  # the one host read
-            return [(idx[i], val[i]) for i in range(len(bufs))]
-    # The numpy path, other formats, or some frame is corrupt: one at a time, each raising
-    # its precise error.
+    ks = [entries_in(n, b.numel(), form) for b in bufs]
+    device_path = (form in ("fp32", "fp16", "mean") and bufs
+                   and not _frame.use_numpy(bufs[0]) and None not in ks
+                   and (k is None or all(c == k for c in ks)))
+    if device_path and form != "mean" and k is not None and 0 < k <= n:
+        got = _rows(bufs, n, k, form, code, dtype)
+        if got is not None:
+            return got
+    elif device_path:
+        got = _each(bufs, ks, n, form, code, dtype)
+        if got is not None:
+            return got
+    # The numpy path, qsgd values, or some frame is corrupt: one at a time, each raising its
+    # precise error.
     out = []
-    for b in bufs:
-        _frame.check_header(b, HEADER, ("n", "k", "format"), (n, k, code), _CODEC)
-        out.append(decode_entries(b, dtype=dtype, n=n)[:2])
+    for b, sized in zip(bufs, ks, strict=True):
+        # the entries the call expects, else those the size of a frame of this format says,
+        # else (another format, which the check names) its header's
+        _, said, said_code = _frame.read_struct(b, 0, HEADER, _CODEC, "header")
+        want = k if k is not None else sized if sized is not None and said_code == code \
+            else said
+        _frame.check_header(b, HEADER, ("n", "k", "format"), (n, want, code), _CODEC)
+        idx, val, _, used = decode_entries(b, dtype=dtype, n=n)
+        if used != b.numel():
+            raise ValueError(f"corrupt {_CODEC} frame: expected {used} bytes for its entries, "
+                             f"got {b.numel()}")
+        out.append((idx, val))
+    return out
+
+
+def entries_in(n: int, size: int, fmt: ValueFormat = "fp32") -> int | None:
+    """Return the entries a ``size``-byte frame of ``fmt`` values of an ``n``-vector holds.
+
+    ``None`` where no frame has that size, and for qsgd values (whose block size is not linear
+    in the entries).
+    """
+    form = value_format(fmt)
+    if isinstance(form, Qsgd):
+        return None
+    iw = _index_dtype(n).itemsize
+    body = size - HEADER.size - (4 if form == "mean" else 0)
+    per = iw + {"fp32": 4, "fp16": 2, "mean": 0}[form]
+    count, rest = divmod(body, per)
+    return count if body >= 0 and not rest and count <= n else None
+
+
+def _rows(bufs: list[torch.Tensor], n: int, k: int, form: str, code: int, dtype: torch.dtype
+          ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    # Frames of one size, stacked: the checks of all in a few operations and one host read.
+    rows = torch.stack(bufs)
+    itype = _index_dtype(n)
+    vtype = torch.float32 if form == "fp32" else torch.float16
+    off = HEADER.size
+    parts = []
+    for t in (itype, vtype):  # copied out of the rows, so aligned for their dtypes
+        part = torch.empty((len(bufs), k), dtype=t, device=rows.device)
+        part.view(torch.uint8).copy_(rows[:, off : off + k * t.itemsize])
+        parts.append(part)
+        off += k * t.itemsize
+    idx, val = parts[0].to(torch.int64), parts[1].to(dtype)
+    header = _frame.header_on(rows.device, HEADER, (n, k, code))
+    flags = [(rows[:, : HEADER.size] != header).any(), (idx[:, 0] < 0).any(),
+             (idx[:, -1] >= n).any(), (idx[:, 1:] <= idx[:, :-1]).any(),
+             (~torch.isfinite(parts[1])).any()]
+    if bool(torch.stack(flags).any()):  # the one host read
+        return None
+    return [(idx[i], val[i]) for i in range(len(bufs))]
+
+
+def _each(bufs: list[torch.Tensor], ks: list[int], n: int, form: str, code: int,
+          dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    # Frames of any sizes: each one's checks as device flags, one host read for all.
+    itype = _index_dtype(n)
+    flags, out = [], []
+    for b, k in zip(bufs, ks, strict=True):
+        head = _frame.from_bytes(b[:16], torch.int64)
+        flags += [head[0] != n, head[1] != k, b[16] != code]
+        end = HEADER.size + k * itype.itemsize
+        idx = _frame.from_bytes(b[HEADER.size:end], itype).to(torch.int64)
+        if k:
+            flags += [idx[0] < 0, idx[-1] >= n, (idx[1:] <= idx[:-1]).any()]
+        if form == "mean":
+            mean = _frame.from_bytes(b[end:end + 4], torch.float32)
+            # finite; 0 when there are no entries; a zero mean is +0 (the encoder's)
+            flags += [~torch.isfinite(mean[0]), mean.view(torch.int32)[0] == -(1 << 31)]
+            if not k:
+                flags.append(mean[0] != 0)
+            val = mean.to(dtype).expand(k).clone()
+        else:
+            raw = _frame.from_bytes(b[end:], torch.float32 if form == "fp32" else torch.float16)
+            flags.append(~torch.isfinite(raw).all())
+            val = raw.to(dtype)
+        out.append((idx, val))
+    if bool(torch.stack(flags).any()):  # the one host read
+        return None
     return out
 
 

@@ -115,15 +115,25 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
             lengths = [fixed] * comm.size
         elif lengths is None:
             mine = torch.frombuffer(bytearray(_LEN.pack(frame.numel())), dtype=torch.uint8)
-            lengths = [_LEN.unpack(bytes(t.cpu().tolist()))[0]
-                       for t in comm.allgatherv(mine, [_LEN.size] * comm.size)]
+            every = torch.cat(comm.allgatherv(mine, [_LEN.size] * comm.size)).cpu()
+            lengths = [c for (c,) in _LEN.iter_unpack(every.numpy().tobytes())]
+        # Bounded before anything is allocated: no frame of n entries is longer, nor any
+        # shorter than its header (the same lengths, and the same error, on every rank).
+        most = sparse.encoded_size(n, n, fmt)
+        bad = [r for r, b in enumerate(lengths) if not sparse.HEADER.size <= b <= most]
+        if bad:
+            raise ValueError(f"sparse_allgather: rank(s) {bad} announced frames of "
+                             f"{[lengths[r] for r in bad]} bytes, beyond {sparse.HEADER.size}.."
+                             f"{most} for n={n}")
         frames = comm.allgatherv(frame, lengths)
     else:
         frames = [frame]
     dense = torch.zeros(n, dtype=torch.float32, device=v.device)
-    if fixed is not None:
-        # Frames of one known layout: checked together, one host read on a device.
-        entries = sparse.decode_all([f.to(v.device) for f in frames], n, k, fmt)
+    if fixed is not None or sparse.value_format(fmt) in ("fp32", "fp16", "mean"):
+        # Frames of one known format, each as long as its entries (the lengths are known to
+        # every rank): checked together, one host read on a device.
+        entries = sparse.decode_all([f.to(v.device) for f in frames], n,
+                                    k if fixed is not None else None, fmt)
         for idx, val in entries:  # in rank order, so the sum is the same on every rank
             dense.index_add_(0, idx, val)  # what sparse.decode(out=dense) adds
         return dense.reshape(x.shape), entries[comm.rank]
