@@ -349,6 +349,7 @@ def bench_collectives(ranks: int, transport: str, launcher: str | None, hostfile
     on = torch.device("cuda", torch.cuda.current_device()) if transport == "nccl" else "cpu"
     rows = bench_mod.run(comm, sizes, repeat=repeat, seed=seed, progress=show, device=on)
     comm.barrier()
+    code = 0
     if comm.rank == 0:
         _save(Path(out_dir), f"collectives-{transport}-{comm.size}", config,
               [r.as_dict() for r in rows])
@@ -356,7 +357,8 @@ def bench_collectives(ranks: int, transport: str, launcher: str | None, hostfile
         if wrong:
             click.echo(f"# {wrong} wrong results or byte counts: a collective is broken",
                        err=True)
-            sys.exit(1)
+            code = 1
+    _finish(code)
 
 
 def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int,
@@ -509,6 +511,14 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
                            f"{o.bound_share:>6.2f}")
             _save(Path(out_dir), f"hooks-{transport}-{comm.size}-overlap", config,
                   [o.as_dict() for o in hid])
+    _finish(0)
+
+
+def _finish(code: int) -> None:
+    """End this rank of a launched benchmark (:func:`bitcomm.comm.launch.finish`)."""
+    from bitcomm.comm import launch
+
+    launch.finish(code)
 
 
 def _launched():  # noqa: ANN202 - a Launched or None

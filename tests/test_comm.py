@@ -262,3 +262,30 @@ def test_a_gloo_world_is_left_before_the_process_exits(tmp_path):
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert "size 1" in r.stdout and "initialised at exit: False" in r.stdout, r.stdout
+
+
+def test_finish_ends_a_gloo_rank_without_the_interpreters_teardown(tmp_path):
+    """A rank program's end: its output is flushed, its status is the one given, and no
+    teardown runs (an atexit handler stands for it), where gloo's threads can abort."""
+    import subprocess
+    import sys
+
+    def run(body):
+        code = ("import atexit\n"
+                "from bitcomm.comm.launch import finish, world\n"
+                "atexit.register(lambda: print(' teardown ran'))\n" + body)
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        env |= {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                "BITCOMM_STORE": str(tmp_path / "store")}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    r = run("comm = world('gloo', timeout=20)\n"
+            "print('size', comm.size, end='')\n"  # unflushed: finish must flush it
+            "finish(3)\n")
+    assert r.returncode == 3, r.stderr
+    assert r.stdout == "size 1", r.stdout
+    # without a torch.distributed group (MPI must finalise): an ordinary exit
+    r = run("print('no group', end='')\nfinish(2)\n")
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == "no group teardown ran\n", r.stdout
