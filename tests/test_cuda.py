@@ -6,6 +6,7 @@ codec's tests) and the Triton kernels under the interpreter (test_kernels.py).""
 import pytest
 import torch
 
+from bitcomm.bench.collectives import count_syncs
 from bitcomm.codecs import bits, counts, qsgd, redsync, select, sign, sparse, stream
 
 from conftest import needs_cuda
@@ -206,21 +207,6 @@ def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
     assert len(syncs) == 2, [str(w.message) for w in syncs]
 
 
-def _syncs(fn):
-    """Return the synchronisations torch reports while ``fn`` runs on the GPU."""
-    import warnings
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-
-
 def test_encoders_copy_their_headers_without_waiting():
     """A header goes to the GPU from pinned memory: sign's and stream's encoders do not wait
     for the device, qsgd's waits once (its scale check), and every frame is the CPU's."""
@@ -234,9 +220,9 @@ def test_encoders_copy_their_headers_without_waiting():
         assert torch.equal(job(x), job(x.cuda()).cpu())
     on_gpu = x.cuda()
     streams = sparse_s.to("cuda"), dense_s.to("cuda")
-    assert _syncs(lambda: (sign.encode(on_gpu), stream.encode(streams[0]),
-                           stream.encode(streams[1]))) == []
-    assert len(_syncs(lambda: qsgd.encode(on_gpu, 4, 512, seed=1))) == 1
+    assert count_syncs(lambda: (sign.encode(on_gpu), stream.encode(streams[0]),
+                                stream.encode(streams[1]))) == 0
+    assert count_syncs(lambda: qsgd.encode(on_gpu, 4, 512, seed=1)) == 1
 
 
 def test_sparcml_reads_the_host_once_per_received_round():
@@ -259,9 +245,8 @@ def test_sparcml_reads_the_host_once_per_received_round():
     cpu, gpu = call(list(zip(sets, vals, strict=True))), call(on_gpu)
     for a, b in zip(cpu, gpu, strict=True):
         assert torch.equal(a.to_dense(), b.to_dense().cpu())
-    syncs = _syncs(lambda: call(on_gpu))
     # per rank: the entries' check, the length read, the frame check and the merge's unique
-    assert len(syncs) <= 2 * 4, syncs
+    assert count_syncs(lambda: call(on_gpu)) <= 2 * 4
 
 
 @pytest.mark.timeout(400)
