@@ -14,7 +14,6 @@ bytes; the tests check that on the CPU by forcing the torch path, and the Triton
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import importlib.util
@@ -117,32 +116,36 @@ def check_later(flag: torch.Tensor, fallback) -> None:
         raise AssertionError("a payload was flagged that the precise check accepted")
 
 
-@contextlib.contextmanager
-def deferred():
+class deferred:  # noqa: N801 - used as a function: `with _frame.deferred():`
     """Check the flags that :func:`check_later` gets inside the block together, at its end.
 
     For a collective whose steps decode payloads and only add, compare and repack what they
     hold (no decoded value addresses memory): a flag per step would be a host read per step.
     On a broken rule the block's first flagged payload raises its precise error. Per thread
-    (and task): blocks in other threads do not see each other's flags.
+    (and task): blocks in other threads do not see each other's flags. A class rather than a
+    generator: it wraps every small collective call on the CPU, where a generator's frames
+    cost more than the block's work.
     """
-    token = _PENDING.set([])
-    try:
-        yield
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _PENDING.set([])
+
+    def __exit__(self, kind, value, traceback) -> None:
         pending = _PENDING.get()
-    finally:
-        _PENDING.reset(token)
-    if not pending:
-        return
-    bad = torch.stack([f.reshape(()).to(torch.bool) for f, _ in pending])
-    if bool(bad.any()):  # the block's one host read
-        # The precise check runs at once even inside an enclosing block: it must raise here.
-        inner = _PENDING.set(None)
-        try:
-            pending[bad.cpu().tolist().index(True)][1]()
-        finally:
-            _PENDING.reset(inner)
-        raise AssertionError("a payload was flagged that the precise check accepted")
+        _PENDING.reset(self._token)
+        if kind is not None or not pending:
+            return  # an error inside the block is not masked by the checks
+        bad = torch.stack([f.reshape(()).to(torch.bool) for f, _ in pending])
+        if bool(bad.any()):  # the block's one host read
+            # The precise check runs at once even inside an enclosing block: it must raise.
+            inner = _PENDING.set(None)
+            try:
+                pending[bad.cpu().tolist().index(True)][1]()
+            finally:
+                _PENDING.reset(inner)
+            raise AssertionError("a payload was flagged that the precise check accepted")
 
 
 def _check_tensor(x: object, name: str) -> None:

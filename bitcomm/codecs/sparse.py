@@ -307,9 +307,10 @@ def decode_all(frames: list[torch.Tensor], n: int, k: int | None, fmt: ValueForm
     for b, sized in zip(bufs, ks, strict=True):
         # the entries the call expects, else those the size of a frame of this format says,
         # else (another format, which the check names) its header's
-        _, said, said_code = _frame.read_struct(b, 0, HEADER, _CODEC, "header")
-        want = k if k is not None else sized if sized is not None and said_code == code \
-            else said
+        want = k
+        if want is None:
+            _, said, said_code = _frame.read_struct(b, 0, HEADER, _CODEC, "header")
+            want = sized if sized is not None and said_code == code else said
         _frame.check_header(b, HEADER, ("n", "k", "format"), (n, want, code), _CODEC)
         idx, val, _, used = decode_entries(b, dtype=dtype, n=n)
         if used != b.numel():
