@@ -235,8 +235,9 @@ def test_topo_up_interrupted_mid_build_leaves_nothing(sig, after):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the point
 def test_a_signal_whose_exception_a_finalizer_swallowed_still_stops_the_build(monkeypatch):
     """Python prints and drops an exception raised in a finalizer (Popen.__del__, run by the
-    garbage collector at any moment), the handler's KeyboardInterrupt included: the build then
-    went on to 'is up'. It must still stop between its commands and remove what it made."""
+    garbage collector at any moment), the handler's KeyboardInterrupt included, and a build
+    that relied on that exception alone would go on to 'is up'. It must still stop between its
+    commands and remove what it made."""
     from bitcomm.netem import emulator
 
     before = set(namespaces())
