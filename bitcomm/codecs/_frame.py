@@ -148,6 +148,15 @@ class deferred:  # noqa: N801 - used as a function: `with _frame.deferred():`
             raise AssertionError("a payload was flagged that the precise check accepted")
 
 
+def broken_order(idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Return whether the non-empty indices ``idx`` leave ``[lo, hi)`` or fail to increase.
+
+    A bool tensor on ``idx``'s device (no host read), for callers that read many checks at
+    once: strictly increasing indices are in range when the first and the last are.
+    """
+    return (idx[0] < lo) | (idx[-1] >= hi) | (idx[1:] <= idx[:-1]).any()
+
+
 def _check_tensor(x: object, name: str) -> None:
     # A codec reads the elements: sparse layouts and tensors without storage (the meta device)
     # have none to read, which torch would report as RuntimeError or NotImplementedError.

@@ -370,7 +370,7 @@ def _each(bufs: list[torch.Tensor], ks: list[int], n: int, form: str, code: int,
         end = HEADER.size + k * itype.itemsize
         idx = _frame.from_bytes(b[HEADER.size:end], itype).to(torch.int64)
         if k:
-            flags += [idx[0] < 0, idx[-1] >= n, (idx[1:] <= idx[:-1]).any()]
+            flags.append(_frame.broken_order(idx, 0, n))
         if form == "mean":
             mean = _frame.from_bytes(b[end:end + 4], torch.float32)
             # finite; 0 when there are no entries; a zero mean is +0 (the encoder's)

@@ -376,7 +376,7 @@ def decode_all(frames: list[torch.Tensor], n: int) -> list[Stream]:
                 continue
             idx = _frame.from_bytes(b[HEADER.size:off], itype).to(torch.int64)
             if nnz:
-                flags += [idx[0] < 0, idx[-1] >= n, (idx[1:] <= idx[:-1]).any()]
+                flags.append(_frame.broken_order(idx, 0, n))
             out.append(Stream(n, idx, val))
         if not bool(torch.stack(flags).any()):  # the one host read
             return out

@@ -299,8 +299,7 @@ def _check_pieces(pieces: list[tuple[int, torch.Tensor, int, int]]) -> None:
     pieces = [p for p in pieces if p[1].numel()]
     if not pieces:
         return
-    bad = torch.stack([(idx[0] < lo) | (idx[-1] >= hi) | (idx[1:] <= idx[:-1]).any()
-                       for _, idx, lo, hi in pieces]).tolist()
+    bad = torch.stack([_frame.broken_order(idx, lo, hi) for _, idx, lo, hi in pieces]).tolist()
     if any(bad):
         peer, _, lo, hi = min((p for p, b in zip(pieces, bad, strict=True) if b),
                               key=lambda p: p[0])
