@@ -147,6 +147,48 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
         sys.exit(1)
 
 
+@bench.command("kernels")
+@click.option("--n", "n", type=Size(), default="64M", show_default=True,
+              help="Vector length the launches are specialised for.")
+@click.option("--arch", type=click.IntRange(70), default=90, show_default=True,
+              help="CUDA compute capability to compile for (90: H100).")
+@click.option("--only", default=None, help="Only the cases whose name contains this text.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for kernels-smARCH.json and .csv.")
+def bench_kernels(n: int, arch: int, only: str | None, out_dir: str) -> None:
+    """Report what each Triton kernel compiles to for a GPU, without one: registers, spills.
+
+    Needs triton (the dev extra), whose bundled ptxas and cuobjdump do the work; no GPU and no
+    CUDA driver. Instructions are counted in the program's machine code, not timed.
+    """
+    from bitcomm.bench import kernels as bench_mod
+
+    why = bench_mod.available()
+    if why:
+        raise click.UsageError(f"bench kernels: {why}")
+    import triton
+
+    config = _machine() | {"triton": triton.__version__, "n": n, "arch": arch}
+    click.echo("# bitcomm bench kernels: " + " ".join(f"{k}={v}" for k, v in config.items()))
+    click.echo("# per element and lane: SASS instructions, global loads, global stores "
+               "(static counts); stack = bytes spilled per thread")
+    click.echo(f"{'case':<30} {'kernel':<15} {'regs':>4} {'stack':>5} {'instr':>6} "
+               f"{'loads':>5} {'stores':>6}  config")
+
+    def show(row) -> None:
+        click.echo(f"{row.case:<30} {row.kernel:<15} {row.registers:>4} {row.stack:>5} "
+                   f"{row.per_element:>6.1f} {row.loads:>5.2f} {row.stores:>6.2f}  "
+                   f"{row.config}")
+
+    rows = bench_mod.run(n, arch=arch, only=only, progress=show)
+    if not rows:
+        raise click.BadParameter(f"no case name contains {only!r}", param_hint="--only")
+    _save(Path(out_dir), f"kernels-sm{arch}", config, [r.as_dict() for r in rows])
+    spilled = [r.case for r in rows if r.stack]
+    if spilled:
+        click.echo(f"# {len(spilled)} kernels spill registers: {', '.join(spilled)}", err=True)
+
+
 @bench.command("select")
 @click.option("--sizes", type=SizeList(), default="256K,2560K", show_default=True,
               help="Comma-separated vector lengths (SIDCo's figures use 0.26M-26M).")

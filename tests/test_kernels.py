@@ -106,6 +106,22 @@ def test_corrupt_payloads_raise_the_same_errors():
     assert a == b and "padding counts" in a
 
 
+def test_radix_rules_are_checked_by_every_program():
+    # 3 * 1024 codes of 5 counts each span several programs of the radix decoder; each broken
+    # rule sits in the last of them, or in one after the first.
+    n = 5 * 3 * 1024 - 2  # the last group holds 3 counts and 2 padding counts
+    codes = torch.randint(0, 3**5, (3 * 1024,), generator=torch.Generator().manual_seed(5))
+    codes[-1] = 3 * 3**2  # counts 0, 0, 1 and padding 0, 0: a valid last group
+    good = bits.pack(codes, 8)
+    ref, got = _both(lambda: counts.unpack(good, n, 2, "radix"))
+    assert torch.equal(ref, got)
+    for i, code, rule in [(1500, 243, "radix code 243"), (3 * 1024 - 1, 1, "padding counts")]:
+        bad = codes.clone()
+        bad[i] = code
+        a, b = _messages(lambda bad=bad: counts.unpack(bits.pack(bad, 8), n, 2, "radix"))
+        assert a == b and rule in a, (a, b)
+
+
 _BUCKETS = [1, 7, 8, 512, 4096, 8192, 100_000]  # fused: powers of two from 8 to 4096
 
 
@@ -122,6 +138,21 @@ def test_qsgd_encode(nbits, scale):
                 ref, got = _both(lambda x=x, b=bucket: qsgd.encode(x, nbits, b, scale=scale,
                                                                   seed=n + b))
                 assert torch.equal(ref, got), (n, bucket, dtype)
+
+
+@pytest.mark.parametrize("bucket", [512, 1000])
+def test_qsgd_non_finite_buckets_raise_the_same_errors(bucket):
+    # The fused kernel finds a bucket's max and its NaNs in one integer reduction: a NaN
+    # anywhere in the bucket (with or without an inf) makes the scale NaN, an inf alone inf.
+    one, two = bucket, 2 * bucket  # the first elements of buckets 1 and 2
+    for bad, named in [({one + 5: "inf", two + 3: "nan"}, "inf in bucket 1"),
+                       ({one + 5: "nan", two: "inf"}, "nan in bucket 1"),
+                       ({one + 5: "-inf", one + 9: "nan"}, "nan in bucket 1")]:
+        x = torch.randn(4 * bucket, generator=torch.Generator().manual_seed(3))
+        for i, value in bad.items():
+            x[i] = float(value)
+        a, got = _messages(lambda x=x: qsgd.encode(x, 4, bucket, seed=1))
+        assert a == got and named in a, (a, got)
 
 
 def test_qsgd_encode_across_stream_blocks():

@@ -10,7 +10,8 @@ launch never waits for the device.
   block sums behind a scaled frame's RMS or mean-abs scale.
 * :func:`planes_pack` / :func:`planes_unpack`: :mod:`bitcomm.codecs.bits` planes, all ``W``
   planes of a tile from one read of the values; with ``G > 1`` a value is a base-``(m + 1)`` group
-  of ``G`` counts (:mod:`bitcomm.codecs.counts` radix), composed or split inside the kernel.
+  of ``G`` counts (:mod:`bitcomm.codecs.counts` radix), composed or split inside the kernel
+  (split by ``_radix_unpack_kernel``, one code per lane).
 * :func:`qsgd_codes` / :func:`qsgd_values`: the whole qsgd encoder (bucket max, the counter hash
   of :mod:`bitcomm.codecs._rng`, fixed-point stochastic rounding, packing) in one pass when the
   bucket is a power of two up to :data:`MAX_FUSED_BUCKET`; otherwise with per-bucket factors
@@ -18,7 +19,8 @@ launch never waits for the device.
 
 Decoders also set a one-element flag when the payload breaks a rule (non-zero padding, a count
 above ``m``, a radix code out of range): only the lanes that see a broken rule store to it, so
-a good payload costs no reduction. The codec turns a set flag into its usual ``ValueError`` by
+a good payload costs no reduction (the radix decoder, whose lanes hold one code each, reduces
+once per program instead). The codec turns a set flag into its usual ``ValueError`` by
 re-running its torch path, so messages are the same on every path.
 
 Tile sizes and warps are in :data:`TUNING`. Tiles are addressed by global int64 offsets: on an
@@ -48,17 +50,29 @@ MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
 
 TUNING: dict[str, tuple[int, int]] = {
-    # kernel: (bytes per program -- elements for qsgd_codes and partial_sums --, warps)
+    # kernel: (bytes per program and plane -- elements for qsgd_codes and partial_sums, codes
+    # for radix_unpack --, warps)
     "sign_pack": (1024, 4),
-    "sign_unpack": (1024, 4),
+    "sign_unpack": (512, 4),
     "partial_sums": (8192, 4),
     "planes_pack": (1024, 4),
-    "planes_unpack": (1024, 4),
-    "qsgd_codes": (4096, 4),
+    "radix_pack": (128, 4),
+    "planes_unpack": (128, 4),
+    "radix_unpack": (512, 4),
+    "qsgd_codes": (2048, 4),
     "qsgd_values": (1024, 4),
 }
-"""Tile size and warps of each kernel's launch (``bitcomm bench codecs --device cuda`` shows
-their effect; any power of two is correct, the tests run the kernels at the smallest sizes too)."""
+"""Tile size and warps of each kernel's launch; any power of two from 8 is correct (the tests
+run the kernels at the smallest sizes too).
+
+The tiles were chosen offline (``bitcomm bench kernels``) to keep each kernel near or below 64
+registers per thread on sm_90, without spills: 128 threads at 64 registers let 8 programs (32
+warps) share an SM, enough to hide the latency of one warp's dependent integer operations. On
+an H100 the plain bit-plane decoder at 1024 bytes a program read 1.00, 0.72, 0.56-0.69 and
+0.42-0.52 of the HBM read for 1, 2, 3 and 4 planes, at 32, 111-127, 168 and 254 registers and
+about 20, 32-36, 34 and 44 instructions an element: the ratio tracked the registers more than
+the instructions. Kernels already at or below 64 registers keep the tiles measured there.
+``bitcomm bench codecs --device cuda`` is the measurement of a change."""
 
 
 def _grid(total: int, per: int) -> tuple[int]:
@@ -214,16 +228,15 @@ def planes_pack(v: torch.Tensor, width: int, group: int = 1, base: int = 0) -> t
     nb = (ncodes + 7) // 8
     out = torch.empty(width * nb, dtype=torch.uint8, device=v.device)
     if nb:
-        block, opts = _config("planes_pack")
+        block, opts = _config("planes_pack" if group == 1 else "radix_pack")
         launch(_planes_pack_kernel, _grid(nb, block), v, out, n, ncodes, nb, base, W=width,
                G=group, BLOCK=block, **opts)
     return out
 
 
 @triton.jit
-def _planes_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, base, limit, maxval, flags_ptr,
-                          W: tl.constexpr, G: tl.constexpr, RANGE: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def _planes_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, maxval, flags_ptr, W: tl.constexpr,
+                          RANGE: tl.constexpr, BLOCK: tl.constexpr):
     ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     ci = ob[:, None] * 8 + j[None, :]
@@ -234,24 +247,42 @@ def _planes_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, base, limit, maxval, 
     live = ci < ncodes
     # Rule 1: padding bits after the last code are zero (only the last program has any).
     bad = (code != 0) & ~live
-    if G == 1:
-        if RANGE:  # a count above m (values of a full width cannot be out of range)
-            bad |= live & (code > maxval)
-        tl.store(out_ptr + ci, code.to(out_ptr.dtype.element_ty), mask=ci < n)
-        _flag(flags_ptr, bad)
-    else:
-        # Rule 2: a radix code below (m + 1)**g; rule 3: padding counts after n are zero.
-        # One flag per program, reduced: on an H100 this ran 1.8x faster than flagging lanes.
-        bad |= live & (code >= limit)
-        flag = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0)
-        for d in tl.static_range(G - 1, -1, -1):
-            e = ci * G + d
-            digit = code % base
-            code = code // base
-            flag |= tl.max(tl.max((live & (e >= n) & (digit != 0)).to(tl.int32), axis=1),
-                           axis=0)
-            tl.store(out_ptr + e, digit.to(out_ptr.dtype.element_ty), mask=e < n)
-        tl.store(flags_ptr, flag, mask=flag != 0)
+    if RANGE:  # a count above m (values of a full width cannot be out of range)
+        bad |= live & (code > maxval)
+    tl.store(out_ptr + ci, code.to(out_ptr.dtype.element_ty), mask=ci < n)
+    _flag(flags_ptr, bad)
+
+
+@triton.jit
+def _radix_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, limit, flags_ptr, W: tl.constexpr,
+                         G: tl.constexpr, BASE: tl.constexpr, SMALL: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    # One code per lane, a 1-D tile of BLOCK codes: the [bytes, 8] tile of the plain planes
+    # kept 8 * G digits per lane live across the digit loop, and on sm_90 that compiled to
+    # a stack frame of about 5 KB per thread (every digit spilled to local memory).
+    c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if SMALL:  # every digit index fits in int32
+        c = c.to(tl.int32)
+    byte_i = c >> 3
+    shift = 7 - (c & 7).to(tl.int32)
+    code = tl.zeros([BLOCK], dtype=tl.int32)
+    for row in tl.static_range(W):
+        byte = tl.load(buf_ptr + row * nb + byte_i, mask=byte_i < nb, other=0).to(tl.int32)
+        code |= ((byte >> shift) & 1) << (W - 1 - row)
+    live = c < ncodes
+    # Rule 1: padding bits after the last code are zero; rule 2: a code below base**G.
+    bad = ((code != 0) & ~live) | (live & (code >= limit))
+    # BASE is a constant, so a digit is a multiply-high and a shift, not a division.
+    u = code.to(tl.uint32)
+    for d in tl.static_range(G - 1, -1, -1):
+        e = c * G + d
+        digit = u % BASE
+        u = u // BASE
+        bad |= live & (e >= n) & (digit != 0)  # rule 3: padding counts after n are zero
+        tl.store(out_ptr + e, digit.to(out_ptr.dtype.element_ty), mask=e < n)
+    # One reduction per program: the flag of any lane, stored only if set.
+    flag = tl.max(bad.to(tl.int32), axis=0)
+    tl.store(flags_ptr, flag, mask=flag != 0)
 
 
 def planes_unpack(buf: torch.Tensor, n: int, width: int, dtype: torch.dtype, *, group: int = 1,
@@ -266,13 +297,20 @@ def planes_unpack(buf: torch.Tensor, n: int, width: int, dtype: torch.dtype, *, 
     nb = (ncodes + 7) // 8
     out = torch.empty(n, dtype=dtype, device=buf.device)
     flags = torch.zeros(1, dtype=torch.int32, device=buf.device)
-    limit = base**group if group > 1 else 0
+    if not nb:
+        return out, flags
+    if group > 1:
+        block, opts = _config("radix_unpack")
+        grid = _grid(ncodes, block)
+        launch(_radix_unpack_kernel, grid, buf, out, n, ncodes, nb, base**group, flags,
+               W=width, G=group, BASE=base, SMALL=grid[0] * block * group < 2**31, BLOCK=block,
+               **opts)
+        return out, flags
     full = (1 << width) - 1
     maxval = full if maxval is None else maxval
-    if nb:
-        block, opts = _config("planes_unpack")
-        launch(_planes_unpack_kernel, _grid(nb, block), buf, out, n, ncodes, nb, base, limit,
-               maxval, flags, W=width, G=group, RANGE=maxval < full, BLOCK=block, **opts)
+    block, opts = _config("planes_unpack")
+    launch(_planes_unpack_kernel, _grid(nb, block), buf, out, n, ncodes, nb, maxval, flags,
+           W=width, RANGE=maxval < full, BLOCK=block, **opts)
     return out, flags
 
 
@@ -300,10 +338,16 @@ def _random16(p, key, SMALL: tl.constexpr):
     return tl.where(q >= 32768, high, (h ^ high) & 0xFFFF).to(tl.int32)
 
 
+def _shift(bucket: int) -> int:
+    """log2 of a power-of-two bucket (its index is a shift), -1 for any other (a division)."""
+    return bucket.bit_length() - 1 if bucket & (bucket - 1) == 0 else -1
+
+
 @triton.jit
 def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, n, nbytes, nbuckets, bucket,
                        key, S: tl.constexpr, BITS: tl.constexpr, ROW: tl.constexpr,
-                       ROWS: tl.constexpr, FUSED: tl.constexpr, SMALL: tl.constexpr):
+                       ROWS: tl.constexpr, FUSED: tl.constexpr, SHIFT: tl.constexpr,
+                       SMALL: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     C: tl.constexpr = ROW // PER
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -316,20 +360,23 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, n, nbytes, nbuck
     a = tl.abs(x)
     if FUSED:
         # A row is one bucket: its scale is its max |x|, NaN if it holds a NaN (as aminmax).
-        mx = tl.max(tl.max(a, axis=2), axis=1)
-        nan = tl.max(tl.max((a != a).to(tl.int32), axis=2), axis=1) > 0
-        scale = tl.where(nan, float("nan"), mx)
+        # One integer reduction finds both: the bits of a float >= 0 order as the float, and
+        # every NaN's bits (sign cleared by abs) lie above those of inf.
+        top = tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=2), axis=1)
+        scale = tl.where(top > 0x7F800000, float("nan"), top.to(tl.float32, bitcast=True))
         tl.store(scales_ptr + r, scale, mask=r < nbuckets)
         # float32(1 / scale) * float32(s * 2**16), 0 for a zero scale (qsgd._factors).
         safe = tl.where(scale > 0, scale, 1.0)
         factor = tl.where(scale > 0, tl.math.div_rn(1.0, safe) * (S * 65536.0), 0.0)
         f = factor[:, None, None]
-    else:
-        f = tl.load(factors_ptr + idx // bucket, mask=idx < n, other=0.0)
+    else:  # a power-of-two bucket is a shift (SHIFT >= 0), any other a division
+        b = idx >> SHIFT if SHIFT >= 0 else idx // bucket
+        f = tl.load(factors_ptr + b, mask=idx < n, other=0.0)
     t = (a * f + 0.5).to(tl.int32)  # two roundings: the launch turns off fused multiply-add
     level = tl.minimum((t + _random16(idx, key, SMALL)) >> 16, S)
     sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
-    code = tl.where(idx < n, (sign << (BITS - 1)) | level, 0)
+    # Elements past n loaded as 0.0 and a zero factor or |x| gives level 0: their code is 0.
+    code = (sign << (BITS - 1)) | level
     byte = tl.sum(code << (8 - BITS * (j + 1))[None, None, :], axis=2)
     ob = r[:, None] * C + c[None, :]
     tl.store(out_ptr + ob, byte.to(tl.uint8), mask=ob < nbytes)
@@ -359,7 +406,8 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     grid = _grid(nrows, rows)
     launch(_qsgd_codes_kernel, grid, x, out, scales, scales if fused else factors, n, nbytes,
            scales.numel(), bucket, key - (key >> 31 << 32), S=(1 << (bits - 1)) - 1, BITS=bits,
-           ROW=row, ROWS=rows, FUSED=fused, SMALL=grid[0] * rows * row < 2**31,
+           ROW=row, ROWS=rows, FUSED=fused, SHIFT=_shift(bucket),
+           SMALL=grid[0] * rows * row < 2**31,
            enable_fp_fusion=False, **opts)
     return out
 
@@ -375,17 +423,22 @@ def _bf16_bits(x):
 
 @triton.jit
 def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, BITS: tl.constexpr,
-                        BLOCK: tl.constexpr, BF16: tl.constexpr):
+                        SHIFT: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
+                        BF16: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     S: tl.constexpr = (1 << (BITS - 1)) - 1
     ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if SMALL:  # every element index fits in int32
+        ob = ob.to(tl.int32)
     j = tl.arange(0, PER)
     byte = tl.load(codes_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
     code = (byte[:, None] >> (8 - BITS * (j + 1))[None, :]) & ((1 << BITS) - 1)
     idx = ob[:, None] * PER + j[None, :]
     live = idx < n
-    # A division per element; a shift for power-of-two buckets measured no faster on an H100.
-    step = tl.load(steps_ptr + idx // bucket, mask=live, other=0.0)
+    # A power-of-two bucket is a shift; any other a division, which compiles to tens of
+    # instructions an element (a 64-bit one to a loop with branches).
+    b = idx >> SHIFT if SHIFT >= 0 else idx // bucket
+    step = tl.load(steps_ptr + b, mask=live, other=0.0)
     val = (code & S).to(tl.float32) * step
     val = tl.where((code >> (BITS - 1)) != 0, -val, val)
     if BF16:  # out_ptr is an int16 view of the bfloat16 result
@@ -402,7 +455,9 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
     bf16 = dtype == torch.bfloat16
     if n:
         block, opts = _config("qsgd_values")
-        launch(_qsgd_values_kernel, _grid(nbytes, block), codes, steps,
-               out.view(torch.int16) if bf16 else out, n, nbytes, bucket, BITS=bits,
-               BLOCK=block, BF16=bf16, enable_fp_fusion=False, **opts)
+        grid = _grid(nbytes, block)
+        launch(_qsgd_values_kernel, grid, codes, steps, out.view(torch.int16) if bf16 else out,
+               n, nbytes, bucket, BITS=bits, SHIFT=_shift(bucket),
+               SMALL=grid[0] * block * (8 // bits) < 2**31, BLOCK=block, BF16=bf16,
+               enable_fp_fusion=False, **opts)
     return out

@@ -29,13 +29,14 @@ __all__ = ["count_step", "vote_count", "sign_error", "weighted_votes", "scaled_s
 
 TUNING: dict[str, tuple[int, int]] = {
     # kernel: (bytes per program and plane, warps)
-    "count_step": (1024, 4),
-    "vote_count": (1024, 4),
-    "sign_error": (1024, 4),
-    "weighted_votes": (1024, 4),
-    "scaled_signs": (1024, 4),
+    "count_step": (512, 4),
+    "vote_count": (512, 4),
+    "sign_error": (256, 4),
+    "weighted_votes": (256, 4),
+    "scaled_signs": (512, 4),
 }
-"""Tile size and warps of each kernel's launch (any power of two is correct)."""
+"""Tile size and warps of each kernel's launch (any power of two is correct); chosen as
+:data:`bitcomm.codecs._kernels.TUNING` says, at most 64 registers per thread on sm_90."""
 
 
 def _launch(name: str, kernel, total: int, *args, **kwargs) -> None:

@@ -1,0 +1,262 @@
+"""What the Triton kernels compile to for an NVIDIA GPU, measured without one.
+
+Triton compiles a kernel for a named architecture with no GPU present: its bundled ``ptxas``
+writes the machine code (SASS) and ``cuobjdump`` lists it. :func:`run` does that for every
+kernel configuration the codecs and collectives launch on vectors of ``n`` elements, with the
+argument types and alignment that a launch on such vectors specialises on (meta tensors stand
+for the data), and reports for each:
+
+* ``registers`` and ``stack``: registers per thread, and bytes of per-thread stack. A stack is
+  registers spilled to local memory; every spilled value costs a round trip through the cache
+  hierarchy, which can make a memory-bound kernel many times slower.
+* ``per_element``: SASS instructions per element and lane: the program's instruction count
+  times its threads, over the elements the program covers (fp32 inputs for encoders, outputs
+  for decoders, counts for the count codecs). The count is static: loops are unrolled
+  (``tl.static_range``), except the loops over ranks of ``vote_count`` and ``weighted_votes``,
+  counted once.
+* ``loads`` and ``stores``: global memory instructions per element and lane, the same way.
+
+Why instructions per element: an H100 SXM issues at most about 33e12 lane-instructions a second
+(132 SMs, 4 schedulers of 32 lanes each, 1.98 GHz), and reads its memory at about 3e12 bytes a
+second (``torch.sum`` measured 2968 GB/s), that is 742e9 float32 elements. A kernel that spends
+more than about 45 instructions per float32 element therefore runs out of issue slots before it
+runs out of memory bandwidth. This is an estimate from data-sheet figures, not a timing: the
+GPU benchmark (``bitcomm bench codecs --device cuda``) is the measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["KernelRow", "run", "cases", "available", "ARCH"]
+
+ARCH = 90
+"""Compute capability compiled for by default: 90, the H100 the GPU figures come from."""
+
+
+@dataclass
+class KernelRow:
+    """One kernel configuration as compiled for ``arch``."""
+
+    case: str
+    kernel: str
+    config: str
+    arch: int
+    programs: int
+    warps: int
+    registers: int
+    stack: int
+    instructions: int
+    per_element: float
+    loads: float
+    stores: float
+
+    def as_dict(self) -> dict:
+        """Return the row as a dict (for JSON and CSV)."""
+        return asdict(self)
+
+
+def available() -> str | None:
+    """Return why kernels cannot be compiled here (no triton, no CUDA tools), or ``None``."""
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        return f"triton's offline compiler is not importable ({e})"
+    if not os.path.exists(_cuobjdump()):
+        return f"triton has no cuobjdump at {_cuobjdump()}"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1 makes the kernels interpreted functions; unset it to compile"
+    return None
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+
+
+@contextlib.contextmanager
+def _recorded() -> Iterator[list]:
+    """Record the launches of the codec and collective kernels instead of running them."""
+    from bitcomm.codecs import _kernels as codec_kernels
+    from bitcomm.collectives import _kernels as step_kernels
+
+    calls: list = []
+
+    def record(kernel, grid, *args, **kwargs) -> None:
+        calls.append((kernel, grid, args, kwargs))
+
+    saved = codec_kernels.launch, step_kernels.launch
+    codec_kernels.launch = step_kernels.launch = record
+    try:
+        yield calls
+    finally:
+        codec_kernels.launch, step_kernels.launch = saved
+
+
+def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
+    """Return ``(name, elements, launch)`` for each benchmarked kernel configuration.
+
+    ``launch()`` calls the wrapper that a codec or collective step calls on ``n``-element
+    vectors (meta tensors: nothing is allocated); ``elements`` is what its programs cover.
+    """
+    from bitcomm.codecs import _kernels as k
+    from bitcomm.codecs import counts, qsgd
+    from bitcomm.collectives import _kernels as steps
+
+    def meta(size: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device="meta")
+
+    x, nb = meta(n, torch.float32), (n + 7) // 8
+    out: list[tuple[str, int, Callable[[], object]]] = [
+        ("sign encode fp32", n, lambda: k.sign_pack(x)),
+        ("sign encode bf16", n, lambda: k.sign_pack(meta(n, torch.bfloat16))),
+        ("sign decode", n, lambda: k.sign_unpack(meta(nb, torch.uint8), n, torch.float32)),
+        ("sign-scaled scale", n, lambda: k.partial_sums(x, True)),
+    ]
+    for m in (1, 2, 3, 7, 15, 255, 65535):
+        w = counts.width(m)
+        dtype = torch.uint8 if m <= 255 else torch.int32
+        if m == (1 << w) - 1:  # the encoder depends on the width only
+            out.append((f"counts-w{w} encode", n,
+                        lambda w=w, d=dtype: k.planes_pack(meta(n, d), w)))
+        out.append((f"counts-w{w} decode (m={m})", n,
+                    lambda w=w, m=m, d=dtype: k.planes_unpack(meta(w * nb, torch.uint8), n, w,
+                                                              d, maxval=m)))
+    for m in (2, 4, 5, 8, 10, 12):
+        g, b = counts.radix_group(m)
+        size = counts.packed_size(n, m, "radix")
+        out += [(f"counts-radix-m{m} encode", n,
+                 lambda g=g, b=b, m=m: k.planes_pack(meta(n, torch.uint8), b, g, m + 1)),
+                (f"counts-radix-m{m} decode", n,
+                 lambda g=g, b=b, m=m, size=size: k.planes_unpack(
+                     meta(size, torch.uint8), n, b, torch.uint8, group=g, base=m + 1))]
+    for bits in qsgd.BITS:
+        codes = meta((n * bits + 7) // 8, torch.uint8)
+        for bucket in (qsgd.DEFAULT_BUCKET, 4096, 1000):
+            scales = meta(-(-n // bucket), torch.float32)
+            factors = None if bucket & (bucket - 1) == 0 else scales
+            out.append((f"qsgd-{bits} encode, bucket {bucket}", n,
+                        lambda b=bits, s=scales, f=factors, bk=bucket:
+                        k.qsgd_codes(x, b, bk, 12345, s, f)))
+        steps_ = meta(-(-n // qsgd.DEFAULT_BUCKET), torch.float32)
+        out.append((f"qsgd-{bits} decode", n,
+                    lambda b=bits, c=codes, s=steps_: k.qsgd_values(
+                        c, n, b, qsgd.DEFAULT_BUCKET, s, torch.float32)))
+    ranks = 8
+    chunk = n // ranks
+    cb = (chunk + 7) // 8
+    xc = meta(chunk, torch.float32)
+    for w_in, w_out in ((0, 1), (1, 2), (2, 3), (3, 4)):
+        out.append((f"ring step {w_in}->{w_out} bits", chunk,
+                    lambda i=w_in, o=w_out: steps.count_step(
+                        meta(i * cb, torch.uint8) if i else None, xc, i, o)))
+    out += [
+        ("ring last step (decide)", chunk,
+         lambda: steps.count_step(meta(3 * cb, torch.uint8), xc, 3, 1, decide=ranks)),
+        ("alltoall vote count", chunk,
+         lambda: steps.vote_count(meta(ranks * cb, torch.uint8).view(ranks, cb), chunk)),
+        ("onebit sign+error", n,
+         lambda: steps.sign_error(x, meta(1, torch.float32)[0], x)),
+        ("onebit weighted votes", chunk,
+         lambda: steps.weighted_votes(meta(ranks * cb, torch.uint8).view(ranks, cb),
+                                      meta(ranks, torch.float32), xc)),
+        ("onebit scaled signs", n,
+         lambda: steps.scaled_signs(meta(nb, torch.uint8), meta(ranks, torch.float32), n,
+                                    chunk)),
+    ]
+    return out
+
+
+_OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def _compile(kernel, args: tuple, kwargs: dict, arch: int):
+    """Compile one recorded launch for ``sm_<arch>`` as the launch would specialise it."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    kwargs = dict(kwargs)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "enable_fp_fusion")
+               if key in kwargs}
+    signature, constexprs, attrs = {}, {}, {}
+    values = list(args) + [kwargs[p.name] for p in kernel.params[len(args):]]
+    for i, (param, value) in enumerate(zip(kernel.params, values, strict=True)):
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+            continue
+        kind, key = native_specialize_impl(BaseBackend, value, False,
+                                           not param.do_not_specialize, True)
+        signature[param.name] = kind
+        if kind == "constexpr":  # an int equal to 1, or None
+            constexprs[param.name] = value
+        elif key == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options), {
+        name: value for name, value in constexprs.items()
+        if kernel.params[kernel.arg_names.index(name)].is_constexpr}
+
+
+def _machine_code(cubin: bytes) -> tuple[Counter, int, int]:
+    """Return the SASS opcode counts, registers and stack bytes of a one-kernel cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        tool = _cuobjdump()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True, timeout=120).stdout
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                               check=True, timeout=120).stdout
+    finally:
+        os.unlink(f.name)
+    ops = Counter(m.group(1) for line in sass.splitlines() if (m := _OPCODE.match(line)))
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    if not (ops and regs and stack):
+        raise RuntimeError(f"could not read cuobjdump's listing of the kernel:\n{usage}")
+    return ops, int(regs.group(1)), int(stack.group(1))
+
+
+def run(n: int = 1 << 26, *, arch: int = ARCH, only: str | None = None,
+        progress: Callable[[KernelRow], None] | None = None) -> list[KernelRow]:
+    """Compile every case of :func:`cases` (names containing ``only``) and return its rows."""
+    why = available()
+    if why:
+        raise RuntimeError(why)
+    rows = []
+    for name, elements, launch in cases(n):
+        if only is not None and only not in name:
+            continue
+        with _recorded() as calls:
+            launch()
+        for kernel, grid, args, kwargs in calls:
+            compiled, config = _compile(kernel, args, kwargs, arch)
+            ops, regs, stack = _machine_code(compiled.asm["cubin"])
+            threads = 32 * compiled.metadata.num_warps
+            lanes = threads * grid[0] / elements  # lane-instructions per instruction per element
+            row = KernelRow(
+                case=name, kernel=kernel.fn.__name__.strip("_").removesuffix("_kernel"),
+                config=" ".join(f"{key}={value}" for key, value in config.items()),
+                arch=arch, programs=grid[0], warps=compiled.metadata.num_warps,
+                registers=regs, stack=stack, instructions=sum(ops.values()),
+                per_element=sum(ops.values()) * lanes, loads=ops["LDG"] * lanes,
+                stores=ops["STG"] * lanes)
+            rows.append(row)
+            if progress:
+                progress(row)
+    return rows

@@ -1,0 +1,86 @@
+"""``bitcomm bench kernels``: the Triton kernels compiled for an H100 without one.
+
+The suite runs with ``TRITON_INTERPRET=1`` (kernels are interpreted there), so the compiler
+runs in a child process without it.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton (the dev extra) is not installed")
+
+from bitcomm.bench import kernels  # noqa: E402
+from bitcomm.codecs import _kernels  # noqa: E402
+
+_missing = [why for why in [kernels.available()] if why and "TRITON_INTERPRET" not in why]
+pytestmark = pytest.mark.skipif(bool(_missing), reason=f"no offline compiler: {_missing}")
+
+
+def _compiled_env() -> dict:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _bench(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "bitcomm.cli", "bench", "kernels", "--out",
+                           str(tmp_path), *args], capture_output=True, text=True,
+                          env=_compiled_env(), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def every_case(tmp_path_factory):
+    """Every kernel configuration at the benchmark's 64M elements, compiled once."""
+    out = tmp_path_factory.mktemp("kernels")
+    result = _bench(out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "kernels-sm90.json").read_text())["rows"]
+    return result, rows, out
+
+
+def test_no_kernel_spills_registers_on_an_h100(every_case):
+    # A stack is registers spilled to local memory: the radix decoder's old tile spilled
+    # about 5 KB a thread and ran at 0.04 of the HBM read.
+    _, rows, _ = every_case
+    names = {r["case"] for r in rows}
+    assert {"sign decode", "counts-radix-m2 decode", "counts-w16 decode (m=65535)",
+            "qsgd-8 encode, bucket 512", "ring last step (decide)"} <= names
+    assert [(r["case"], r["stack"]) for r in rows if r["stack"]] == []
+    assert all(0 < r["registers"] <= 255 for r in rows)
+
+
+def test_rows_are_printed_and_saved(every_case):
+    result, rows, out = every_case
+    with open(out / "kernels-sm90.csv") as fh:
+        saved = list(csv.DictReader(fh))
+    assert [r["case"] for r in saved] == [r["case"] for r in rows]
+    for r in rows:
+        assert r["case"] in result.stdout
+        # Every kernel does some work per element and touches memory.
+        assert r["per_element"] > 1 and r["loads"] + r["stores"] > 0, r
+    # The sign encoder reads 8 float32 elements a byte: far fewer instructions an element than
+    # the qsgd encoder's hash and rounding.
+    by = {r["case"]: r for r in rows}
+    assert by["sign encode fp32"]["per_element"] < by["qsgd-4 encode, bucket 512"]["per_element"]
+
+
+def test_only_filters_cases_and_unknown_names_fail(tmp_path):
+    result = _bench(tmp_path, "--only", "sign decode", "--n", "1M")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "kernels-sm90.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["sign decode"]
+    assert rows[0]["programs"] == (1 << 20) // 8 // _kernels.TUNING["sign_unpack"][0]
+    result = _bench(tmp_path, "--only", "no such kernel")
+    assert result.returncode == 2 and "no case name contains" in result.stderr
+
+
+def test_interpreted_kernels_cannot_be_compiled(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "TRITON_INTERPRET" in kernels.available()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        kernels.run(1 << 10)
