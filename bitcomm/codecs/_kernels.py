@@ -257,9 +257,10 @@ def _planes_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, maxval, flags_ptr, W:
 def _radix_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, limit, flags_ptr, W: tl.constexpr,
                          G: tl.constexpr, BASE: tl.constexpr, SMALL: tl.constexpr,
                          BLOCK: tl.constexpr):
-    # One code per lane, a 1-D tile of BLOCK codes: the [bytes, 8] tile of the plain planes
-    # kept 8 * G digits per lane live across the digit loop, and on sm_90 that compiled to
-    # a stack frame of about 5 KB per thread (every digit spilled to local memory).
+    # One code per lane, a 1-D tile of BLOCK codes. Split from the plain planes' [bytes, 8]
+    # tile, the digits compiled to a stack of 1.4-5.8 KB per thread on sm_90 (registers
+    # spilled to local memory; `bitcomm bench kernels`), and decoded at 0.04 of an H100's HBM
+    # read.
     c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if SMALL:  # every digit index fits in int32
         c = c.to(tl.int32)
@@ -375,7 +376,7 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, n, nbytes, nbuck
     t = (a * f + 0.5).to(tl.int32)  # two roundings: the launch turns off fused multiply-add
     level = tl.minimum((t + _random16(idx, key, SMALL)) >> 16, S)
     sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
-    # Elements past n loaded as 0.0 and a zero factor or |x| gives level 0: their code is 0.
+    # Elements past n load as 0.0: level 0 and sign 0, so their code is 0 without a mask.
     code = (sign << (BITS - 1)) | level
     byte = tl.sum(code << (8 - BITS * (j + 1))[None, None, :], axis=2)
     ob = r[:, None] * C + c[None, :]
@@ -435,8 +436,10 @@ def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, BITS: 
     code = (byte[:, None] >> (8 - BITS * (j + 1))[None, :]) & ((1 << BITS) - 1)
     idx = ob[:, None] * PER + j[None, :]
     live = idx < n
-    # A power-of-two bucket is a shift; any other a division, which compiles to tens of
-    # instructions an element (a 64-bit one to a loop with branches).
+    # A power-of-two bucket is a shift, any other a division: with the division in int64
+    # the kernel compiled to 24-68 instructions an element, with the shift in int32 to 13-26
+    # (`bitcomm bench kernels`). An H100 timed a shift of int64 indices no faster than the
+    # division, so the GPU benchmark has the last word.
     b = idx >> SHIFT if SHIFT >= 0 else idx // bucket
     step = tl.load(steps_ptr + b, mask=live, other=0.0)
     val = (code & S).to(tl.float32) * step

@@ -36,7 +36,7 @@ TUNING: dict[str, tuple[int, int]] = {
     "scaled_signs": (512, 4),
 }
 """Tile size and warps of each kernel's launch (any power of two is correct); chosen as
-:data:`bitcomm.codecs._kernels.TUNING` says, at most 64 registers per thread on sm_90."""
+:data:`bitcomm.codecs._kernels.TUNING` says, near or below 64 registers per thread on sm_90."""
 
 
 def _launch(name: str, kernel, total: int, *args, **kwargs) -> None:
