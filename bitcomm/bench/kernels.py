@@ -69,7 +69,8 @@ def available() -> str | None:
     """Return why kernels cannot be compiled here (no triton, no CUDA tools), or ``None``."""
     try:
         import triton  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton._C.libtriton import native_specialize_impl  # noqa: F401
+        from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
     except ImportError as e:
         return f"triton's offline compiler is not importable ({e})"
