@@ -380,3 +380,26 @@ def test_ring_steps_needs_the_triton_path():
 
     with pytest.raises(RuntimeError, match="expected a CUDA device with triton installed"):
         ring_steps(100, 2, device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selection_statistics_and_counts(dtype):
+    """score_stats and count_above against brute force, for scores given and for both sides of
+    a signed vector; values equal to a bound are not above it."""
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 7, 4097, 9000):  # 9000 spans programs of both kernels
+        v = torch.randint(-8, 9, (n,), generator=g).to(dtype) / 4  # ties at the bounds below
+        for side in (0, 1, -1):
+            s = v if side == 0 else (v.clamp(min=0) if side == 1 else v.neg().clamp(min=0))
+            total, top, bad = _kernels.score_stats(v, side).tolist()
+            assert total == s.double().sum().item() and top == s.max().item() and bad == 0
+            for m in (1, 2, 63, 64, 100):
+                bounds = torch.linspace(-2, 2, m, dtype=dtype)
+                got = _kernels.count_above(v, bounds, side)
+                want = [(s > b).sum().item() for b in bounds]
+                assert got.tolist() == want, (n, side, m)
+    v = torch.ones(5000, dtype=dtype)
+    v[4500] = float("nan")
+    assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0]
+    v[4500] = -float("inf")  # its score on the top side is 0, but the vector is not finite
+    assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0]

@@ -3,7 +3,7 @@ import torch
 
 from bitcomm.codecs import redsync, select
 
-from conftest import unhex
+from conftest import OTHER_PATHS, forced, host_reads, unhex
 
 
 def test_golden_worked_example():
@@ -61,3 +61,21 @@ def test_bad_input():
         redsync.encode(torch.ones(3, dtype=torch.int32), 1)
     with pytest.raises(ValueError, match="k >= 0"):
         redsync.encode(torch.ones(3), -2)
+
+
+@pytest.mark.parametrize("p, reads", [("torch", 5), pytest.param(*OTHER_PATHS[1].values, 4,
+                                                                  marks=OTHER_PATHS[1].marks)])
+@pytest.mark.parametrize("method", ["trimmed", "threshold"])
+def test_a_search_encodes_with_few_host_reads_off_the_numpy_path(p, reads, method,
+                                                                   monkeypatch):
+    """Off the numpy path (CUDA) each read waits for the device. The Triton path reads mean,
+    max and finiteness together (1), the counts (1), the survivors' number (1) and the number
+    of same-signed ones (1); the torch path checks finiteness in a read of its own."""
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(1))
+    with forced("numpy"):
+        want = redsync.encode(x, 200, "bottom", method)
+    with forced(p):
+        seen = host_reads(monkeypatch, lambda: redsync.encode(x, 200, "bottom", method))
+        got = redsync.encode(x, 200, "bottom", method)
+    assert len(seen) == reads, seen
+    assert torch.equal(got, want)

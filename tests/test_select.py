@@ -3,7 +3,7 @@ import torch
 
 from bitcomm.codecs import select
 
-from conftest import forced, host_reads, needs_interpreter
+from conftest import OTHER_PATHS, forced, host_reads, needs_interpreter
 
 
 def brute_topk(s: torch.Tensor, k: int) -> list[int]:
@@ -114,13 +114,53 @@ def test_every_path_searches_to_the_same_thresholds():
             for eps in (1e-3, 0.05, 1e-9):
                 with forced("numpy"):
                     want = select.threshold_search(s, k, eps=eps)
-                with forced("torch"):
-                    got = select.threshold_search(s, k, eps=eps)
-                assert torch.equal(got, want), (s.dtype, k, eps)
+                for p in OTHER_PATHS:
+                    with forced(p):
+                        got = select.threshold_search(s, k, eps=eps)
+                    assert torch.equal(got, want), (p, s.dtype, k, eps)
             for eps in (0.2, 0.01, 0.3):
-                with forced("torch"):
-                    got = select.trimmed_topk(s, k, eps=eps)
-                assert got.tolist() == brute_topk(s, k), (s.dtype, k, eps)
+                for p in OTHER_PATHS:
+                    with forced(p):
+                        got = select.trimmed_topk(s, k, eps=eps)
+                    assert got.tolist() == brute_topk(s, k), (p, s.dtype, k, eps)
+
+
+@pytest.mark.parametrize("side", [1, -1])
+def test_a_side_selects_what_its_scores_select_on_every_path(side):
+    """select_side(v, side) is select on max(+-v, 0): on the Triton path the searches compute
+    those scores inside their passes instead of writing them."""
+    g = torch.Generator().manual_seed(8)
+    cases = [torch.randn(5000, generator=g), torch.randn(3001, generator=g).double(),
+             torch.randint(-4, 5, (3000,), generator=g).float(),  # ties, zeros, both signs
+             torch.randn(2000, generator=g).half()]
+    for v in cases:
+        scores = v.clamp(min=0) if side > 0 else v.neg().clamp(min=0)
+        for k in (0, 1, 100, 900, 10_000):
+            for method, options in [("trimmed", {}), ("trimmed", {"eps": 0.01}),
+                                    ("threshold", {}), ("threshold", {"eps": 0.05}),
+                                    ("topk", {}), ("sidco-e", {})]:
+                with forced("numpy"):
+                    want = select.select(scores, k, method, **options)
+                for p in ["numpy", *OTHER_PATHS]:
+                    with forced(p):
+                        got = select.select_side(v, k, side, method, **options)
+                    assert torch.equal(got, want), (p, v.dtype, k, method, options)
+
+
+@pytest.mark.parametrize("p", ["numpy", *OTHER_PATHS])
+def test_a_side_refuses_nan_and_inf_anywhere_in_the_vector(p):
+    # -inf has the score 0 on the top side: the check is of the vector, not of its scores.
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        v = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+        v[777] = bad
+        for method in ("trimmed", "threshold", "topk"):
+            for k in (10, 1000):
+                with forced(p), pytest.raises(ValueError, match="finite values"):
+                    select.select_side(v, k, 1, method)
+    with pytest.raises(ValueError, match="side 1 or -1"):
+        select.select_side(torch.ones(3), 1, 0)
+    with pytest.raises(TypeError, match="only eps"):
+        select.select_side(torch.ones(3), 1, 1, "trimmed", stages=2)
 
 
 @pytest.mark.parametrize("method, eps, reads", [

@@ -156,6 +156,24 @@ def test_one_host_read_for_all_checks(monkeypatch):
     assert len(sites) == 2 and any(f == "_frame.py" for f, _ in sites), hits  # header, rules
 
 
+def test_encode_without_the_check_writes_the_same_frame_and_reads_nothing(monkeypatch):
+    # For entries a selector built (ascending, distinct, in range, finite): the checked frame's
+    # bytes, without its sort and its host read.
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    idx = torch.tensor([3, 7, 41, 900])
+    for fmt in ("fp32", "fp16", "mean"):
+        checked = sparse.encode(idx, x[idx], 1000, fmt)
+        with forced("torch"):
+            hits = host_reads(monkeypatch,
+                              lambda f=fmt: sparse.encode(idx, x[idx], 1000, f, check=False))
+            assert hits == [] and torch.equal(
+                sparse.encode(idx, x[idx], 1000, fmt, check=False), checked), fmt
+    # unsorted entries are the caller's to avoid: check=False writes them as given
+    frame = sparse.encode(idx.flip(0), x[idx.flip(0)], 1000, "fp32", check=False)
+    with pytest.raises(ValueError, match="increasing"):
+        sparse.decode(frame)
+
+
 def test_wrong_inputs_get_the_documented_exception_types():
     with pytest.raises(OverflowError, match=r"n < 2\*\*63"):
         sparse.encode(torch.tensor([1]), torch.tensor([1.0]), 2**63)

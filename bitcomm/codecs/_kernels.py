@@ -16,6 +16,9 @@ launch never waits for the device.
   of :mod:`bitcomm.codecs._rng`, fixed-point stochastic rounding, packing) in one pass when the
   bucket is a power of two up to :data:`MAX_FUSED_BUCKET`; otherwise with per-bucket factors
   computed by torch. The decoder multiplies each level by its bucket's step.
+* :func:`score_stats` / :func:`count_above`: the passes of :mod:`bitcomm.codecs.select`'s
+  threshold searches (mean, max and finiteness; how many scores exceed each of a few dozen
+  thresholds), computing RedSync's one-sided scores ``max(+-x, 0)`` as they read ``x``.
 
 Decoders also set a one-element flag when the payload breaks a rule (non-zero padding, a count
 above ``m``, a radix code out of range): only the lanes that see a broken rule store to it, so
@@ -44,7 +47,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["launch", "sign_pack", "sign_unpack", "partial_sums", "planes_pack", "planes_unpack",
-           "qsgd_codes", "qsgd_values", "MAX_FUSED_BUCKET"]
+           "qsgd_codes", "qsgd_values", "score_stats", "count_above", "MAX_FUSED_BUCKET"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -61,6 +64,8 @@ TUNING: dict[str, tuple[int, int]] = {
     "radix_unpack": (512, 4),
     "qsgd_codes": (2048, 4),
     "qsgd_values": (1024, 4),
+    "score_stats": (2048, 4),  # elements
+    "count_above": (2048, 4),  # elements
 }
 """Tile size and warps of each kernel's launch; any power of two from 8 is correct (the tests
 run the kernels at the smallest sizes too).
@@ -464,3 +469,86 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
                SMALL=grid[0] * block * (8 // bits) < 2**31, BLOCK=block, BF16=bf16,
                enable_fp_fusion=False, **opts)
     return out
+
+
+# --- selection (bitcomm.codecs.select) ---------------------------------------------------------
+
+
+@triton.jit
+def _side_scores(x, SIDE: tl.constexpr):
+    # The scores a selector ranks: x itself (SIDE 0), or max(x, 0) / max(-x, 0) of a signed
+    # vector (RedSync's top and bottom sides), so the scores are never written to memory.
+    if SIDE == 1:
+        return tl.maximum(x, 0.0)
+    if SIDE == -1:
+        return tl.maximum(-x, 0.0)
+    return x
+
+
+@triton.jit
+def _score_stats_kernel(x_ptr, out_ptr, n, SIDE: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    x = tl.load(x_ptr + i, mask=live, other=0.0)
+    bad = (x != x) | (tl.abs(x) == float("inf"))
+    s = tl.where(bad, 0.0, _side_scores(x, SIDE))
+    # Only the sum needs float64 (exact conversions of every float dtype); the max and the
+    # check stay in the scores' dtype.
+    tl.store(out_ptr + pid * 3, tl.sum(s.to(tl.float64), axis=0))
+    top = tl.max(tl.where(live, s, -float("inf")), axis=0)
+    tl.store(out_ptr + pid * 3 + 1, top.to(tl.float64))
+    tl.store(out_ptr + pid * 3 + 2, tl.max(bad.to(tl.float64), axis=0))
+
+
+def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
+    """Return float64 ``[sum, max, bad]`` of the scores of ``x``, on its device (no host read).
+
+    The scores are ``x`` (``side=0``), ``max(x, 0)`` (1) or ``max(-x, 0)`` (-1); ``bad`` is 1
+    if ``x`` holds NaN or inf (those elements are left out of the sum and the max). One read
+    of ``x``: block sums in float64, then torch adds the blocks.
+    """
+    n = x.numel()
+    block, opts = _config("score_stats")
+    grid = _grid(n, block)
+    parts = torch.empty((grid[0], 3), dtype=torch.float64, device=x.device)
+    launch(_score_stats_kernel, grid, x, parts, n, SIDE=side, BLOCK=block, **opts)
+    return torch.stack([parts[:, 0].sum(), parts[:, 1].max(), parts[:, 2].max()])
+
+
+@triton.jit
+def _count_above_kernel(x_ptr, bounds_ptr, counts_ptr, n, SIDE: tl.constexpr, T: tl.constexpr,
+                        LOG: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    s = _side_scores(tl.load(x_ptr + i, mask=live, other=0.0), SIDE)
+    # pos = how many of the T - 1 sorted bounds (padded with +inf) lie below s: a binary
+    # search whose probes are loads of a small array that stays in cache.
+    pos = tl.zeros([BLOCK], dtype=tl.int32)
+    for level in tl.static_range(LOG):
+        step = T >> (level + 1)
+        bound = tl.load(bounds_ptr + pos + (step - 1))
+        pos = tl.where(bound < s, pos + step, pos)
+    tl.atomic_add(counts_ptr + tl.arange(0, T), tl.histogram(pos, T, mask=live))
+
+
+def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0) -> torch.Tensor:
+    """Return int32 ``c`` with ``c[j]`` = how many scores exceed ``bounds[j]``, on the device.
+
+    ``bounds``: ascending, of the scores' dtype (float32 or float64); scores as in
+    :func:`score_stats`. One read of ``x``; integer counts, so the same on every
+    device and in any order of the atomic additions.
+    """
+    m = bounds.numel()
+    levels = max(1, m.bit_length())  # T = 2**levels > m: room for every bound
+    t = 1 << levels
+    padded = torch.full((t - 1,), float("inf"), dtype=bounds.dtype, device=x.device)
+    padded[:m] = bounds
+    hist = torch.zeros(t, dtype=torch.int32, device=x.device)
+    n = x.numel()
+    if n:
+        block, opts = _config("count_above")
+        launch(_count_above_kernel, _grid(n, block), x, padded, hist, n, SIDE=side, T=t,
+               LOG=levels, BLOCK=block, **opts)
+    # scores above bounds[j] are those whose position is past j
+    return hist.flip(0).cumsum(0, dtype=torch.int32).flip(0)[1 : m + 1]

@@ -40,7 +40,8 @@ import torch
 
 from bitcomm.codecs import _frame, sidco
 
-__all__ = ["topk", "trimmed_topk", "threshold_search", "select", "METHODS", "SIDCO", "MIN_EPS"]
+__all__ = ["topk", "trimmed_topk", "threshold_search", "select", "select_side", "METHODS",
+           "SIDCO", "MIN_EPS"]
 
 SIDCO = {"sidco-e": "exponential", "sidco-p": "pareto", "sidco-gp": "gamma-pareto"}
 """SIDCo's selectors by name, and the distribution each fits."""
@@ -68,10 +69,61 @@ def _prepare(scores: torch.Tensor, k: int, check: bool) -> tuple[torch.Tensor, i
     return s, min(k, s.numel())
 
 
-def _mean_max(s: torch.Tensor) -> tuple[float, float]:
-    """Mean and max of the scores: the two ends RedSync's thresholds interpolate between."""
-    mean, top = torch.stack([s.mean(dtype=torch.float64), s.max().to(torch.float64)]).tolist()
-    return mean, top  # one host read
+class _Scores:
+    """The scores a threshold search ranks: a tensor of them, or one side of a signed vector.
+
+    ``side`` 0: ``v`` holds the scores; 1 or -1: the scores are ``max(v, 0)`` or ``max(-v, 0)``
+    (RedSync's top and bottom sides). On the Triton path (float32 and float64) each pass
+    computes the scores of the side as it reads ``v``, so they are never written; elsewhere
+    they are materialised once, when first asked for.
+    """
+
+    def __init__(self, v: torch.Tensor, side: int = 0):
+        self.v, self.side = v, side
+        self.what = "scores" if side == 0 else "values"  # what a NaN/inf error names
+        self.fused = _frame.use_triton(v) and v.dtype in (torch.float32, torch.float64)
+        self._s: torch.Tensor | None = v if side == 0 else None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The scores, materialised on first use."""
+        if self._s is None:
+            self._s = self.v.clamp(min=0) if self.side > 0 else self.v.neg().clamp_(min=0)
+        return self._s
+
+    def numel(self) -> int:
+        """How many scores."""
+        return self.v.numel()
+
+    def stats(self, check: bool) -> tuple[float, float]:
+        """Return the mean and max of the scores (one host read); ``check``: refuse NaN/inf.
+
+        RedSync's thresholds interpolate between the two.
+        """
+        if self.fused:  # the finiteness check rides on the same read
+            total, top, bad = _frame.kernels().score_stats(self.v, self.side).tolist()
+            if check and bad:
+                raise ValueError(f"expected finite {self.what}, got NaN or inf")
+            return total / self.v.numel(), top
+        _finite(self, check)
+        s = self.tensor
+        mean, top = torch.stack([s.mean(dtype=torch.float64), s.max().to(torch.float64)]).tolist()
+        return mean, top  # one host read
+
+    def above(self, threshold: float) -> torch.Tensor:
+        """Return the ascending indices of the scores above ``threshold`` (which is >= 0)."""
+        if self.fused and self.side:
+            # a score max(+-v, 0) exceeds a threshold >= 0 exactly when +-v does
+            return torch.nonzero((self.v > threshold) if self.side > 0
+                                 else (self.v < -threshold)).reshape(-1)
+        return torch.nonzero(self.tensor > threshold).reshape(-1)
+
+    def at(self, idx: torch.Tensor) -> torch.Tensor:
+        """Return the scores at ``idx``."""
+        if self._s is None:
+            v = self.v[idx]
+            return v.clamp(min=0) if self.side > 0 else v.neg().clamp_(min=0)
+        return self._s[idx]
 
 
 LEVELS = 6
@@ -90,30 +142,36 @@ class _Counts:
     both ways give the search the same numbers and the same result.
     """
 
-    def __init__(self, s: torch.Tensor):
-        self.s = s
+    def __init__(self, scores: _Scores):
+        self.scores = scores
         self.known: dict[float, int] = {}
         # float32 and float64 compare with the threshold rounded to their own dtype on every
         # device; 16-bit scores may compare in float32 on a GPU, so they ask one at a time.
-        self.ahead = not _frame.use_numpy(s) and s.dtype in (torch.float32, torch.float64)
+        v = scores.v
+        self.ahead = not _frame.use_numpy(v) and v.dtype in (torch.float32, torch.float64)
 
     def __call__(self, threshold: float, speculate) -> int:
         """Return how many scores exceed ``threshold``; ``speculate()`` lists what may follow."""
         if threshold not in self.known:
             if not self.ahead:
-                self.known[threshold] = int((self.s > threshold).sum().item())
+                self.known[threshold] = int((self.scores.tensor > threshold).sum().item())
             else:
                 self._fetch(sorted({threshold, *speculate()}))
         return self.known[threshold]
 
     def _fetch(self, thresholds: list[float]) -> None:
+        v = self.scores.v
         rounded = np.asarray(thresholds, dtype=np.float64).astype(
-            np.float32 if self.s.dtype == torch.float32 else np.float64)
+            np.float32 if v.dtype == torch.float32 else np.float64)
         order = np.sort(rounded)
-        bounds = _frame.to_device(torch.from_numpy(order), self.s.device)
-        ids = torch.bucketize(self.s, bounds, out_int32=True)  # how many bounds lie below
-        hist = torch.bincount(ids, minlength=len(thresholds) + 1)
-        above = hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # the one host read
+        bounds = _frame.to_device(torch.from_numpy(order), v.device)
+        if self.scores.fused:  # one pass over v, a histogram of positions among the bounds
+            above = _frame.kernels().count_above(v, bounds, self.scores.side).tolist()
+        else:
+            s = self.scores.tensor
+            ids = torch.bucketize(s, bounds, out_int32=True)  # how many bounds lie below
+            hist = torch.bincount(ids, minlength=len(thresholds) + 1)
+            above = hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # the one host read
         # a threshold's count is that of its first copy among the sorted (equal ones agree)
         for t, j in zip(thresholds, np.searchsorted(order, rounded), strict=True):
             self.known[t] = above[int(j)]
@@ -183,12 +241,22 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
         check: raise ``ValueError`` on NaN or inf scores.
 
     """
-    s, k = _prepare(scores, k, check)
-    eps = _check_eps(eps, upper_open=False)
-    if k == 0 or k >= s.numel():
-        return _exact(s, k)
-    mean, top = _mean_max(s)
-    counts = _Counts(s)
+    s, k = _prepare(scores, k, check=False)
+    return _trimmed(_Scores(s), k, _check_eps(eps, upper_open=False), check)
+
+
+def _finite(src: _Scores, check: bool) -> None:
+    # The check of the paths that skip the statistics (whose read carries it).
+    if check and src.numel() and not _frame.all_finite(src.v):
+        raise ValueError(f"expected finite {src.what}, got NaN or inf")
+
+
+def _trimmed(src: _Scores, k: int, eps: float, check: bool) -> torch.Tensor:
+    if k == 0 or k >= src.numel():
+        _finite(src, check)
+        return _exact(src.tensor, k)
+    mean, top = src.stats(check)
+    counts = _Counts(src)
 
     def threshold(step: int) -> float:
         return mean + (1.0 - eps * step) * (top - mean)
@@ -205,7 +273,7 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
     # most of the tensor anyway, so the exact top-k runs on all of it.
     last = math.floor(1 / eps)
     if last < 1 or kept(last, 0, last) < k:
-        return _exact(s, k)
+        return _exact(src.tensor, k)
     lo, hi = 0, last  # kept(lo) < k (step 0 is the max itself), kept(hi) >= k
     while hi - lo > 1:  # at most log2(1 / eps) + 1 passes
         mid = halve(lo, hi)
@@ -213,8 +281,8 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
             hi = mid
         else:
             lo = mid
-    keep = torch.nonzero(s > threshold(hi)).reshape(-1)
-    return keep[_exact(s[keep], k)]
+    keep = src.above(threshold(hi))
+    return keep[_exact(src.at(keep), k)]
 
 
 def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: bool = True
@@ -228,12 +296,16 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
         check: raise ``ValueError`` on NaN or inf scores.
 
     """
-    s, k = _prepare(scores, k, check)
-    eps = _check_eps(eps, upper_open=True)
-    if k == 0 or k >= s.numel():
-        return _exact(s, k)
-    mean, top = _mean_max(s)
-    counts = _Counts(s)
+    s, k = _prepare(scores, k, check=False)
+    return _threshold(_Scores(s), k, _check_eps(eps, upper_open=True), check)
+
+
+def _threshold(src: _Scores, k: int, eps: float, check: bool) -> torch.Tensor:
+    if k == 0 or k >= src.numel():
+        _finite(src, check)
+        return _exact(src.tensor, k)
+    mean, top = src.stats(check)
+    counts = _Counts(src)
 
     def threshold(ratio: float) -> float:
         return mean + ratio * (top - mean)
@@ -247,7 +319,7 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
                                                  _halvings(lo, hi, halve, LEVELS)])
 
     if above(0.0, 0.0, 1.0) < k:
-        return _exact(s, k)
+        return _exact(src.tensor, k)
     lo, hi = 0.0, 1.0  # invariant: at least k scores exceed the threshold at ratio lo
     for _ in range(math.ceil(math.log2(1 / eps)) + 1):  # each round halves hi - lo
         if hi - lo <= eps:
@@ -261,7 +333,32 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
             hi = mid
         else:
             lo = mid
-    return torch.nonzero(s > threshold(lo)).reshape(-1)
+    return src.above(threshold(lo))
+
+
+def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
+                check: bool = True, **options: float) -> torch.Tensor:
+    """Select among the scores ``max(v, 0)`` (``side=1``) or ``max(-v, 0)`` (``side=-1``).
+
+    The same indices as ``select(scores, k, method, **options)`` on those scores, for
+    RedSync's sides. On the Triton path the threshold searches (``"trimmed"``,
+    ``"threshold"``) compute the scores inside their passes over ``v`` instead of writing them,
+    and ``check`` (NaN or inf anywhere in ``v``: ``ValueError``) rides on their first read.
+    """
+    v = _frame.check_float(v, "v")
+    k = min(_frame.check_count(k, "k"), v.numel())
+    if side not in (1, -1):
+        raise ValueError(f"expected side 1 or -1, got {side!r}")
+    src = _Scores(v, side)
+    if method in ("trimmed", "threshold"):
+        eps = options.pop("eps", 0.2 if method == "trimmed" else 1e-3)
+        if options:
+            raise TypeError(f"{method} takes only eps, got {sorted(options)}")
+        if method == "trimmed":
+            return _trimmed(src, k, _check_eps(eps, upper_open=False), check)
+        return _threshold(src, k, _check_eps(eps, upper_open=True), check)
+    _finite(src, check)
+    return select(src.tensor, k, method, check=False, **options)
 
 
 def select(scores: torch.Tensor, k: int, method: str = "topk", *, check: bool = True,

@@ -121,7 +121,7 @@ def encoded_size(n: int, k: int, fmt: ValueFormat = "fp32") -> int:
 
 
 def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
-           fmt: ValueFormat = "fp32") -> torch.Tensor:
+           fmt: ValueFormat = "fp32", *, check: bool = True) -> torch.Tensor:
     """Encode entries ``(indices[i], values[i])`` of an ``n``-vector as one sparse frame.
 
     Args:
@@ -129,6 +129,10 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
         values: float tensor of k values (for ``fmt="mean"``, their mean is what is sent).
         n: the dense length.
         fmt: ``"fp32"``, ``"fp16"``, ``"mean"``, ``"qsgd"`` or a :class:`Qsgd` with settings.
+        check: sort the entries and check them (indices in range and distinct, values finite
+            and, for fp16, in its range), which costs a host read on a GPU. ``False`` is for
+            callers whose entries are already so (a selector's ascending indices of a checked
+            vector); broken entries then make a broken frame.
 
     Returns:
         uint8 frame on ``values``' device, :func:`encoded_size` bytes long.
@@ -143,7 +147,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
         raise ValueError(f"expected as many values as indices ({k}), got {val.numel()}")
     device = val.device
     idx = idx.to(device=device, dtype=torch.int64)
-    if k:
+    if k and check:
         idx, order = idx.sort()
         val = val[order]
         _check_entries(idx, val, n, fp16=fmt == "fp16")
