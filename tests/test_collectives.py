@@ -703,6 +703,32 @@ def test_sparse_allgather_reads_the_host_twice_per_call_on_a_device(size, path, 
         assert torch.equal(dense, dense0) and torch.equal(idx, idx0) and torch.equal(val, val0)
 
 
+def test_sparse_allgather_checks_its_own_entries_only_without_the_agreement(monkeypatch):
+    """With check the agreement found the input finite (and fp16's range was validated), so
+    the selector's entries are not checked again (a host read on a device); without it the
+    encoder's check is the only one, and stays."""
+    from bitcomm.codecs import sparse as sparse_codec
+
+    xs = inputs(2, 1001, seed=4)
+    checked = []
+    original = sparse_codec._check_entries
+
+    def spy(*args, **kwargs):
+        checked.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sparse_codec, "_check_entries", spy)
+    for fmt in ("fp32", "fp16"):
+        for check, calls in ((True, 0), (False, 2)):
+            checked.clear()
+            got = run_local(lambda c, f=fmt, ch=check: sparse_allgather(c, xs[c.rank], 10,
+                                                                         fmt=f, check=ch), 2)
+            assert len(checked) == calls, (fmt, check)
+            want = run_local(lambda c, f=fmt: sparse_allgather(c, xs[c.rank], 10, fmt=f,
+                                                               check=False), 2)
+            assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("packing, path", [
     ("fixed", "numpy"), ("fixed", "torch"), ("radix", "numpy"), ("radix", "torch"),
     pytest.param("radix", "triton", marks=[needs_interpreter, pytest.mark.triton])])
