@@ -26,6 +26,10 @@ and, from SIDCo (:mod:`bitcomm.codecs.sidco`), threshold fits that select about 
 stage: ``"sidco-e"`` (exponential), ``"sidco-p"`` (generalized Pareto) and ``"sidco-gp"``
 (gamma, then Pareto), with options ``stages`` and ``first``.
 
+:func:`select_side` runs any of them on one side of a signed vector, the scores ``max(v, 0)``
+or ``max(-v, 0)`` (RedSync's sign-uniform frames); on the Triton path the two threshold
+searches compute those scores inside their passes over ``v`` and never write them.
+
 The RedSync threshold selectors refuse ``eps`` below :data:`MIN_EPS`: finer steps than that
 cannot change which float32 scores exceed the threshold, and a bisection below double
 precision's resolution never ends.
