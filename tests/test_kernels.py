@@ -382,10 +382,13 @@ def test_ring_steps_needs_the_triton_path():
         ring_steps(100, 2, device="cpu")
 
 
+@pytest.mark.parametrize("programs", [4096, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_selection_statistics_and_counts(dtype):
+def test_selection_statistics_and_counts(dtype, programs, monkeypatch):
     """score_stats and count_above against brute force, for scores given and for both sides of
-    a signed vector; values equal to a bound are not above it."""
+    a signed vector; values equal to a bound are not above it. With 2 programs each of
+    count_above's programs strides over several tiles."""
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
     g = torch.Generator().manual_seed(11)
     for n in (1, 7, 4097, 9000):  # 9000 spans programs of both kernels
         v = torch.randint(-8, 9, (n,), generator=g).to(dtype) / 4  # ties at the bounds below

@@ -13,7 +13,7 @@ for the data), and reports for each:
   times its threads, over the elements the program covers (fp32 inputs for encoders, outputs
   for decoders, counts for the count codecs). The count is static: loops are unrolled
   (``tl.static_range``), except the loops over ranks of ``vote_count`` and ``weighted_votes``,
-  counted once.
+  counted once, and ``count_above``'s loop over tiles, counted per tile.
 * ``loads`` and ``stores``: global memory instructions per element and lane, the same way.
 
 Why instructions per element: an H100 SXM issues at most about 33e12 lane-instructions a second
@@ -157,7 +157,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                     lambda b=bits, c=codes, s=steps_: k.qsgd_values(
                         c, n, b, qsgd.DEFAULT_BUCKET, s, torch.float32)))
     out += [("redsync-1% mean, max, check", n, lambda: k.score_stats(x, 1)),
-            ("redsync-1% counts of 63 bounds", n,
+            # its programs stride over the tiles: the static count is one tile's
+            ("redsync-1% counts of 63 bounds",
+             min(n, k.COUNT_PROGRAMS * k.TUNING["count_above"][0]),
              lambda: k.count_above(x, meta(63, torch.float32), 1))]
     ranks = 8
     chunk = n // ranks

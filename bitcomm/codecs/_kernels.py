@@ -65,7 +65,7 @@ TUNING: dict[str, tuple[int, int]] = {
     "qsgd_codes": (2048, 4),
     "qsgd_values": (1024, 4),
     "score_stats": (2048, 4),  # elements
-    "count_above": (2048, 4),  # elements
+    "count_above": (1024, 4),  # elements per tile
 }
 """Tile size and warps of each kernel's launch; any power of two from 8 is correct (the tests
 run the kernels at the smallest sizes too).
@@ -519,17 +519,28 @@ def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
 @triton.jit
 def _count_above_kernel(x_ptr, bounds_ptr, counts_ptr, n, SIDE: tl.constexpr, T: tl.constexpr,
                         LOG: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
-    s = _side_scores(tl.load(x_ptr + i, mask=live, other=0.0), SIDE)
-    # pos = how many of the T - 1 sorted bounds (padded with +inf) lie below s: a binary
-    # search whose probes are loads of a small array that stays in cache.
-    pos = tl.zeros([BLOCK], dtype=tl.int32)
-    for level in tl.static_range(LOG):
-        step = T >> (level + 1)
-        bound = tl.load(bounds_ptr + pos + (step - 1))
-        pos = tl.where(bound < s, pos + step, pos)
-    tl.atomic_add(counts_ptr + tl.arange(0, T), tl.histogram(pos, T, mask=live))
+    # A fixed number of programs, each striding over tiles and adding its T counts to the
+    # result once: one program per tile would pile millions of atomic additions onto the same
+    # T addresses.
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    acc = tl.zeros([T], dtype=tl.int32)
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+        i = start + tl.arange(0, BLOCK)
+        live = i < n
+        s = _side_scores(tl.load(x_ptr + i, mask=live, other=0.0), SIDE)
+        # pos = how many of the T - 1 sorted bounds (padded with +inf) lie below s: a binary
+        # search whose probes are loads of a small array that stays in cache.
+        pos = tl.zeros([BLOCK], dtype=tl.int32)
+        for level in tl.static_range(LOG):
+            half = T >> (level + 1)
+            bound = tl.load(bounds_ptr + pos + (half - 1))
+            pos = tl.where(bound < s, pos + half, pos)
+        acc += tl.histogram(pos, T, mask=live)
+    tl.atomic_add(counts_ptr + tl.arange(0, T), acc)
+
+
+COUNT_PROGRAMS = 4096
+"""Programs of :func:`count_above` at most (each adds its counts once)."""
 
 
 def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0) -> torch.Tensor:
@@ -548,7 +559,8 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0) -> torch.T
     n = x.numel()
     if n:
         block, opts = _config("count_above")
-        launch(_count_above_kernel, _grid(n, block), x, padded, hist, n, SIDE=side, T=t,
-               LOG=levels, BLOCK=block, **opts)
+        grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
+        launch(_count_above_kernel, grid, x, padded, hist, n, SIDE=side, T=t, LOG=levels,
+               BLOCK=block, **opts)
     # scores above bounds[j] are those whose position is past j
     return hist.flip(0).cumsum(0, dtype=torch.int32).flip(0)[1 : m + 1]
