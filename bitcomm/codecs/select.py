@@ -246,7 +246,7 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
 
     """
     s, k = _prepare(scores, k, check=False)
-    return _trimmed(_Scores(s), k, _check_eps(eps, upper_open=False), check)
+    return _search(_Scores(s), k, "trimmed", eps, check)
 
 
 def _finite(src: _Scores, check: bool) -> None:
@@ -255,13 +255,19 @@ def _finite(src: _Scores, check: bool) -> None:
         raise ValueError(f"expected finite {src.what}, got NaN or inf")
 
 
-def _trimmed(src: _Scores, k: int, eps: float, check: bool) -> torch.Tensor:
+def _search(src: _Scores, k: int, method: str, eps: object, check: bool) -> torch.Tensor:
+    """Run RedSync's ``"trimmed"`` or ``"threshold"`` search; their common start."""
+    eps = _check_eps(eps, upper_open=method == "threshold")
     if k == 0 or k >= src.numel():
         _finite(src, check)
         return _exact(src.tensor, k)
     mean, top = src.stats(check)
-    counts = _Counts(src)
+    search = _trimmed if method == "trimmed" else _threshold
+    return search(src, k, eps, mean, top, _Counts(src))
 
+
+def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: _Counts
+             ) -> torch.Tensor:
     def threshold(step: int) -> float:
         return mean + (1.0 - eps * step) * (top - mean)
 
@@ -301,16 +307,11 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
 
     """
     s, k = _prepare(scores, k, check=False)
-    return _threshold(_Scores(s), k, _check_eps(eps, upper_open=True), check)
+    return _search(_Scores(s), k, "threshold", eps, check)
 
 
-def _threshold(src: _Scores, k: int, eps: float, check: bool) -> torch.Tensor:
-    if k == 0 or k >= src.numel():
-        _finite(src, check)
-        return _exact(src.tensor, k)
-    mean, top = src.stats(check)
-    counts = _Counts(src)
-
+def _threshold(src: _Scores, k: int, eps: float, mean: float, top: float, counts: _Counts
+               ) -> torch.Tensor:
     def threshold(ratio: float) -> float:
         return mean + ratio * (top - mean)
 
@@ -358,9 +359,7 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
         eps = options.pop("eps", 0.2 if method == "trimmed" else 1e-3)
         if options:
             raise TypeError(f"{method} takes only eps, got {sorted(options)}")
-        if method == "trimmed":
-            return _trimmed(src, k, _check_eps(eps, upper_open=False), check)
-        return _threshold(src, k, _check_eps(eps, upper_open=True), check)
+        return _search(src, k, method, eps, check)
     _finite(src, check)
     return select(src.tensor, k, method, check=False, **options)
 
