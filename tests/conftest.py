@@ -31,6 +31,8 @@ OTHER_PATHS = ["torch", pytest.param("triton", marks=[needs_interpreter, pytest.
 @contextlib.contextmanager
 def forced(path):
     """Run the body on codec path ``path`` ("numpy", "torch" or "triton") for CPU tensors."""
+    if path not in _frame.BACKENDS:  # e.g. an entry of OTHER_PATHS, which is a pytest.param
+        raise TypeError(f"expected a path in {_frame.BACKENDS}, got {path!r}")
     old = _frame.FORCE
     _frame.FORCE = None if path == "numpy" else path
     try:

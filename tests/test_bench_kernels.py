@@ -50,7 +50,7 @@ def test_no_kernel_spills_registers_on_an_h100(every_case):
     names = {r["case"] for r in rows}
     assert {"sign decode", "counts-radix-m2 decode", "counts-w16 decode (m=65535)",
             "qsgd-8 encode, bucket 512", "ring last step (decide)",
-            "redsync-1% counts of 63 bounds"} <= names
+            "redsync-1% counts of 63 bounds", "top-k 1% fp32", "top-k 1% fp64"} <= names
     assert [(r["case"], r["stack"]) for r in rows if r["stack"]] == []
     assert all(0 < r["registers"] <= 255 for r in rows)
 
@@ -62,6 +62,9 @@ def test_rows_are_printed_and_saved(every_case):
     assert [r["case"] for r in saved] == [r["case"] for r in rows]
     for r in rows:
         assert r["case"] in result.stdout
+        if r["programs"] == 1:  # radix selection's digit choice: 256 counts, not the vector
+            assert r["kernel"] == "digit_choice", r
+            continue
         # Every kernel does some work per element and touches memory.
         assert r["per_element"] > 1 and r["loads"] + r["stores"] > 0, r
     # The sign encoder reads 8 float32 elements a byte: far fewer instructions an element than

@@ -49,7 +49,7 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
     assert (tmp_path / "codecs.csv").read_text().count("\n") == len(rows) + 1
     codecs = {(r["codec"], r["op"]) for r in rows}
     for name in ("sign", "sign-scaled", "counts-w1", "counts-w4", "counts-radix-m2", "qsgd-2",
-                 "qsgd-4", "qsgd-8", "redsync-1%", "sparse-fp32-1%"):
+                 "qsgd-4", "qsgd-8", "redsync-1%", "topk-1%", "sparse-fp32-1%"):
         assert (name, "encode") in codecs and (name, "decode") in codecs
     for anchor in ("packbits", "unpackbits", "copy"):
         assert ("anchor", anchor) in codecs
@@ -86,6 +86,7 @@ def test_bench_select_prints_and_saves_every_selector(tmp_path):
     for dist in ("laplace", "t3"):
         assert by[(dist, "topk", "exact")]["selected"] == k
         assert by[(dist, "topk", "exact")]["vs_topk"] == 1.0
+        assert by[(dist, "torch-topk", "exact")]["selected"] == k
         assert by[(dist, "trimmed", "exact")]["selected"] == k  # RedSync's: the same set
         assert k <= by[(dist, "threshold", "search")]["selected"] <= 2 * k
         for name in ("sidco-e", "sidco-p", "sidco-gp"):

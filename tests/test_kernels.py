@@ -406,3 +406,35 @@ def test_selection_statistics_and_counts(dtype, programs, monkeypatch):
     assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0]
     v[4500] = -float("inf")  # its score on the top side is 0, but the vector is not finite
     assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0]
+
+
+def _brute_top(s: torch.Tensor, k: int) -> list[int]:
+    # the k largest scores, ties to lower indices (-0.0 ties with 0.0), in ascending order
+    a = s.double().numpy()
+    return sorted(np.lexsort((np.arange(a.size), -a))[:k].tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_top_indices_by_radix_selection(dtype, monkeypatch):
+    """top_indices against a sort, for scores given and both sides of a signed vector: ties
+    (many, across tiles), signed zeros, the dtype's extremes and subnormals. With 2 programs the
+    counting passes stride over several tiles."""
+    g = torch.Generator().manual_seed(12)
+    fi = torch.finfo(dtype)
+    extremes = torch.tensor([fi.max, -fi.max, fi.tiny, -fi.tiny, fi.tiny / 4, -fi.tiny / 4],
+                            dtype=torch.float64).to(dtype)
+    # 2100: three tiles of the writing kernels
+    for programs, n in [(4096, 2), (4096, 9), (4096, 2100), (2, 2100)]:
+        monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+        ties = (torch.randint(-4, 5, (n,), generator=g) / 2).to(dtype)
+        ties[torch.rand(n, generator=g) < 0.5] *= -1  # random signs: zeros become -0.0 too
+        spread = torch.randn(n, generator=g).to(dtype)
+        spread[: extremes.numel()] = extremes[:n]
+        for v in (ties, spread):
+            for side in (0, 1, -1):
+                s = v if side == 0 else (v.clamp(min=0) if side == 1
+                                         else v.neg().clamp(min=0))
+                for k in sorted({1, n // 2, n - 1}):
+                    got = _kernels.top_indices(v, k, side)
+                    assert got.dtype == torch.int64
+                    assert got.tolist() == _brute_top(s, k), (programs, n, side, k)

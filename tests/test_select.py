@@ -102,7 +102,8 @@ def test_fine_eps_finishes_in_a_bounded_number_of_passes():
                        redsync.encode(x, 10, "top", "topk"))
 
 
-def test_every_path_searches_to_the_same_thresholds():
+@pytest.mark.parametrize("p", OTHER_PATHS)
+def test_every_path_searches_to_the_same_thresholds(p):
     """Off the numpy path the counts of the next levels' thresholds come in one read; the
     search replays the same steps on them, so it picks the same set as the numpy path."""
     g = torch.Generator().manual_seed(6)
@@ -114,19 +115,18 @@ def test_every_path_searches_to_the_same_thresholds():
             for eps in (1e-3, 0.05, 1e-9):
                 with forced("numpy"):
                     want = select.threshold_search(s, k, eps=eps)
-                for p in OTHER_PATHS:
-                    with forced(p):
-                        got = select.threshold_search(s, k, eps=eps)
-                    assert torch.equal(got, want), (p, s.dtype, k, eps)
+                with forced(p):
+                    got = select.threshold_search(s, k, eps=eps)
+                assert torch.equal(got, want), (s.dtype, k, eps)
             for eps in (0.2, 0.01, 0.3):
-                for p in OTHER_PATHS:
-                    with forced(p):
-                        got = select.trimmed_topk(s, k, eps=eps)
-                    assert got.tolist() == brute_topk(s, k), (p, s.dtype, k, eps)
+                with forced(p):
+                    got = select.trimmed_topk(s, k, eps=eps)
+                assert got.tolist() == brute_topk(s, k), (s.dtype, k, eps)
 
 
+@pytest.mark.parametrize("p", ["numpy", *OTHER_PATHS])
 @pytest.mark.parametrize("side", [1, -1])
-def test_a_side_selects_what_its_scores_select_on_every_path(side):
+def test_a_side_selects_what_its_scores_select_on_every_path(side, p):
     """select_side(v, side) is select on max(+-v, 0): on the Triton path the searches compute
     those scores inside their passes instead of writing them."""
     g = torch.Generator().manual_seed(8)
@@ -141,10 +141,9 @@ def test_a_side_selects_what_its_scores_select_on_every_path(side):
                                     ("topk", {}), ("sidco-e", {})]:
                 with forced("numpy"):
                     want = select.select(scores, k, method, **options)
-                for p in ["numpy", *OTHER_PATHS]:
-                    with forced(p):
-                        got = select.select_side(v, k, side, method, **options)
-                    assert torch.equal(got, want), (p, v.dtype, k, method, options)
+                with forced(p):
+                    got = select.select_side(v, k, side, method, **options)
+                assert torch.equal(got, want), (v.dtype, k, method, options)
 
 
 @pytest.mark.parametrize("p", ["numpy", *OTHER_PATHS])

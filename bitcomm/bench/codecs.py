@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from bitcomm.codecs import _frame, counts, qsgd, redsync, sign, sparse
+from bitcomm.codecs import _frame, counts, qsgd, redsync, select, sign, sparse
 
 __all__ = ["Row", "run", "DEFAULT_SIZES", "TARGETS", "GPU_TARGETS", "time_call"]
 
@@ -52,6 +52,7 @@ GPU_TARGETS = {
     **{(f"qsgd-{b}", "encode"): ("sum", 0.5, ">= 0.5x the HBM read") for b in qsgd.BITS},
     **{(f"qsgd-{b}", "decode"): ("sum", 0.6, ">= 0.6x the HBM read") for b in qsgd.BITS},
     ("redsync-1%", "encode"): ("sum", 0.2, ">= 0.2x the HBM read"),
+    ("topk-1%", "encode"): ("sum", 0.2, ">= 0.2x the HBM read"),
 }
 """GPU targets (``device="cuda"``), all ratios to the anchor named first."""
 
@@ -157,6 +158,13 @@ def _cases(x: torch.Tensor, n: int, seed: int):
     yield ("redsync-1%", (lambda: redsync.encode(x, k, "top", "trimmed")),
            (lambda f: redsync.decode(f, n=n)[0]),
            lambda out: int(((out > 0).sum() != k)))
+
+    def topk_encode():
+        chosen = select.topk(x.abs(), k, check=False)  # ascending, so encode need not sort
+        return sparse.encode(chosen, x[chosen], n, check=False)
+
+    yield ("topk-1%", topk_encode, (lambda f: sparse.decode(f, n=n)[0]),
+           lambda out: int((out != 0).sum() != k))
     idx = torch.topk(x.abs(), k).indices
     vals = x[idx]
     yield ("sparse-fp32-1%", (lambda: sparse.encode(idx, vals, n)),

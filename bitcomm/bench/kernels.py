@@ -13,7 +13,8 @@ for the data), and reports for each:
   times its threads, over the elements the program covers (fp32 inputs for encoders, outputs
   for decoders, counts for the count codecs). The count is static: loops are unrolled
   (``tl.static_range``), except the loops over ranks of ``vote_count`` and ``weighted_votes``,
-  counted once, and ``count_above``'s loop over tiles, counted per tile.
+  counted once, and the loops over tiles of ``count_above`` and ``key_digits``, counted per
+  tile. A kernel of one program (``digit_choice``) is counted per element of the vector.
 * ``loads`` and ``stores``: global memory instructions per element and lane, the same way.
 
 Why instructions per element: an H100 SXM issues at most about 33e12 lane-instructions a second
@@ -157,10 +158,12 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                     lambda b=bits, c=codes, s=steps_: k.qsgd_values(
                         c, n, b, qsgd.DEFAULT_BUCKET, s, torch.float32)))
     out += [("redsync-1% mean, max, check", n, lambda: k.score_stats(x, 1)),
-            # its programs stride over the tiles: the static count is one tile's
-            ("redsync-1% counts of 63 bounds",
-             min(n, k.COUNT_PROGRAMS * k.TUNING["count_above"][0]),
-             lambda: k.count_above(x, meta(63, torch.float32), 1))]
+            ("redsync-1% counts of 63 bounds", n,
+             lambda: k.count_above(x, meta(63, torch.float32), 1)),
+            ("top-k 1% fp32", n, lambda: k.top_indices(x, max(1, n // 100))),
+            ("top-k 1% fp32, top side", n, lambda: k.top_indices(x, max(1, n // 100), 1)),
+            ("top-k 1% fp64", n, lambda: k.top_indices(meta(n, torch.float64),
+                                                       max(1, n // 100)))]
     ranks = 8
     chunk = n // ranks
     cb = (chunk + 7) // 8
@@ -185,6 +188,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
     ]
     return out
 
+
+_STRIDED = ("_count_above_kernel", "_key_digits_kernel")
+"""Kernels whose programs stride over the tiles of the vector."""
 
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
@@ -254,7 +260,10 @@ def run(n: int = 1 << 26, *, arch: int = ARCH, only: str | None = None,
             compiled, config = _compile(kernel, args, kwargs, arch)
             ops, regs, stack = _machine_code(compiled.asm["cubin"])
             threads = 32 * compiled.metadata.num_warps
-            lanes = threads * grid[0] / elements  # lane-instructions per instruction per element
+            covered = elements
+            if kernel.fn.__name__ in _STRIDED:  # the static count is one tile's
+                covered = min(elements, grid[0] * kwargs["BLOCK"])
+            lanes = threads * grid[0] / covered  # lane-instructions per instruction per element
             row = KernelRow(
                 case=name, kernel=kernel.fn.__name__.strip("_").removesuffix("_kernel"),
                 config=" ".join(f"{key}={value}" for key, value in config.items()),

@@ -3,7 +3,10 @@
 For each distribution, size and target ratio ``delta = k / n`` the scores are ``|x|`` of one
 vector, and every selector picks from them:
 
-* ``topk``: exact (``torch.topk``); its time is the anchor of the ``vs_topk`` column.
+* ``topk``: bitcomm's exact top-k (:func:`bitcomm.codecs.select.topk`: ``torch.topk`` on the
+  CPU, a radix selection on a GPU with triton); its time is the anchor of the ``vs_topk``
+  column. ``torch-topk``: ``torch.topk`` itself, unsorted, for comparison (on a GPU it sorts
+  a vector of 100000 or more elements).
 * ``trimmed``, ``threshold``: RedSync's trimmed top-k and threshold binary search.
 * ``sidco-e``, ``sidco-p``, ``sidco-gp``: SIDCo's fits, at one stage (``stages=1``), and after
   the stage adaptation has run on the same vector for 25 calls (``stages`` is where it ended,
@@ -35,7 +38,8 @@ __all__ = ["Row", "run", "DISTRIBUTIONS", "SELECTORS", "sample"]
 
 DISTRIBUTIONS = ("laplace", "gauss", "t3", "digits")
 """The vectors the selectors are measured on."""
-SELECTORS = ("topk", "trimmed", "threshold", "sidco-e", "sidco-p", "sidco-gp", "oktopk-reuse")
+SELECTORS = ("topk", "torch-topk", "trimmed", "threshold", "sidco-e", "sidco-p", "sidco-gp",
+             "oktopk-reuse")
 """Selector rows, in order."""
 _ADAPT_CALLS = 25
 _DIGITS_STEPS, _DIGITS_GAP = 50, 10
@@ -103,7 +107,9 @@ def _measure(dist: str, n: int, delta: float, scores: torch.Tensor,
         return Row(dist, n, delta, selector, mode, stages, best, k, got, got / k, seconds,
                    anchor / seconds)
 
-    rows = [row("topk", "exact", 0, 0, k, anchor)]
+    rows = [row("topk", "exact", 0, 0, k, anchor),
+            row("torch-topk", "exact", 0, 0, k,
+                time_call(lambda: torch.topk(scores, k, sorted=False), repeat))]
     for name in ("trimmed", "threshold"):
         got = select.select(scores, k, name, check=False).numel()
         t = time_call(lambda name=name: select.select(scores, k, name, check=False), repeat)

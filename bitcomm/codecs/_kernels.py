@@ -19,6 +19,9 @@ launch never waits for the device.
 * :func:`score_stats` / :func:`count_above`: the passes of :mod:`bitcomm.codecs.select`'s
   threshold searches (mean, max and finiteness; how many scores exceed each of a few dozen
   thresholds), computing RedSync's one-sided scores ``max(+-x, 0)`` as they read ``x``.
+* :func:`top_indices`: the exact top-k by radix selection on the scores' order-preserving
+  integer keys (one 256-bin histogram pass per key byte, the digit chosen on the device), then
+  the chosen indices written in order: no sort and no host read.
 
 Decoders also set a one-element flag when the payload breaks a rule (non-zero padding, a count
 above ``m``, a radix code out of range): only the lanes that see a broken rule store to it, so
@@ -47,7 +50,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["launch", "sign_pack", "sign_unpack", "partial_sums", "planes_pack", "planes_unpack",
-           "qsgd_codes", "qsgd_values", "score_stats", "count_above", "MAX_FUSED_BUCKET"]
+           "qsgd_codes", "qsgd_values", "score_stats", "count_above", "top_indices",
+           "MAX_FUSED_BUCKET", "DIGIT"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -66,6 +70,8 @@ TUNING: dict[str, tuple[int, int]] = {
     "qsgd_values": (1024, 4),
     "score_stats": (2048, 4),  # elements
     "count_above": (1024, 4),  # elements per tile
+    "key_digits": (1024, 4),  # elements per tile
+    "top_write": (1024, 4),  # elements, fewer than 2**16
 }
 """Tile size and warps of each kernel's launch; any power of two from 8 is correct (the tests
 run the kernels at the smallest sizes too).
@@ -564,3 +570,153 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0) -> torch.T
                BLOCK=block, **opts)
     # scores above bounds[j] are those whose position is past j
     return hist.flip(0).cumsum(0, dtype=torch.int32).flip(0)[1 : m + 1]
+
+
+# --- exact top-k by radix selection (bitcomm.codecs.select) ------------------------------------
+
+DIGIT = 8
+"""Bits of the key that one :func:`top_indices` counting pass settles (256 counters)."""
+
+
+@triton.jit
+def _order_key(x, SIDE: tl.constexpr, WIDE: tl.constexpr):
+    # A signed integer whose order is the order of the score: the float's bits with the
+    # magnitude bits of negative scores flipped. -0.0 becomes +0.0 first, since the two compare
+    # equal; 16-bit floats widen to float32, which keeps their order. NaN gets a key too
+    # (positive NaN above +inf), so a count never loses an element.
+    if WIDE:  # one return of one type: the compiler refuses a return in each branch
+        s = _side_scores(x.to(tl.float64), SIDE)
+        b = tl.where(s == 0, 0.0, s).to(tl.int64, bitcast=True)
+        key = b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
+    else:  # widened before any comparison: the interpreter compares bfloat16 wrongly
+        if x.dtype == tl.bfloat16:  # by its bits: the interpreter's cast flushes subnormals
+            x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        s = _side_scores(x.to(tl.float32), SIDE)
+        b = tl.where(s == 0, 0.0, s).to(tl.int32, bitcast=True)
+        key = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return key
+
+
+@triton.jit
+def _key_digits_kernel(x_ptr, state_ptr, hist_ptr, n, SIDE: tl.constexpr, WIDE: tl.constexpr,
+                         SHIFT: tl.constexpr, TOP: tl.constexpr, BLOCK: tl.constexpr):
+    # The histogram of the key digit at SHIFT among the keys whose higher digits equal those
+    # of the k-th largest key, settled by the earlier passes (state[0]). Programs stride over
+    # tiles as in count_above and add their 256 counts once.
+    prefix = tl.load(state_ptr)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    acc = tl.zeros([256], dtype=tl.int32)
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+        i = start + tl.arange(0, BLOCK)
+        live = i < n
+        key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
+        digit = ((key >> SHIFT) & 255).to(tl.int32)
+        if TOP:  # the sign bit: negative keys come first
+            acc += tl.histogram(digit ^ 128, 256, mask=live)
+        else:
+            group = (key >> (SHIFT + 8)) == (prefix.to(key.dtype) >> (SHIFT + 8))
+            acc += tl.histogram(digit, 256, mask=live & group)
+    tl.atomic_add(hist_ptr + tl.arange(0, 256), acc.to(tl.int64))
+
+
+@triton.jit
+def _digit_choice_kernel(hist_ptr, state_ptr, SHIFT: tl.constexpr, TOP: tl.constexpr,
+                         WIDE: tl.constexpr):
+    # One program: the digit of the k-th largest key from the pass's histogram.
+    # state: [prefix key, rank r of the k-th largest among the keys sharing the prefix,
+    # keys above the prefix's group, keys equal to the prefix (after the last pass)].
+    j = tl.arange(0, 256)
+    counts = tl.load(hist_ptr + 255 - j)  # from the largest digit down
+    r = tl.load(state_ptr + 1)
+    ahead = tl.cumsum(counts, 0) < r  # digits whose keys all rank before the k-th
+    skip = tl.sum(ahead.to(tl.int32), 0)
+    passed = tl.sum(tl.where(ahead, counts, 0), 0)
+    digit = 255 - skip
+    if TOP:
+        digit = digit ^ 128
+    if WIDE:
+        bits = digit.to(tl.int64) << SHIFT
+    else:  # a top digit shifted into an int32's sign bit gives a negative key, sign-extended
+        bits = (digit.to(tl.int32) << SHIFT).to(tl.int64)
+    tl.store(state_ptr, tl.load(state_ptr) | bits)
+    tl.store(state_ptr + 1, r - passed)
+    tl.store(state_ptr + 2, tl.load(state_ptr + 2) + passed)
+    tl.store(state_ptr + 3, tl.sum(tl.where(j == skip, counts, 0), 0))
+
+
+@triton.jit
+def _chosen_counts_kernel(x_ptr, state_ptr, counts_ptr, n, SIDE: tl.constexpr,
+                          WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # Per tile: how many keys exceed the k-th largest, and how many equal it.
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
+    kth = tl.load(state_ptr).to(key.dtype)
+    tl.store(counts_ptr + pid * 2, tl.sum((live & (key > kth)).to(tl.int32), 0))
+    tl.store(counts_ptr + pid * 2 + 1, tl.sum((live & (key == kth)).to(tl.int32), 0))
+
+
+@triton.jit
+def _chosen_write_kernel(x_ptr, state_ptr, starts_ptr, out_ptr, n, SIDE: tl.constexpr,
+                         WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # Every key above the k-th largest, and the first `need` keys equal to it in index order,
+    # written in index order: a tile's chosen indices follow those of the tiles before it.
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
+    kth = tl.load(state_ptr).to(key.dtype)
+    need = tl.load(state_ptr + 1)
+    above_before = tl.load(starts_ptr + pid * 2)
+    ties_before = tl.load(starts_ptr + pid * 2 + 1)
+    above = live & (key > kth)
+    tie = live & (key == kth)
+    # one scan for both running counts: ties in the high half, keys above in the low (a tile
+    # holds fewer than 2**16 elements)
+    both = tl.cumsum((tie.to(tl.int32) << 16) | above.to(tl.int32), 0)
+    # per-element arithmetic in int32: the ties this tile may still take, at most BLOCK
+    room = tl.minimum(tl.maximum(need - ties_before, 0), BLOCK).to(tl.int32)
+    ties = both >> 16  # the tile's ties up to here, inclusive
+    chosen = above | (tie & (ties <= room))
+    # chosen before this element: the tiles before, then the tile's keys above it and its
+    # ties taken so far
+    first = above_before + tl.minimum(ties_before, need)
+    slot = (both & 0xFFFF) + tl.minimum(ties, room) - 1
+    tl.store(out_ptr + first + slot, i, mask=chosen)
+
+
+def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
+    """Return the ascending int64 indices of the ``k`` largest scores, ties to lower indices.
+
+    ``0 < k < n``; scores as in :func:`score_stats`, of any float dtype. No sort and no host
+    read: radix selection finds the k-th largest score's key in ``ceil(bits / 8)`` counting
+    passes over ``x`` (4 for 32-bit and 16-bit floats, 8 for float64), each one histogram of a
+    key digit among the keys that share the digits settled before it; a one-program kernel
+    settles each digit on the device. Two more passes write the chosen indices in order: the
+    counts per tile above and at the k-th key, then each tile's indices at its offset.
+    """
+    n = x.numel()
+    wide = x.dtype == torch.float64
+    bits = 64 if wide else 32
+    state = torch.zeros(4, dtype=torch.int64, device=x.device)
+    state[1] = k  # a fill on the device, no copy from the host
+    hist = torch.zeros((bits // DIGIT, 256), dtype=torch.int64, device=x.device)
+    block, opts = _config("key_digits")
+    grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
+    for p, shift in enumerate(range(bits - DIGIT, -1, -DIGIT)):
+        top = p == 0
+        launch(_key_digits_kernel, grid, x, state, hist[p], n, SIDE=side, WIDE=wide,
+               SHIFT=shift, TOP=top, BLOCK=block, **opts)
+        launch(_digit_choice_kernel, (1,), hist[p], state, SHIFT=shift, TOP=top, WIDE=wide,
+               num_warps=1)
+    block, opts = _config("top_write")
+    tiles = _grid(n, block)
+    per_tile = torch.empty((tiles[0], 2), dtype=torch.int32, device=x.device)
+    launch(_chosen_counts_kernel, tiles, x, state, per_tile, n, SIDE=side, WIDE=wide,
+           BLOCK=block, **opts)
+    starts = per_tile.cumsum(0, dtype=torch.int64) - per_tile  # exclusive, per column
+    out = torch.empty(k, dtype=torch.int64, device=x.device)
+    launch(_chosen_write_kernel, tiles, x, state, starts, out, n, SIDE=side, WIDE=wide,
+           BLOCK=block, **opts)
+    return out

@@ -6,7 +6,8 @@ and returning int64 indices in ascending order:
 
 * :func:`topk`: the exact k largest scores. Ties at the k-th value are broken towards lower
   indices, so every device returns the same set (``torch.topk`` alone breaks ties differently
-  on CPU and CUDA).
+  on CPU and CUDA). On the Triton path it is a radix selection (``_kernels.top_indices``):
+  ``torch.topk`` on a GPU sorts a whole vector of 100000 or more elements.
 * :func:`trimmed_topk` (Algorithm 2): start from ``threshold = mean + 0.8 * (max - mean)`` and
   lower it in steps of ``eps * (max - mean)`` until at least k scores exceed it, then run the exact
   top-k on those survivors only. Exactly ``min(k, n)`` indices, the same set as :func:`topk`.
@@ -27,8 +28,9 @@ stage: ``"sidco-e"`` (exponential), ``"sidco-p"`` (generalized Pareto) and ``"si
 (gamma, then Pareto), with options ``stages`` and ``first``.
 
 :func:`select_side` runs any of them on one side of a signed vector, the scores ``max(v, 0)``
-or ``max(-v, 0)`` (RedSync's sign-uniform frames); on the Triton path the two threshold
-searches compute those scores inside their passes over ``v`` and never write them.
+or ``max(-v, 0)`` (RedSync's sign-uniform frames); on the Triton path the exact top-k and the
+two threshold searches compute those scores inside their passes over ``v`` and never write
+them.
 
 The RedSync threshold selectors refuse ``eps`` below :data:`MIN_EPS`: finer steps than that
 cannot change which float32 scores exceed the threshold, and a bisection below double
@@ -122,6 +124,12 @@ class _Scores:
                                  else (self.v < -threshold)).reshape(-1)
         return torch.nonzero(self.tensor > threshold).reshape(-1)
 
+    def top(self, k: int) -> torch.Tensor:
+        """Return :func:`topk`'s indices of the scores (no check)."""
+        if self.side and _frame.use_triton(self.v) and 0 < k < self.numel():
+            return _frame.kernels().top_indices(self.v, k, self.side)
+        return _exact(self.tensor, k)
+
     def at(self, idx: torch.Tensor) -> torch.Tensor:
         """Return the scores at ``idx``."""
         if self._s is None:
@@ -206,6 +214,8 @@ def _exact(s: torch.Tensor, k: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=s.device)
     if k >= n:
         return _all(s)
+    if _frame.use_triton(s):  # radix selection: no sort, no host read
+        return _frame.kernels().top_indices(s, k)
     kth = torch.topk(s, k, sorted=False).values.min()
     if _frame.use_numpy(s):
         above = torch.nonzero(s > kth).reshape(-1)
@@ -260,7 +270,7 @@ def _search(src: _Scores, k: int, method: str, eps: object, check: bool) -> torc
     eps = _check_eps(eps, upper_open=method == "threshold")
     if k == 0 or k >= src.numel():
         _finite(src, check)
-        return _exact(src.tensor, k)
+        return src.top(k)
     mean, top = src.stats(check)
     search = _trimmed if method == "trimmed" else _threshold
     return search(src, k, eps, mean, top, _Counts(src))
@@ -283,7 +293,7 @@ def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: 
     # most of the tensor anyway, so the exact top-k runs on all of it.
     last = math.floor(1 / eps)
     if last < 1 or kept(last, 0, last) < k:
-        return _exact(src.tensor, k)
+        return src.top(k)
     lo, hi = 0, last  # kept(lo) < k (step 0 is the max itself), kept(hi) >= k
     while hi - lo > 1:  # at most log2(1 / eps) + 1 passes
         mid = halve(lo, hi)
@@ -324,7 +334,7 @@ def _threshold(src: _Scores, k: int, eps: float, mean: float, top: float, counts
                                                  _halvings(lo, hi, halve, LEVELS)])
 
     if above(0.0, 0.0, 1.0) < k:
-        return _exact(src.tensor, k)
+        return src.top(k)
     lo, hi = 0.0, 1.0  # invariant: at least k scores exceed the threshold at ratio lo
     for _ in range(math.ceil(math.log2(1 / eps)) + 1):  # each round halves hi - lo
         if hi - lo <= eps:
@@ -346,9 +356,10 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
     """Select among the scores ``max(v, 0)`` (``side=1``) or ``max(-v, 0)`` (``side=-1``).
 
     The same indices as ``select(scores, k, method, **options)`` on those scores, for
-    RedSync's sides. On the Triton path the threshold searches (``"trimmed"``,
+    RedSync's sides. On the Triton path ``"topk"`` and the threshold searches (``"trimmed"``,
     ``"threshold"``) compute the scores inside their passes over ``v`` instead of writing them,
-    and ``check`` (NaN or inf anywhere in ``v``: ``ValueError``) rides on their first read.
+    and ``check`` (NaN or inf anywhere in ``v``: ``ValueError``) rides on the searches' first
+    read.
     """
     v = _frame.check_float(v, "v")
     k = min(_frame.check_count(k, "k"), v.numel())
@@ -361,6 +372,10 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
             raise TypeError(f"{method} takes only eps, got {sorted(options)}")
         return _search(src, k, method, eps, check)
     _finite(src, check)
+    if method == "topk":
+        if options:
+            raise TypeError(f"topk takes no options, got {sorted(options)}")
+        return src.top(k)
     return select(src.tensor, k, method, check=False, **options)
 
 
