@@ -438,3 +438,25 @@ def test_top_indices_by_radix_selection(dtype, monkeypatch):
                     got = _kernels.top_indices(v, k, side)
                     assert got.dtype == torch.int64
                     assert got.tolist() == _brute_top(s, k), (programs, n, side, k)
+
+
+def test_kth_largest_is_the_sorted_scores_kth():
+    """kth_largest returns the k-th of the scores sorted in descending order, in x's dtype;
+    Ok-Topk's threshold takes it on the Triton path."""
+    from bitcomm.collectives import oktopk
+
+    g = torch.Generator().manual_seed(13)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        v = torch.randn(2000, generator=g).to(dtype)
+        v[:4] = torch.tensor([-0.0, 0.0, 0.0, -7.0]).to(dtype)
+        for side in (0, 1, -1, 2):
+            s = {0: v, 1: v.clamp(min=0), -1: v.neg().clamp(min=0), 2: v.abs()}[side]
+            ranked = s.double().sort(descending=True).values
+            for k in (1, 5, 1000, 2000):
+                got = _kernels.kth_largest(v, k, side)
+                assert got.dtype == dtype and got.item() == ranked[k - 1].item(), (side, k)
+    a = torch.rand(3000, generator=g)
+    for k in (1, 30, 2999):
+        with forced("triton"):
+            got = oktopk._kth_largest(a, k)
+        assert got == float(a.sort(descending=True).values[k - 1])

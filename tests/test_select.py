@@ -124,17 +124,30 @@ def test_every_path_searches_to_the_same_thresholds(p):
                 assert got.tolist() == brute_topk(s, k), (s.dtype, k, eps)
 
 
+def _side_scores(v: torch.Tensor, side) -> torch.Tensor:
+    if side == "abs":
+        return v.abs()
+    return v.clamp(min=0) if side > 0 else v.neg().clamp(min=0)
+
+
+def _select_side(v, k, side, method, **options):
+    if side == "abs":
+        return select.select_abs(v, k, method, **options)
+    return select.select_side(v, k, side, method, **options)
+
+
 @pytest.mark.parametrize("p", ["numpy", *OTHER_PATHS])
-@pytest.mark.parametrize("side", [1, -1])
+@pytest.mark.parametrize("side", [1, -1, "abs"])
 def test_a_side_selects_what_its_scores_select_on_every_path(side, p):
-    """select_side(v, side) is select on max(+-v, 0): on the Triton path the searches compute
-    those scores inside their passes instead of writing them."""
+    """select_side(v, side) is select on max(+-v, 0), select_abs on |v|: on the Triton path
+    the exact top-k and the searches compute those scores inside their passes instead of
+    writing them."""
     g = torch.Generator().manual_seed(8)
     cases = [torch.randn(5000, generator=g), torch.randn(3001, generator=g).double(),
              torch.randint(-4, 5, (3000,), generator=g).float(),  # ties, zeros, both signs
              torch.randn(2000, generator=g).half()]
     for v in cases:
-        scores = v.clamp(min=0) if side > 0 else v.neg().clamp(min=0)
+        scores = _side_scores(v, side)
         for k in (0, 1, 100, 900, 10_000):
             for method, options in [("trimmed", {}), ("trimmed", {"eps": 0.01}),
                                     ("threshold", {}), ("threshold", {"eps": 0.05}),
@@ -142,7 +155,7 @@ def test_a_side_selects_what_its_scores_select_on_every_path(side, p):
                 with forced("numpy"):
                     want = select.select(scores, k, method, **options)
                 with forced(p):
-                    got = select.select_side(v, k, side, method, **options)
+                    got = _select_side(v, k, side, method, **options)
                 assert torch.equal(got, want), (v.dtype, k, method, options)
 
 
@@ -154,8 +167,9 @@ def test_a_side_refuses_nan_and_inf_anywhere_in_the_vector(p):
         v[777] = bad
         for method in ("trimmed", "threshold", "topk"):
             for k in (10, 1000):
-                with forced(p), pytest.raises(ValueError, match="finite values"):
-                    select.select_side(v, k, 1, method)
+                for side in (1, "abs"):
+                    with forced(p), pytest.raises(ValueError, match="finite values"):
+                        _select_side(v, k, side, method)
     with pytest.raises(ValueError, match="side 1 or -1"):
         select.select_side(torch.ones(3), 1, 0)
     with pytest.raises(TypeError, match="only eps"):

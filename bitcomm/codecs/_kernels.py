@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["launch", "sign_pack", "sign_unpack", "partial_sums", "planes_pack", "planes_unpack",
-           "qsgd_codes", "qsgd_values", "score_stats", "count_above", "top_indices",
+           "qsgd_codes", "qsgd_values", "score_stats", "count_above", "kth_largest", "top_indices",
            "MAX_FUSED_BUCKET", "DIGIT"]
 
 MAX_FUSED_BUCKET = 4096
@@ -482,12 +482,15 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
 
 @triton.jit
 def _side_scores(x, SIDE: tl.constexpr):
-    # The scores a selector ranks: x itself (SIDE 0), or max(x, 0) / max(-x, 0) of a signed
-    # vector (RedSync's top and bottom sides), so the scores are never written to memory.
+    # The scores a selector ranks: x itself (SIDE 0), max(x, 0) / max(-x, 0) of a signed
+    # vector (RedSync's top and bottom sides) or |x| (SIDE 2, top-k by magnitude), so the
+    # scores are never written to memory.
     if SIDE == 1:
         return tl.maximum(x, 0.0)
     if SIDE == -1:
         return tl.maximum(-x, 0.0)
+    if SIDE == 2:
+        return tl.abs(x)
     return x
 
 
@@ -510,9 +513,9 @@ def _score_stats_kernel(x_ptr, out_ptr, n, SIDE: tl.constexpr, BLOCK: tl.constex
 def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
     """Return float64 ``[sum, max, bad]`` of the scores of ``x``, on its device (no host read).
 
-    The scores are ``x`` (``side=0``), ``max(x, 0)`` (1) or ``max(-x, 0)`` (-1); ``bad`` is 1
-    if ``x`` holds NaN or inf (those elements are left out of the sum and the max). One read
-    of ``x``: block sums in float64, then torch adds the blocks.
+    The scores are ``x`` (``side=0``), ``max(x, 0)`` (1), ``max(-x, 0)`` (-1) or ``|x|`` (2);
+    ``bad`` is 1 if ``x`` holds NaN or inf (those elements are left out of the sum and the
+    max). One read of ``x``: block sums in float64, then torch adds the blocks.
     """
     n = x.numel()
     block, opts = _config("score_stats")
@@ -686,16 +689,8 @@ def _chosen_write_kernel(x_ptr, state_ptr, starts_ptr, out_ptr, n, SIDE: tl.cons
     tl.store(out_ptr + first + slot, i, mask=chosen)
 
 
-def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
-    """Return the ascending int64 indices of the ``k`` largest scores, ties to lower indices.
-
-    ``0 < k < n``; scores as in :func:`score_stats`, of any float dtype. No sort and no host
-    read: radix selection finds the k-th largest score's key in ``ceil(bits / 8)`` counting
-    passes over ``x`` (4 for 32-bit and 16-bit floats, 8 for float64), each one histogram of a
-    key digit among the keys that share the digits settled before it; a one-program kernel
-    settles each digit on the device. Two more passes write the chosen indices in order: the
-    counts per tile above and at the k-th key, then each tile's indices at its offset.
-    """
+def _radix_select(x: torch.Tensor, k: int, side: int) -> torch.Tensor:
+    # The state of _digit_choice_kernel once every digit of the k-th largest key is settled.
     n = x.numel()
     wide = x.dtype == torch.float64
     bits = 64 if wide else 32
@@ -710,6 +705,37 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
                SHIFT=shift, TOP=top, BLOCK=block, **opts)
         launch(_digit_choice_kernel, (1,), hist[p], state, SHIFT=shift, TOP=top, WIDE=wide,
                num_warps=1)
+    return state
+
+
+def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
+    """Return the ``k``-th largest score (``0 < k <= n``) as a 0-d tensor on the device.
+
+    Scores as in :func:`score_stats`, of any float dtype; the result has ``x``'s dtype. The
+    radix selection of :func:`top_indices` without its writing passes: no sort, no host read.
+    """
+    key = _radix_select(x, k, side)[0]
+    if x.dtype == torch.float64:
+        bits = key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)
+        return bits.view(torch.float64)
+    key = key.to(torch.int32)  # the keys of 16-bit floats are those of their float32 values
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
+    return bits.view(torch.float32).to(x.dtype)
+
+
+def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
+    """Return the ascending int64 indices of the ``k`` largest scores, ties to lower indices.
+
+    ``0 < k < n``; scores as in :func:`score_stats`, of any float dtype. No sort and no host
+    read: radix selection finds the k-th largest score's key in ``ceil(bits / 8)`` counting
+    passes over ``x`` (4 for 32-bit and 16-bit floats, 8 for float64), each one histogram of a
+    key digit among the keys that share the digits settled before it; a one-program kernel
+    settles each digit on the device. Two more passes write the chosen indices in order: the
+    counts per tile above and at the k-th key, then each tile's indices at its offset.
+    """
+    n = x.numel()
+    wide = x.dtype == torch.float64
+    state = _radix_select(x, k, side)
     block, opts = _config("top_write")
     tiles = _grid(n, block)
     per_tile = torch.empty((tiles[0], 2), dtype=torch.int32, device=x.device)

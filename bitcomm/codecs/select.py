@@ -28,9 +28,9 @@ stage: ``"sidco-e"`` (exponential), ``"sidco-p"`` (generalized Pareto) and ``"si
 (gamma, then Pareto), with options ``stages`` and ``first``.
 
 :func:`select_side` runs any of them on one side of a signed vector, the scores ``max(v, 0)``
-or ``max(-v, 0)`` (RedSync's sign-uniform frames); on the Triton path the exact top-k and the
-two threshold searches compute those scores inside their passes over ``v`` and never write
-them.
+or ``max(-v, 0)`` (RedSync's sign-uniform frames), and :func:`select_abs` on ``|v|``; on the
+Triton path the exact top-k and the two threshold searches compute those scores inside their
+passes over ``v`` and never write them.
 
 The RedSync threshold selectors refuse ``eps`` below :data:`MIN_EPS`: finer steps than that
 cannot change which float32 scores exceed the threshold, and a bisection below double
@@ -46,8 +46,8 @@ import torch
 
 from bitcomm.codecs import _frame, sidco
 
-__all__ = ["topk", "trimmed_topk", "threshold_search", "select", "select_side", "METHODS",
-           "SIDCO", "MIN_EPS"]
+__all__ = ["topk", "trimmed_topk", "threshold_search", "select", "select_side", "select_abs",
+           "METHODS", "SIDCO", "MIN_EPS"]
 
 SIDCO = {"sidco-e": "exponential", "sidco-p": "pareto", "sidco-gp": "gamma-pareto"}
 """SIDCo's selectors by name, and the distribution each fits."""
@@ -75,13 +75,18 @@ def _prepare(scores: torch.Tensor, k: int, check: bool) -> tuple[torch.Tensor, i
     return s, min(k, s.numel())
 
 
+_ABS = 2
+"""The ``side`` whose scores are ``|v|`` (:func:`select_abs`), as the kernels number it."""
+
+
 class _Scores:
-    """The scores a threshold search ranks: a tensor of them, or one side of a signed vector.
+    """The scores a selector ranks: a tensor of them, or what a signed vector's side makes.
 
     ``side`` 0: ``v`` holds the scores; 1 or -1: the scores are ``max(v, 0)`` or ``max(-v, 0)``
-    (RedSync's top and bottom sides). On the Triton path (float32 and float64) each pass
-    computes the scores of the side as it reads ``v``, so they are never written; elsewhere
-    they are materialised once, when first asked for.
+    (RedSync's top and bottom sides); :data:`_ABS`: ``|v|``. On the Triton path (float32 and
+    float64 for the searches, any float for the exact top-k) each pass computes the scores as
+    it reads ``v``, so they are never written; elsewhere they are materialised once, when first
+    asked for.
     """
 
     def __init__(self, v: torch.Tensor, side: int = 0):
@@ -94,8 +99,13 @@ class _Scores:
     def tensor(self) -> torch.Tensor:
         """The scores, materialised on first use."""
         if self._s is None:
-            self._s = self.v.clamp(min=0) if self.side > 0 else self.v.neg().clamp_(min=0)
+            self._s = self._of(self.v)
         return self._s
+
+    def _of(self, values: torch.Tensor) -> torch.Tensor:
+        if self.side == _ABS:
+            return values.abs()
+        return values.clamp(min=0) if self.side > 0 else values.neg().clamp_(min=0)
 
     def numel(self) -> int:
         """How many scores."""
@@ -119,9 +129,11 @@ class _Scores:
     def above(self, threshold: float) -> torch.Tensor:
         """Return the ascending indices of the scores above ``threshold`` (which is >= 0)."""
         if self.fused and self.side:
-            # a score max(+-v, 0) exceeds a threshold >= 0 exactly when +-v does
-            return torch.nonzero((self.v > threshold) if self.side > 0
-                                 else (self.v < -threshold)).reshape(-1)
+            # a score max(+-v, 0) or |v| exceeds a threshold >= 0 exactly when +-v does
+            v, t = self.v, threshold
+            keep = (v > t) | (v < -t) if self.side == _ABS else (v > t if self.side > 0
+                                                                  else v < -t)
+            return torch.nonzero(keep).reshape(-1)
         return torch.nonzero(self.tensor > threshold).reshape(-1)
 
     def top(self, k: int) -> torch.Tensor:
@@ -133,8 +145,7 @@ class _Scores:
     def at(self, idx: torch.Tensor) -> torch.Tensor:
         """Return the scores at ``idx``."""
         if self._s is None:
-            v = self.v[idx]
-            return v.clamp(min=0) if self.side > 0 else v.neg().clamp_(min=0)
+            return self._of(self.v[idx])
         return self._s[idx]
 
 
@@ -361,10 +372,26 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
     and ``check`` (NaN or inf anywhere in ``v``: ``ValueError``) rides on the searches' first
     read.
     """
-    v = _frame.check_float(v, "v")
-    k = min(_frame.check_count(k, "k"), v.numel())
     if side not in (1, -1):
         raise ValueError(f"expected side 1 or -1, got {side!r}")
+    return _select_of(v, k, side, method, check, options)
+
+
+def select_abs(v: torch.Tensor, k: int, method: str = "topk", *, check: bool = True,
+               **options: float) -> torch.Tensor:
+    """Select among the scores ``|v|``: top-k by magnitude, as sparse frames send.
+
+    The same indices as ``select(v.abs(), k, method, **options)``. On the Triton path
+    ``"topk"`` and the threshold searches read ``v`` and never write ``|v|``; ``check``
+    (NaN or inf in ``v``: ``ValueError``) rides on the searches' first read.
+    """
+    return _select_of(v, k, _ABS, method, check, options)
+
+
+def _select_of(v: torch.Tensor, k: int, side: int, method: str, check: bool,
+               options: dict) -> torch.Tensor:
+    v = _frame.check_float(v, "v")
+    k = min(_frame.check_count(k, "k"), v.numel())
     src = _Scores(v, side)
     if method in ("trimmed", "threshold"):
         eps = options.pop("eps", 0.2 if method == "trimmed" else 1e-3)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from bitcomm.codecs import select
 from bitcomm.codecs import sparse as sparse_codec
 from bitcomm.collectives import dense, majority, oktopk, onebit, sparcml, sparse
 from bitcomm.comm.base import Comm
@@ -148,10 +149,11 @@ def _sparse_k(n: int, density: float) -> int:
 def sparse_input(x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the sparse vector a SparCML collective gets from a dense input.
 
-    The ``round(density * n)`` (at least 1) entries of largest ``|x|``, by increasing index.
+    The ``round(density * n)`` (at least 1) entries of largest ``|x|`` (ties to lower
+    indices), by increasing index.
     """
     v = x.reshape(-1)
-    idx = torch.topk(v.abs(), _sparse_k(v.numel(), density), sorted=False).indices.sort().values
+    idx = select.select_abs(v, _sparse_k(v.numel(), density), check=False)
     return idx, v[idx]
 
 

@@ -95,7 +95,7 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
         if form == "mean":
             frame = redsync.encode(v, k, side or "top", method, **(options or {}))
         else:
-            idx = select.select(v.abs(), k, method, check=False, **(options or {}))
+            idx = select.select_abs(v, k, method, check=False, **(options or {}))
             if isinstance(form, sparse.Qsgd) and form.seed is not None:
                 form = dataclasses.replace(form, seed=form.seed + comm.rank)
             # With check, the agreement found v finite (and in fp16's range, validate): the
