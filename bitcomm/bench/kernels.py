@@ -162,7 +162,7 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
              lambda: k.count_above(x, meta(63, torch.float32), 1)),
             ("top-k 1% fp32", n, lambda: k.top_indices(x, max(1, n // 100))),
             ("top-k 1% fp32, top side", n, lambda: k.top_indices(x, max(1, n // 100), 1)),
-            ("top-k 1% fp32, |x|", n, lambda: k.top_indices(x, max(1, n // 100), 2)),
+            ("top-k 1% fp32, magnitude", n, lambda: k.top_indices(x, max(1, n // 100), 2)),
             ("top-k 1% fp64", n, lambda: k.top_indices(meta(n, torch.float64),
                                                        max(1, n // 100)))]
     ranks = 8
