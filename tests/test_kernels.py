@@ -140,6 +140,19 @@ def test_qsgd_encode(nbits, scale):
                 assert torch.equal(ref, got), (n, bucket, dtype)
 
 
+def test_qsgd_codes_are_written_16_byte_aligned():
+    """The encoder places its frame so that the kernel's codes (behind a 14-byte header and
+    the scales) start on a 16-byte boundary, where a store moves 16 bytes a lane."""
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
+    for nbits in qsgd.BITS:
+        for bucket in (512, 1000, 4096):
+            with forced("triton"):
+                frame = qsgd.encode(x, nbits, bucket, seed=1)
+            start = qsgd.HEADER.size + 4 * -(-x.numel() // bucket)
+            assert (frame.data_ptr() + start) % 16 == 0, (nbits, bucket)
+            assert torch.equal(frame, qsgd.encode(x, nbits, bucket, seed=1))
+
+
 @pytest.mark.parametrize("bucket", [512, 1000])
 def test_qsgd_non_finite_buckets_raise_the_same_errors(bucket):
     # The fused kernel finds a bucket's max and its NaNs in one integer reduction: a NaN
