@@ -207,6 +207,24 @@ def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
     assert len(syncs) == 2, [str(w.message) for w in syncs]
 
 
+def test_radix_selection_gives_the_cpus_sets_for_every_dtype_and_side():
+    """select_abs, select_side and topk select on the GPU by radix selection (compiled, not
+    interpreted): the CPU's sets, ties to lower indices, for 32-, 64- and 16-bit floats."""
+    from bitcomm.codecs import _kernels
+
+    g = torch.Generator().manual_seed(10)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        v = (torch.randint(-20, 21, (300_007,), generator=g) / 4).to(dtype)  # ties and zeros
+        v[:3] = torch.tensor([-0.0, 1e-40, -1e-40]).to(dtype)
+        for k in (1, 1000, 150_000):
+            assert torch.equal(select.select_abs(v, k), select.select_abs(v.cuda(), k).cpu())
+            for side in (1, -1):
+                assert torch.equal(select.select_side(v, k, side),
+                                   select.select_side(v.cuda(), k, side).cpu()), (dtype, k)
+            kth = v.abs().double().sort(descending=True).values[k - 1].item()
+            assert _kernels.kth_largest(v.cuda(), k, 2).item() == kth, (dtype, k)
+
+
 def test_encoders_copy_their_headers_without_waiting():
     """A header goes to the GPU from pinned memory: sign's and stream's encoders do not wait
     for the device, qsgd's waits once (its scale check), and every frame is the CPU's."""
