@@ -473,3 +473,21 @@ def test_kth_largest_is_the_sorted_scores_kth():
         with forced("triton"):
             got = oktopk._kth_largest(a, k)
         assert got == float(a.sort(descending=True).values[k - 1])
+
+
+def test_a_decoders_one_flag_is_read_without_a_reduction(monkeypatch):
+    """A Triton decoder's single flag is read as it is (one read, no reduction kernel before
+    it); a set flag still raises the precise error."""
+    reductions = []
+    original = torch.Tensor.any
+    monkeypatch.setattr(torch.Tensor, "any",
+                        lambda self, *a, **k: reductions.append(self) or original(self, *a, **k))
+    frame = sign.pack(torch.randn(13, generator=torch.Generator().manual_seed(5)))
+    want = sign.unpack(frame, 13)
+    with forced("triton"):
+        assert torch.equal(sign.unpack(frame, 13), want)
+        assert reductions == []
+        bad = frame.clone()
+        bad[-1] |= 1  # a padding bit: 13 elements leave 3 in the last byte
+        with pytest.raises(ValueError, match="padding"):
+            sign.unpack(bad, 13)

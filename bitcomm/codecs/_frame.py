@@ -94,7 +94,9 @@ def raise_if(flags: torch.Tensor, fallback) -> None:
     the torch path, re-run on the bad input, says which rule with the usual message. Inside
     :func:`deferred` the read waits for the end of the block.
     """
-    if flags.numel():
+    if flags.numel() == 1:  # read as it is: a reduction would be one more kernel to wait for
+        check_later(flags.reshape(()), fallback)
+    elif flags.numel():
         check_later(flags.any(), fallback)
 
 
