@@ -106,6 +106,36 @@ def test_corrupt_payloads_raise_the_same_errors():
     assert a == b and "padding counts" in a
 
 
+def test_full_tiles_and_the_last_one_decode_and_check_alike():
+    """The plain decoders run full tiles without masks and the last tile with them: lengths
+    that fill every tile (no last tile) or leave one, and a broken rule in either, decode and
+    raise as the numpy path does."""
+    g = torch.Generator().manual_seed(6)
+    sign_tile = 8 * _kernels.TUNING["sign_unpack"][0]  # elements
+    for n in (sign_tile, 2 * sign_tile, 2 * sign_tile + 5):
+        frame = sign.pack(torch.randn(n, generator=g))
+        ref, got = _both(lambda f=frame, n=n: sign.unpack(f, n))
+        assert torch.equal(ref, got), n
+    bad = sign.pack(torch.randn(2 * sign_tile + 5, generator=g))
+    bad[-1] |= 1
+    a, b = _messages(lambda: sign.unpack(bad, 2 * sign_tile + 5))
+    assert a == b and "padding" in a
+    plane_tile = 8 * _kernels.TUNING["planes_unpack"][0]  # counts
+    for n in (plane_tile, 2 * plane_tile, 2 * plane_tile + 3):
+        c = torch.randint(0, 3, (n,), generator=g)
+        ref, got = _both(lambda c=c: counts.unpack(counts.pack(c, 2), c.numel(), 2))
+        assert torch.equal(ref, got), n
+        for at in (plane_tile // 2, n - 1):  # in the first full tile; in the last tile
+            broken = c.clone()
+            broken[at] = 3  # above m = 2, packed in two bits as a count of m = 3
+            a, b = _messages(lambda br=broken: counts.unpack(counts.pack(br, 3), br.numel(), 2))
+            assert a == b and "decoded count 3 > m=2" in a, (n, at)
+    payload = bits.pack(torch.randint(0, 8, (plane_tile + 3,), generator=g), 3)
+    payload[-1] |= 1  # a padding bit of the last plane
+    a, b = _messages(lambda: bits.unpack(payload, plane_tile + 3, 3))
+    assert a == b and "padding" in a
+
+
 def test_radix_rules_are_checked_by_every_program():
     # 3 * 1024 codes of 5 counts each span several programs of the radix decoder; each broken
     # rule sits in the last of them, or in one after the first.
