@@ -127,7 +127,7 @@ def _flag(flags_ptr, bad):
 
 
 def _launch_tiles(kernel, tiles: int, full: int, *args, **kwargs) -> None:
-    """Launch a decoder over ``tiles`` tiles, the ``full`` ones apart from the last.
+    """Launch a decoder over ``tiles`` tiles, the ``full`` ones apart from the last one.
 
     The ``full`` tiles, whose elements all lie before the end, run as ``EDGE=False`` programs
     without masks or padding checks; the rest (one tile at most) as ``EDGE=True``. The kernel
@@ -481,31 +481,41 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, BITS: tl.constexpr,
-                        SHIFT: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
-                        BF16: tl.constexpr):
+def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, first,
+                        BITS: tl.constexpr, SHIFT: tl.constexpr, SMALL: tl.constexpr,
+                        BLOCK: tl.constexpr, BF16: tl.constexpr, EDGE: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     S: tl.constexpr = (1 << (BITS - 1)) - 1
-    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if SMALL:  # every element index fits in int32
         ob = ob.to(tl.int32)
     j = tl.arange(0, PER)
-    byte = tl.load(codes_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
+    if EDGE:
+        byte = tl.load(codes_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
+    else:
+        byte = tl.load(codes_ptr + ob).to(tl.int32)
     code = (byte[:, None] >> (8 - BITS * (j + 1))[None, :]) & ((1 << BITS) - 1)
     idx = ob[:, None] * PER + j[None, :]
-    live = idx < n
     # A power-of-two bucket is a shift, any other a division: with the division in int64
     # the kernel compiled to 24-68 instructions an element, with the shift in int32 to 13-26
     # (`bitcomm bench kernels`). An H100 timed a shift of int64 indices no faster than the
     # division, so the GPU benchmark has the last word.
     b = idx >> SHIFT if SHIFT >= 0 else idx // bucket
-    step = tl.load(steps_ptr + b, mask=live, other=0.0)
+    if EDGE:
+        live = idx < n
+        step = tl.load(steps_ptr + b, mask=live, other=0.0)
+    else:
+        step = tl.load(steps_ptr + b)
     val = (code & S).to(tl.float32) * step
     val = tl.where((code >> (BITS - 1)) != 0, -val, val)
     if BF16:  # out_ptr is an int16 view of the bfloat16 result
-        tl.store(out_ptr + idx, _bf16_bits(val), mask=live)
+        val = _bf16_bits(val)
     else:
-        tl.store(out_ptr + idx, val.to(out_ptr.dtype.element_ty), mask=live)
+        val = val.to(out_ptr.dtype.element_ty)
+    if EDGE:
+        tl.store(out_ptr + idx, val, mask=live)
+    else:
+        tl.store(out_ptr + idx, val)
 
 
 def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torch.Tensor,
@@ -516,11 +526,12 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
     bf16 = dtype == torch.bfloat16
     if n:
         block, opts = _config("qsgd_values")
-        grid = _grid(nbytes, block)
-        launch(_qsgd_values_kernel, grid, codes, steps, out.view(torch.int16) if bf16 else out,
-               n, nbytes, bucket, BITS=bits, SHIFT=_shift(bucket),
-               SMALL=grid[0] * block * (8 // bits) < 2**31, BLOCK=block, BF16=bf16,
-               enable_fp_fusion=False, **opts)
+        tiles = _grid(nbytes, block)[0]
+        per = block * (8 // bits)  # elements a tile
+        _launch_tiles(_qsgd_values_kernel, tiles, n // per, codes, steps,
+                      out.view(torch.int16) if bf16 else out, n, nbytes, bucket, BITS=bits,
+                      SHIFT=_shift(bucket), SMALL=tiles * per < 2**31, BLOCK=block, BF16=bf16,
+                      enable_fp_fusion=False, **opts)
     return out
 
 
