@@ -706,16 +706,24 @@ def _digit_choice_kernel(hist_ptr, state_ptr, SHIFT: tl.constexpr, TOP: tl.const
 
 
 @triton.jit
-def _chosen_counts_kernel(x_ptr, state_ptr, counts_ptr, n, SIDE: tl.constexpr,
-                          WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    # Per tile: how many keys exceed the k-th largest, and how many equal it.
-    pid = tl.program_id(0)
+def _against_kth(x_ptr, state_ptr, n, pid, SIDE: tl.constexpr, WIDE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # The tile's indices, and which of its keys lie above the k-th largest and which equal it.
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
     kth = tl.load(state_ptr).to(key.dtype)
-    tl.store(counts_ptr + pid * 2, tl.sum((live & (key > kth)).to(tl.int32), 0))
-    tl.store(counts_ptr + pid * 2 + 1, tl.sum((live & (key == kth)).to(tl.int32), 0))
+    return i, live & (key > kth), live & (key == kth)
+
+
+@triton.jit
+def _chosen_counts_kernel(x_ptr, state_ptr, counts_ptr, n, SIDE: tl.constexpr,
+                          WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # Per tile: how many keys exceed the k-th largest, and how many equal it.
+    pid = tl.program_id(0)
+    _, above, tie = _against_kth(x_ptr, state_ptr, n, pid, SIDE, WIDE, BLOCK)
+    tl.store(counts_ptr + pid * 2, tl.sum(above.to(tl.int32), 0))
+    tl.store(counts_ptr + pid * 2 + 1, tl.sum(tie.to(tl.int32), 0))
 
 
 @triton.jit
@@ -724,15 +732,10 @@ def _chosen_write_kernel(x_ptr, state_ptr, starts_ptr, out_ptr, n, SIDE: tl.cons
     # Every key above the k-th largest, and the first `need` keys equal to it in index order,
     # written in index order: a tile's chosen indices follow those of the tiles before it.
     pid = tl.program_id(0)
-    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
-    key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
-    kth = tl.load(state_ptr).to(key.dtype)
+    i, above, tie = _against_kth(x_ptr, state_ptr, n, pid, SIDE, WIDE, BLOCK)
     need = tl.load(state_ptr + 1)
     above_before = tl.load(starts_ptr + pid * 2)
     ties_before = tl.load(starts_ptr + pid * 2 + 1)
-    above = live & (key > kth)
-    tie = live & (key == kth)
     # one scan for both running counts: ties in the high half, keys above in the low (a tile
     # holds fewer than 2**16 elements)
     both = tl.cumsum((tie.to(tl.int32) << 16) | above.to(tl.int32), 0)
