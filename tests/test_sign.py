@@ -169,6 +169,27 @@ def test_backend_names_the_path_a_tensor_takes():
         assert backend(torch.zeros(1)) == "torch"
 
 
+def test_a_triton_too_old_for_the_kernels_is_left_unused(monkeypatch):
+    """triton before 3.4 lacks what the kernels compile with: CUDA tensors take the torch path
+    (same bytes), and the user hears why once."""
+    import importlib.metadata
+
+    from bitcomm.codecs import _frame
+
+    versions = {"triton": "3.3.1"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
+    _frame.has_triton.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"triton 3\.3\.1 is older than 3\.4"):
+            assert not _frame.has_triton()
+        for good in ("3.4.0", "3.6.0+git1234", "4.0"):
+            versions["triton"] = good
+            _frame.has_triton.cache_clear()
+            assert _frame.has_triton(), good
+    finally:
+        _frame.has_triton.cache_clear()
+
+
 def test_layouts_and_devices_without_data_are_type_errors():
     with pytest.raises(TypeError, match="dense"):
         sign.encode(torch.tensor([1.0, -2.0]).to_sparse())

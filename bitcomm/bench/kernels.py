@@ -14,7 +14,8 @@ for the data), and reports for each:
   for decoders, counts for the count codecs). The count is static: loops are unrolled
   (``tl.static_range``), except the loops over ranks of ``vote_count`` and ``weighted_votes``,
   counted once, and the loops over tiles of ``count_above`` and ``key_digits``, counted per
-  tile. A kernel of one program (``digit_choice``) is counted per element of the vector.
+  tile. A launch of one program (radix selection's ``digit_choice``, a decoder's last tile
+  with ``EDGE=True``) is counted per element of the whole vector, so its figures are near 0.
 * ``loads`` and ``stores``: global memory instructions per element and lane, the same way.
 
 Why instructions per element: an H100 SXM issues at most about 33e12 lane-instructions a second

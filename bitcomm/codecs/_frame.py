@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import importlib.metadata
 import importlib.util
 import struct
+import warnings
 
 import numpy as np
 import torch
@@ -33,10 +35,33 @@ _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+MIN_TRITON = (3, 4)
+"""The oldest triton the kernels compile with (``tl.histogram`` takes a mask from 3.4 on)."""
+
+
 @functools.cache
 def has_triton() -> bool:
-    """Say whether triton can be imported (it is an optional dependency)."""
-    return importlib.util.find_spec("triton") is not None
+    """Say whether a triton the kernels can use is installed (it is an optional dependency).
+
+    An older one is left unused, with a warning: its compiler would fail on the first kernel
+    that needs a newer feature, in the middle of a collective.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # another distribution (pytorch-triton)
+        import triton
+
+        version = triton.__version__
+    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    if release < MIN_TRITON:
+        warnings.warn(f"triton {version} is older than {'.'.join(map(str, MIN_TRITON))}: "
+                      "bitcomm's GPU codecs run torch ops instead of its kernels (same bytes, "
+                      "slower); pip install 'bitcomm[gpu]' for a newer triton",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def backend(t: torch.Tensor) -> str:
