@@ -498,6 +498,11 @@ def test_kth_largest_is_the_sorted_scores_kth():
             for k in (1, 5, 1000, 2000):
                 got = _kernels.kth_largest(v, k, side)
                 assert got.dtype == dtype and got.item() == ranked[k - 1].item(), (side, k)
+    for k in (0, 2001):
+        with pytest.raises(ValueError, match="expected 0 < k <= 2000"):
+            _kernels.kth_largest(v, k)
+        with pytest.raises(ValueError, match="expected 0 < k <= 2000"):
+            _kernels.top_indices(v, k)
     a = torch.rand(3000, generator=g)
     for k in (1, 30, 2999):
         with forced("triton"):

@@ -753,6 +753,8 @@ def _chosen_write_kernel(x_ptr, state_ptr, starts_ptr, out_ptr, n, SIDE: tl.cons
 def _radix_select(x: torch.Tensor, k: int, side: int) -> torch.Tensor:
     # The state of _digit_choice_kernel once every digit of the k-th largest key is settled.
     n = x.numel()
+    if not 0 < k <= n:  # outside, the rank would run off the counts and the writes off `out`
+        raise ValueError(f"expected 0 < k <= {n}, got k={k}")
     wide = x.dtype == torch.float64
     bits = 64 if wide else 32
     state = torch.zeros(4, dtype=torch.int64, device=x.device)
@@ -787,12 +789,13 @@ def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
 def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     """Return the ascending int64 indices of the ``k`` largest scores, ties to lower indices.
 
-    ``0 < k < n``; scores as in :func:`score_stats`, of any float dtype. No sort and no host
-    read: radix selection finds the k-th largest score's key in ``ceil(bits / 8)`` counting
-    passes over ``x`` (4 for 32-bit and 16-bit floats, 8 for float64), each one histogram of a
-    key digit among the keys that share the digits settled before it; a one-program kernel
-    settles each digit on the device. Two more passes write the chosen indices in order: the
-    counts per tile above and at the k-th key, then each tile's indices at its offset.
+    ``0 < k <= n`` (else ``ValueError``); scores as in :func:`score_stats`, of any float
+    dtype. No sort and no host read: radix selection finds the k-th largest score's key in
+    ``ceil(bits / 8)`` counting passes over ``x`` (4 for 32-bit and 16-bit floats, 8 for
+    float64), each one histogram of a key digit among the keys that share the digits settled
+    before it; a one-program kernel settles each digit on the device. Two more passes write
+    the chosen indices in order: the counts per tile above and at the k-th key, then each
+    tile's indices at its offset.
     """
     n = x.numel()
     wide = x.dtype == torch.float64
