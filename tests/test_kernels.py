@@ -319,7 +319,7 @@ def test_count_step_adds_votes_and_repacks():
     from bitcomm.collectives import _kernels as ck
 
     g = torch.Generator().manual_seed(3)
-    for n in (1, 8, 9, 8191, 8193):
+    for n in (1, 8, 9, 8191, 8192, 8193):  # 8192: two full tiles and no last one
         for i in (1, 2, 3, 4, 7):
             before = torch.randint(0, i + 1, (n,), generator=g)
             x = torch.randn(n, generator=g)

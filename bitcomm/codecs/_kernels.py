@@ -28,7 +28,7 @@ above ``m``, a radix code out of range): one reduction per program, one store if
 codec turns a set flag into its usual ``ValueError`` by re-running its torch path, so messages
 are the same on every path. The end of a payload (padding, the last partial tile) is the last
 program's business only: the bit-plane and sign decoders launch their full tiles without masks
-or padding checks and the last tile apart (:func:`_launch_tiles`).
+or padding checks and the last tile apart (:func:`launch_tiles`).
 
 Tile sizes and warps are in :data:`TUNING`. Tiles are addressed by global int64 offsets: on an
 H100, 32-bit offsets from a 64-bit base with masks against the tile's remaining length made sign
@@ -50,9 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["launch", "sign_pack", "sign_unpack", "partial_sums", "planes_pack", "planes_unpack",
-           "qsgd_codes", "qsgd_values", "score_stats", "count_above", "kth_largest", "top_indices",
-           "MAX_FUSED_BUCKET", "DIGIT"]
+__all__ = ["launch", "launch_tiles", "sign_pack", "sign_unpack", "partial_sums", "planes_pack",
+           "planes_unpack", "qsgd_codes", "qsgd_values", "score_stats", "count_above",
+           "kth_largest", "top_indices", "MAX_FUSED_BUCKET", "DIGIT"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -126,8 +126,8 @@ def _flag(flags_ptr, bad):
     tl.store(flags_ptr, hit, mask=hit != 0)
 
 
-def _launch_tiles(kernel, tiles: int, full: int, *args, **kwargs) -> None:
-    """Launch a decoder over ``tiles`` tiles, the ``full`` ones apart from the last one.
+def launch_tiles(kernel, tiles: int, full: int, *args, **kwargs) -> None:
+    """Launch a kernel over ``tiles`` tiles, the ``full`` ones apart from the last one.
 
     The ``full`` tiles, whose elements all lie before the end, run as ``EDGE=False`` programs
     without masks or padding checks; the rest (one tile at most) as ``EDGE=True``. The kernel
@@ -207,7 +207,7 @@ def sign_unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float = 1.
     flags = torch.zeros(1, dtype=torch.int32, device=buf.device)
     if nbytes:
         block, opts = _config("sign_unpack")
-        _launch_tiles(_sign_unpack_kernel, _grid(nbytes, block)[0], n // (8 * block), buf, out,
+        launch_tiles(_sign_unpack_kernel, _grid(nbytes, block)[0], n // (8 * block), buf, out,
                       scale, n, nbytes, flags, BLOCK=block, **opts)
     return out, flags
 
@@ -361,14 +361,14 @@ def planes_unpack(buf: torch.Tensor, n: int, width: int, dtype: torch.dtype, *, 
         block, opts = _config("radix_unpack")
         tiles = _grid(ncodes, block)[0]
         # a full tile's codes are all before ncodes and its counts all before n
-        _launch_tiles(_radix_unpack_kernel, tiles, n // (group * block), buf, out, n, ncodes,
+        launch_tiles(_radix_unpack_kernel, tiles, n // (group * block), buf, out, n, ncodes,
                       nb, base**group, flags, W=width, G=group, BASE=base,
                       SMALL=tiles * block * group < 2**31, BLOCK=block, **opts)
         return out, flags
     full = (1 << width) - 1
     maxval = full if maxval is None else maxval
     block, opts = _config("planes_unpack")
-    _launch_tiles(_planes_unpack_kernel, _grid(nb, block)[0], n // (8 * block), buf, out, n,
+    launch_tiles(_planes_unpack_kernel, _grid(nb, block)[0], n // (8 * block), buf, out, n,
                   nb, maxval, flags, W=width, RANGE=maxval < full, BLOCK=block, **opts)
     return out, flags
 
@@ -528,7 +528,7 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
         block, opts = _config("qsgd_values")
         tiles = _grid(nbytes, block)[0]
         per = block * (8 // bits)  # elements a tile
-        _launch_tiles(_qsgd_values_kernel, tiles, n // per, codes, steps,
+        launch_tiles(_qsgd_values_kernel, tiles, n // per, codes, steps,
                       out.view(torch.int16) if bf16 else out, n, nbytes, bucket, BITS=bits,
                       SHIFT=_shift(bucket), SMALL=tiles * per < 2**31, BLOCK=block, BF16=bf16,
                       enable_fp_fusion=False, **opts)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitcomm.codecs._kernels import launch
+from bitcomm.codecs._kernels import launch, launch_tiles
 
 __all__ = ["count_step", "vote_count", "sign_error", "weighted_votes", "scaled_signs"]
 
@@ -63,27 +63,38 @@ def _majority(count, size, idx, tie_base, TIE: tl.constexpr):
 
 
 @triton.jit
-def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, tie_base, W_IN: tl.constexpr,
-                       W_OUT: tl.constexpr, DECIDE: tl.constexpr, TIE: tl.constexpr,
-                       WIDEN: tl.constexpr, BLOCK: tl.constexpr):
-    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, tie_base, first,
+                       W_IN: tl.constexpr, W_OUT: tl.constexpr, DECIDE: tl.constexpr,
+                       TIE: tl.constexpr, WIDEN: tl.constexpr, BLOCK: tl.constexpr,
+                       EDGE: tl.constexpr):
+    ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     idx = ob[:, None] * 8 + j[None, :]
-    live = idx < n
-    x = tl.load(x_ptr + idx, mask=live, other=-1.0)
+    if EDGE:  # the last tile: masks, and padding lanes vote 0
+        live = idx < n
+        x = tl.load(x_ptr + idx, mask=live, other=-1.0)
+    else:
+        x = tl.load(x_ptr + idx)
     if WIDEN:  # 16-bit floats compare as float32 (exact)
         x = x.to(tl.float32)
-    count = (x >= 0).to(tl.int32)  # this rank's vote; padding lanes vote 0
+    count = (x >= 0).to(tl.int32)  # this rank's vote
     for row in tl.static_range(W_IN):
-        byte = tl.load(recv_ptr + row * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        if EDGE:
+            byte = tl.load(recv_ptr + row * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        else:
+            byte = tl.load(recv_ptr + row * nb + ob).to(tl.int32)
         count += ((byte[:, None] >> (7 - j)[None, :]) & 1) << (W_IN - 1 - row)
     if DECIDE:
         count = _majority(count, size, idx, tie_base, TIE)
-    count = tl.where(live, count, 0)
+    if EDGE:
+        count = tl.where(live, count, 0)
     for row in tl.static_range(W_OUT):
         bit = (count >> (W_OUT - 1 - row)) & 1
-        out = tl.sum(bit << (7 - j)[None, :], axis=1)
-        tl.store(out_ptr + row * nb + ob, out.to(tl.uint8), mask=ob < nb)
+        out = tl.sum(bit << (7 - j)[None, :], axis=1).to(tl.uint8)
+        if EDGE:
+            tl.store(out_ptr + row * nb + ob, out, mask=ob < nb)
+        else:
+            tl.store(out_ptr + row * nb + ob, out)
 
 
 def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out: int, *,
@@ -105,9 +116,12 @@ def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out:
     nb = (n + 7) // 8
     out = torch.empty(w_out * nb, dtype=torch.uint8, device=x.device)
     if nb:
-        _launch("count_step", _count_step_kernel, nb, x if received is None else received, x,
-                out, n, nb, max(decide, 1), tie_base % 2, W_IN=w_in, W_OUT=w_out,
-                DECIDE=bool(decide), TIE=TIE_CODES[tie], WIDEN=x.element_size() == 2)
+        block, warps = TUNING["count_step"]
+        launch_tiles(_count_step_kernel, triton.cdiv(nb, block), n // (8 * block),
+                     x if received is None else received, x, out, n, nb, max(decide, 1),
+                     tie_base % 2, W_IN=w_in, W_OUT=w_out, DECIDE=bool(decide),
+                     TIE=TIE_CODES[tie], WIDEN=x.element_size() == 2, BLOCK=block,
+                     num_warps=warps)
     return out
 
 
