@@ -199,13 +199,16 @@ def bench_kernels(n: int, arch: int, only: str | None, out_dir: str) -> None:
                                       "digits (train-digits gradients; experiments extra).")
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True,
               help="Timed repetitions per selection (median reported), after a warm-up.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the scores live (cuda: CUDA-event timing).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
-              show_default=True, help="Directory for select.json and .csv.")
+              show_default=True, help="Directory for select[-cuda].json and .csv.")
 def bench_select(sizes: tuple[int, ...], deltas: tuple[float, ...], dists: str, repeat: int,
-                 out_dir: str) -> None:
+                 device: str, out_dir: str) -> None:
     """How many entries each top-k selector picks against k, and its time against topk."""
     from bitcomm.bench import select as bench_mod
 
+    _check_device(device)
     ratios = list(deltas)
     if not all(d < 1 for d in ratios):
         raise click.BadParameter(f"expected ratios below 1, got {deltas!r}",
@@ -215,10 +218,11 @@ def bench_select(sizes: tuple[int, ...], deltas: tuple[float, ...], dists: str, 
     if bad:
         raise click.BadParameter(f"unknown {bad}; expected some of {bench_mod.DISTRIBUTIONS}",
                                  param_hint="--dists")
-    config = _machine() | {"sizes": list(sizes), "deltas": ratios, "dists": names,
-                           "repeat": repeat}
+    config = _machine(device) | {"sizes": list(sizes), "deltas": ratios, "dists": names,
+                                 "repeat": repeat}
     click.echo("# bitcomm bench select: " + " ".join(f"{k}={v}" for k, v in config.items()))
-    click.echo("# ratio = selected / k; vs_topk = exact torch.topk time / this selector's time")
+    click.echo("# ratio = selected / k; vs_topk = bitcomm's exact topk time / this selector's "
+               "time")
     click.echo(f"{'dist':<7} {'n':>6} {'delta':>6} {'selector':<13} {'mode':<9} {'M':>2} "
                f"{'bestM':>5} {'k':>7} {'selected':>8} {'ratio':>7} {'ms':>8} {'vs_topk':>7}")
 
@@ -228,8 +232,9 @@ def bench_select(sizes: tuple[int, ...], deltas: tuple[float, ...], dists: str, 
                    f"{row.selected:>8} {row.ratio:>7.3f} {row.seconds * 1e3:>8.2f} "
                    f"{row.vs_topk:>7.2f}")
 
-    rows = bench_mod.run(sizes, ratios, names, repeat=repeat, progress=show)
-    _save(Path(out_dir), "select", config, [r.as_dict() for r in rows])
+    rows = bench_mod.run(sizes, ratios, names, repeat=repeat, progress=show, device=device)
+    _save(Path(out_dir), "select" if device == "cpu" else f"select-{device}", config,
+          [r.as_dict() for r in rows])
 
 
 @bench.command("volume")

@@ -65,7 +65,7 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
-@pytest.mark.parametrize("what", ["codecs", "collectives"])
+@pytest.mark.parametrize("what", ["codecs", "collectives", "select"])
 def test_bench_device_cuda_without_a_gpu_is_a_usage_error(what, tmp_path):
     result = CliRunner().invoke(main, ["bench", what, "--device", "cuda", "--out",
                                        str(tmp_path)])

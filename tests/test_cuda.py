@@ -304,6 +304,12 @@ def test_gpu_benchmarks_run_and_check_their_results():
     steps = ring_steps(1 << 16, 4, repeat=2)
     assert [r.what for r in steps][-2:] == ["rank-total", "call"]
     assert all(r.seconds > 0 for r in steps)
+    from bitcomm.bench import select as bench_select
+
+    picks = bench_select.run([1 << 16], [0.01], ["laplace"], repeat=1, device="cuda")
+    k = 656  # ceil(0.01 * 65536)
+    exact = {r.selector: r.selected for r in picks if r.mode == "exact"}
+    assert exact == {"topk": k, "torch-topk": k, "trimmed": k}
 
 
 def test_the_sync_count_of_each_collective_on_the_gpu():

@@ -131,12 +131,18 @@ def _measure(dist: str, n: int, delta: float, scores: torch.Tensor,
 
 
 def run(sizes: Iterable[int], deltas: Iterable[float], dists: Iterable[str] = DISTRIBUTIONS,
-        *, repeat: int = 3, progress: Callable[[Row], None] | None = None) -> list[Row]:
-    """Measure every selector on every (distribution, size, delta); return the rows."""
+        *, repeat: int = 3, progress: Callable[[Row], None] | None = None,
+        device: str = "cpu") -> list[Row]:
+    """Measure every selector on every (distribution, size, delta); return the rows.
+
+    The vectors are drawn on the CPU (the same values on every device) and moved to
+    ``device``; on ``"cuda"`` the times are CUDA events (:func:`time_call`).
+    """
     rows: list[Row] = []
     for dist in dists:
         for n in sizes:
-            scores, later = sample(dist, n).abs(), sample(dist, n, draw=1).abs()
+            scores = sample(dist, n).abs().to(device)
+            later = sample(dist, n, draw=1).abs().to(device)
             for delta in deltas:
                 for r in _measure(dist, n, delta, scores, later, repeat):
                     rows.append(r)
