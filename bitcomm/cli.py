@@ -115,7 +115,7 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
     config = _machine(device) | {
         "sizes": list(sizes), "repeat": repeat, "seed": seed, "load1": round(load, 2),
     }
-    click.echo("# bitcomm bench codecs: " + " ".join(f"{k}={v}" for k, v in config.items()))
+    _announce("bench codecs", config)
     click.echo("# GB/s of fp32 input (4 bytes/element, GB = 1e9); ratio = anchor time / time")
     header = (f"{'size':>6} {'codec':<16} {'op':<7} {'time(ms)':>10} {'GB/s':>8} "
               f"{'wire_bytes':>12} {'#wrong':>6} {'ratio':>7} {'vs':<11} {'target':>7}")
@@ -169,7 +169,7 @@ def bench_kernels(n: int, arch: int, only: str | None, out_dir: str) -> None:
     import triton
 
     config = _machine() | {"triton": triton.__version__, "n": n, "arch": arch}
-    click.echo("# bitcomm bench kernels: " + " ".join(f"{k}={v}" for k, v in config.items()))
+    _announce("bench kernels", config)
     click.echo("# per element and lane: SASS instructions, global loads, global stores "
                "(static counts); stack = bytes spilled per thread")
     click.echo(f"{'case':<30} {'kernel':<15} {'regs':>4} {'stack':>5} {'instr':>6} "
@@ -220,7 +220,7 @@ def bench_select(sizes: tuple[int, ...], deltas: tuple[float, ...], dists: str, 
                                  param_hint="--dists")
     config = _machine(device) | {"sizes": list(sizes), "deltas": ratios, "dists": names,
                                  "repeat": repeat}
-    click.echo("# bitcomm bench select: " + " ".join(f"{k}={v}" for k, v in config.items()))
+    _announce("bench select", config)
     click.echo("# ratio = selected / k; vs_topk = bitcomm's exact topk time / this selector's "
                "time")
     click.echo(f"{'dist':<7} {'n':>6} {'delta':>6} {'selector':<13} {'mode':<9} {'M':>2} "
@@ -263,7 +263,7 @@ def bench_volume(ranks: tuple[int, ...], n: tuple[int, ...], density: float, see
         raise click.BadParameter("expected one length", param_hint="--n")
     config = _machine() | {"ranks": list(ranks), "n": n[0], "density": density, "seed": seed,
                            "inputs": inputs}
-    click.echo("# bitcomm bench volume: " + " ".join(f"{k}={v}" for k, v in config.items()))
+    _announce("bench volume", config)
     click.echo("# bytes the busiest rank sends in one call; words = bytes / 4")
     click.echo(f"{'P':>3} {'algorithm':<17} {'max bytes':>10} {'words':>10} "
                f"{'6k(P-1)/P':>10} {'2k(P-1)':>10} {'selected':>8} {'recv max':>8} "
@@ -306,6 +306,11 @@ def _machine(device: str = "cpu") -> dict:
 
             info["triton"] = triton.__version__
     return info
+
+
+def _announce(command: str, config: dict) -> None:
+    """Print a benchmark's first line: the command and its configuration (as saved)."""
+    click.echo(f"# bitcomm {command}: " + " ".join(f"{k}={v}" for k, v in config.items()))
 
 
 def _check_device(device: str) -> None:
@@ -378,8 +383,7 @@ def bench_collectives(ranks: int, transport: str, launcher: str | None, hostfile
     config = _machine() | {"ranks": comm.size, "transport": transport, "sizes": list(sizes),
                            "repeat": repeat, "seed": seed}
     if comm.rank == 0:
-        click.echo("# bitcomm bench collectives: "
-                   + " ".join(f"{k}={v}" for k, v in config.items()))
+        _announce("bench collectives", config)
         click.echo("# algbw = 4n bytes / time (GB = 1e9), busbw = algbw * 2(N-1)/N; time = "
                    "median over calls of each call's slowest rank (min, max in the JSON)")
         click.echo(f"{'size(B)':>7} {'count':>10} {'collective':<20} {'time(ms)':>10} "
@@ -414,8 +418,7 @@ def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int
 
     config = _machine("cuda") | {"ranks": ranks, "sizes": list(sizes), "repeat": repeat,
                                  "seed": seed, "link_gbps": link_gbps}
-    click.echo("# bitcomm bench collectives --device cuda: "
-               + " ".join(f"{k}={v}" for k, v in config.items()))
+    _announce("bench collectives --device cuda", config)
     click.echo("# one rank's ring_majority kernels (CUDA events, median); hbm(ms) = bytes "
                "moved at the torch.sum read speed; wire(ms) = the rank's wire bytes at "
                f"{link_gbps:g} Gb/s; call = every rank a thread on this GPU")
@@ -523,7 +526,7 @@ def bench_hooks(ranks: int, bucket_mbs: tuple[float, ...], width: int, depth: in
                            "repeats": repeats,
                            "network": topology or "loopback"}
     if comm.rank == 0:
-        click.echo("# bitcomm bench hooks: " + " ".join(f"{k}={v}" for k, v in config.items()))
+        _announce("bench hooks", config)
         click.echo("# a DDP training step (zero_grad, forward, backward, SGD step): median over "
                    "steps of the slowest rank; vs_allreduce = its ratio to allreduce_hook's "
                    "median at the same bucket size in this run; local = the step under no_sync "

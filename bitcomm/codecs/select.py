@@ -131,8 +131,10 @@ class _Scores:
         if self.fused and self.side:
             # a score max(+-v, 0) or |v| exceeds a threshold >= 0 exactly when +-v does
             v, t = self.v, threshold
-            keep = (v > t) | (v < -t) if self.side == _ABS else (v > t if self.side > 0
-                                                                  else v < -t)
+            if self.side == _ABS:
+                keep = (v > t) | (v < -t)
+            else:
+                keep = v > t if self.side > 0 else v < -t
             return torch.nonzero(keep).reshape(-1)
         return torch.nonzero(self.tensor > threshold).reshape(-1)
 
