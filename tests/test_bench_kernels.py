@@ -66,6 +66,9 @@ def test_rows_are_printed_and_saved(every_case):
             # or a decoder's last tile, the one that checks the end: no figure per element
             assert r["kernel"] == "digit_choice" or "EDGE=True" in r["config"], r
             continue
+        if r["kernel"] == "gathered_counts":  # one row of 257 counts a program, not the vector
+            assert r["per_element"] < 1 and r["loads"] > 0, r
+            continue
         # Every kernel does some work per element and touches memory.
         assert r["per_element"] > 1 and r["loads"] + r["stores"] > 0, r
     # The sign encoder reads 8 float32 elements a byte: far fewer instructions an element than

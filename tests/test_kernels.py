@@ -483,6 +483,46 @@ def test_top_indices_by_radix_selection(dtype, monkeypatch):
                     assert got.tolist() == _brute_top(s, k), (programs, n, side, k)
 
 
+def _float32_keys(s: torch.Tensor) -> np.ndarray:
+    # the order-preserving integer keys of float32 scores, -0.0 as +0.0
+    b = np.where(s.numpy() == 0, np.float32(0), s.numpy()).view(np.int32).astype(np.int64)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@pytest.mark.parametrize("programs", [4096, 2])
+def test_radix_selection_gathers_its_candidates_in_index_order(programs, monkeypatch):
+    """After two digits the selection gathers every key whose top 16 bits are at least the
+    k-th largest's, with its index, in index order (also when the runs of several tiles
+    belong to 2 programs), and the later passes read them; with too little room it gathers
+    nothing and reads x, with the same result."""
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+    g = torch.Generator().manual_seed(21)
+    n, k = 5000, 50
+    v = torch.randn(n, generator=g)
+    v[:3] = torch.tensor([0.0, -0.0, float("inf")])
+    for side in (0, 1, 2):
+        s = {0: v, 1: v.clamp(min=0), 2: v.abs()}[side]
+        keys = _float32_keys(s)
+        kth = np.sort(keys)[::-1][k - 1]
+        want = np.flatnonzero((keys >> 16) >= (kth >> 16))
+        assert k <= want.size <= k + n // _kernels.SLACK  # the test's premise: they fit
+        sel = _kernels._radix_select(v, k, side)
+        m = int(sel.state[4])
+        assert m == want.size, side
+        assert sel.idx[:m].tolist() == want.tolist()
+        assert sel.keys[:m].tolist() == keys[want].tolist()
+        assert int(sel.state[0]) == kth
+        assert _kernels.top_indices(v, k, side).tolist() == _brute_top(s, k)
+        # room for fewer candidates than there are: nothing gathered, the same result
+        monkeypatch.setattr(_kernels, "SLACK", 10**9)
+        assert want.size > k  # so room for k leaves some out
+        assert int(_kernels._radix_select(v, k, side).state[4]) == 0
+        assert _kernels.top_indices(v, k, side).tolist() == _brute_top(s, k)
+        assert _kernels.kth_largest(v, k, side).item() == s.sort(descending=True).values[k - 1]
+        monkeypatch.undo()
+        monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+
+
 def test_kth_largest_is_the_sorted_scores_kth():
     """kth_largest returns the k-th of the scores sorted in descending order, in x's dtype;
     Ok-Topk's threshold takes it on the Triton path."""

@@ -13,9 +13,12 @@ for the data), and reports for each:
   times its threads, over the elements the program covers (fp32 inputs for encoders, outputs
   for decoders, counts for the count codecs). The count is static: loops are unrolled
   (``tl.static_range``), except the loops over ranks of ``vote_count`` and ``weighted_votes``,
-  counted once, and the loops over tiles of ``count_above`` and ``key_digits``, counted per
+  counted once, and the loops over tiles of the kernels in :data:`_STRIDED`, counted per
   tile. A launch of one program (radix selection's ``digit_choice``, a decoder's last tile
   with ``EDGE=True``) is counted per element of the whole vector, so its figures are near 0.
+  The radix selection's kernels that run after its candidates are gathered read a tile of
+  them or, when none were gathered, of the vector: both branches are in the static count,
+  which is therefore that of neither.
 * ``loads`` and ``stores``: global memory instructions per element and lane, the same way.
 
 Why instructions per element: an H100 SXM issues at most about 33e12 lane-instructions a second
@@ -191,8 +194,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
     return out
 
 
-_STRIDED = ("_count_above_kernel", "_key_digits_kernel")
-"""Kernels whose programs stride over the tiles of the vector."""
+_STRIDED = ("_count_above_kernel", "_key_digits_kernel", "_gather_kernel",
+            "_chosen_counts_kernel", "_chosen_write_kernel")
+"""Kernels whose programs loop over several tiles of the vector."""
 
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 

@@ -20,8 +20,10 @@ launch never waits for the device.
   threshold searches (mean, max and finiteness; how many scores exceed each of a few dozen
   thresholds), computing RedSync's one-sided scores ``max(+-x, 0)`` as they read ``x``.
 * :func:`top_indices`: the exact top-k by radix selection on the scores' order-preserving
-  integer keys (one 256-bin histogram pass per key byte, the digit chosen on the device), then
-  the chosen indices written in order: no sort and no host read.
+  integer keys (one 256-bin histogram pass per key byte, the digit chosen on the device); after
+  two bytes, the keys that could still be chosen (about k) are gathered in index order and the
+  remaining passes and the writing of the chosen indices read only them: three reads of ``x``,
+  no sort and no host read.
 
 Decoders also set a one-element flag when the payload breaks a rule (non-zero padding, a count
 above ``m``, a radix code out of range): one reduction per program, one store if it is set. The
@@ -638,6 +640,9 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0) -> torch.T
 DIGIT = 8
 """Bits of the key that one :func:`top_indices` counting pass settles (256 counters)."""
 
+SLACK = 64
+"""The candidates gathered after two digits have room for ``k + n // SLACK`` keys."""
+
 
 @triton.jit
 def _order_key(x, SIDE: tl.constexpr, WIDE: tl.constexpr):
@@ -659,25 +664,65 @@ def _order_key(x, SIDE: tl.constexpr, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _key_digits_kernel(x_ptr, state_ptr, hist_ptr, n, SIDE: tl.constexpr, WIDE: tl.constexpr,
-                         SHIFT: tl.constexpr, TOP: tl.constexpr, BLOCK: tl.constexpr):
+def _span(total, BLOCK: tl.constexpr):
+    # This program's share of `total` elements: a run of whole tiles, the runs in program
+    # order, so that what the programs gather run by run lies in index order.
+    per = tl.cdiv(tl.cdiv(total, BLOCK), tl.num_programs(0)) * BLOCK
+    lo = tl.program_id(0).to(tl.int64) * per
+    return lo, tl.minimum(lo + per, total)
+
+
+@triton.jit
+def _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE: tl.constexpr, WIDE: tl.constexpr,
+               BLOCK: tl.constexpr):
+    # The keys of the tile at `start`: the gathered candidates' (a uniform branch per tile),
+    # or those of x's scores.
+    j = start + tl.arange(0, BLOCK)
+    live = j < total
+    if gathered:
+        key = tl.load(keys_ptr + j, mask=live, other=0)
+    else:
+        key = _order_key(tl.load(x_ptr + j, mask=live, other=0.0), SIDE, WIDE)
+    return j, live, key
+
+
+@triton.jit
+def _key_digits_kernel(x_ptr, keys_ptr, state_ptr, hist_ptr, rows_ptr, n, SIDE: tl.constexpr,
+                       WIDE: tl.constexpr, SHIFT: tl.constexpr, TOP: tl.constexpr,
+                       ROWS: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
     # The histogram of the key digit at SHIFT among the keys whose higher digits equal those
-    # of the k-th largest key, settled by the earlier passes (state[0]). Programs stride over
-    # tiles as in count_above and add their 256 counts once.
+    # of the k-th largest key, settled by the earlier passes (state[0]); over the gathered
+    # candidates once there are some (state[4] > 0), else over x. Each program takes a run of
+    # tiles and adds its 256 counts once: one program per tile would pile millions of atomic
+    # additions onto the same 256 addresses. With ROWS a program also writes its counts, and
+    # how many of its keys lie above the group, for the gathering pass.
     prefix = tl.load(state_ptr)
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    if FIRST:  # before the candidates are gathered
+        gathered = False
+        total = n
+    else:
+        m = tl.load(state_ptr + 4)
+        gathered = m > 0
+        total = tl.where(gathered, m, n)
+    lo, hi = _span(total, BLOCK)
     acc = tl.zeros([256], dtype=tl.int32)
-    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
-        i = start + tl.arange(0, BLOCK)
-        live = i < n
-        key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
+    outside = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(lo, hi, BLOCK):
+        _, live, key = _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE, WIDE, BLOCK)
         digit = ((key >> SHIFT) & 255).to(tl.int32)
         if TOP:  # the sign bit: negative keys come first
             acc += tl.histogram(digit ^ 128, 256, mask=live)
         else:
-            group = (key >> (SHIFT + 8)) == (prefix.to(key.dtype) >> (SHIFT + 8))
-            acc += tl.histogram(digit, 256, mask=live & group)
+            high = key >> (SHIFT + 8)
+            mine = prefix.to(key.dtype) >> (SHIFT + 8)
+            acc += tl.histogram(digit, 256, mask=live & (high == mine))
+            if ROWS:
+                outside += (live & (high > mine)).to(tl.int32)
     tl.atomic_add(hist_ptr + tl.arange(0, 256), acc.to(tl.int64))
+    if ROWS:
+        row = rows_ptr + tl.program_id(0) * 257
+        tl.store(row + tl.arange(0, 256), acc)
+        tl.store(row + 256, tl.sum(outside, 0))
 
 
 @triton.jit
@@ -685,7 +730,8 @@ def _digit_choice_kernel(hist_ptr, state_ptr, SHIFT: tl.constexpr, TOP: tl.const
                          WIDE: tl.constexpr):
     # One program: the digit of the k-th largest key from the pass's histogram.
     # state: [prefix key, rank r of the k-th largest among the keys sharing the prefix,
-    # keys above the prefix's group, keys equal to the prefix (after the last pass)].
+    # keys above the prefix's group, keys equal to the prefix (after the last pass),
+    # candidates gathered (0: none)].
     j = tl.arange(0, 256)
     counts = tl.load(hist_ptr + 255 - j)  # from the largest digit down
     r = tl.load(state_ptr + 1)
@@ -706,69 +752,150 @@ def _digit_choice_kernel(hist_ptr, state_ptr, SHIFT: tl.constexpr, TOP: tl.const
 
 
 @triton.jit
-def _against_kth(x_ptr, state_ptr, n, pid, SIDE: tl.constexpr, WIDE: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    # The tile's indices, and which of its keys lie above the k-th largest and which equal it.
-    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
-    key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
-    kth = tl.load(state_ptr).to(key.dtype)
-    return i, live & (key > kth), live & (key == kth)
+def _gathered_counts_kernel(rows_ptr, state_ptr, counts_ptr, SHIFT: tl.constexpr):
+    # How many keys each program of the ROWS pass (digit at SHIFT) will gather: those above
+    # the group (the row's last count) and the group's whose digit is the k-th's or above.
+    row = rows_ptr + tl.program_id(0) * 257
+    j = tl.arange(0, 256)
+    digit = ((tl.load(state_ptr) >> SHIFT) & 255).to(tl.int32)
+    c = tl.sum(tl.where(j >= digit, tl.load(row + j), 0), 0) + tl.load(row + 256)
+    tl.store(counts_ptr + tl.program_id(0), c.to(tl.int64))
 
 
 @triton.jit
-def _chosen_counts_kernel(x_ptr, state_ptr, counts_ptr, n, SIDE: tl.constexpr,
-                          WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    # Per tile: how many keys exceed the k-th largest, and how many equal it.
+def _gather_kernel(x_ptr, state_ptr, ends_ptr, keys_ptr, idx_ptr, n, room, SIDE: tl.constexpr,
+                   WIDE: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    # The candidates: every key whose digits from SHIFT up are at least the k-th largest's
+    # (a superset of the top k), with its index, each program's run at the end of the runs
+    # before it (ends: the running sum of _gathered_counts_kernel's counts), so in index
+    # order. Nothing when they would not fit in `room`: the passes then go on reading x.
     pid = tl.program_id(0)
-    _, above, tie = _against_kth(x_ptr, state_ptr, n, pid, SIDE, WIDE, BLOCK)
-    tl.store(counts_ptr + pid * 2, tl.sum(above.to(tl.int32), 0))
-    tl.store(counts_ptr + pid * 2 + 1, tl.sum(tie.to(tl.int32), 0))
+    total = tl.load(ends_ptr + tl.num_programs(0) - 1)
+    if total <= room:
+        floor = tl.load(state_ptr) >> SHIFT
+        at = tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0)
+        lo, hi = _span(n, BLOCK)
+        for start in range(lo, hi, BLOCK):
+            i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
+            take = live & ((key >> SHIFT) >= floor.to(key.dtype))
+            slot = tl.cumsum(take.to(tl.int32), 0) - 1  # int32 offsets from the run's end
+            tl.store(keys_ptr + at + slot, key, mask=take)
+            tl.store(idx_ptr + at + slot, i.to(idx_ptr.dtype.element_ty), mask=take)
+            at += tl.sum(take.to(tl.int32), 0)
+        if pid == 0:
+            tl.store(state_ptr + 4, total)
 
 
 @triton.jit
-def _chosen_write_kernel(x_ptr, state_ptr, starts_ptr, out_ptr, n, SIDE: tl.constexpr,
-                         WIDE: tl.constexpr, BLOCK: tl.constexpr):
+def _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE: tl.constexpr,
+                 WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # A tile's positions, and which of its keys lie above the k-th largest and which equal it.
+    j, live, key = _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE, WIDE, BLOCK)
+    kth = kth.to(key.dtype)
+    return j, live & (key > kth), live & (key == kth)
+
+
+@triton.jit
+def _chosen_counts_kernel(x_ptr, keys_ptr, state_ptr, counts_ptr, n, SIDE: tl.constexpr,
+                          WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # Per tile (of the candidates, or of x): how many keys exceed the k-th largest, and how
+    # many equal it. Tiles past the candidates keep their zeros.
+    kth = tl.load(state_ptr)
+    m = tl.load(state_ptr + 4)
+    gathered = m > 0
+    total = tl.where(gathered, m, n)
+    lo, hi = _span(total, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        _, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
+                                     BLOCK)
+        tile = counts_ptr + (start // BLOCK) * 2
+        tl.store(tile, tl.sum(above.to(tl.int32), 0))
+        tl.store(tile + 1, tl.sum(tie.to(tl.int32), 0))
+
+
+@triton.jit
+def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, starts_ptr, out_ptr, n,
+                         SIDE: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     # Every key above the k-th largest, and the first `need` keys equal to it in index order,
     # written in index order: a tile's chosen indices follow those of the tiles before it.
-    pid = tl.program_id(0)
-    i, above, tie = _against_kth(x_ptr, state_ptr, n, pid, SIDE, WIDE, BLOCK)
+    kth = tl.load(state_ptr)
     need = tl.load(state_ptr + 1)
-    above_before = tl.load(starts_ptr + pid * 2)
-    ties_before = tl.load(starts_ptr + pid * 2 + 1)
-    # one scan for both running counts: ties in the high half, keys above in the low (a tile
-    # holds fewer than 2**16 elements)
-    both = tl.cumsum((tie.to(tl.int32) << 16) | above.to(tl.int32), 0)
-    # per-element arithmetic in int32: the ties this tile may still take, at most BLOCK
-    room = tl.minimum(tl.maximum(need - ties_before, 0), BLOCK).to(tl.int32)
-    ties = both >> 16  # the tile's ties up to here, inclusive
-    chosen = above | (tie & (ties <= room))
-    # chosen before this element: the tiles before, then the tile's keys above it and its
-    # ties taken so far
-    first = above_before + tl.minimum(ties_before, need)
-    slot = (both & 0xFFFF) + tl.minimum(ties, room) - 1
-    tl.store(out_ptr + first + slot, i, mask=chosen)
+    m = tl.load(state_ptr + 4)
+    gathered = m > 0
+    total = tl.where(gathered, m, n)
+    lo, hi = _span(total, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        j, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
+                                     BLOCK)
+        tile = starts_ptr + (start // BLOCK) * 2
+        above_before = tl.load(tile)
+        ties_before = tl.load(tile + 1)
+        # one scan for both running counts: ties in the high half, keys above in the low (a
+        # tile holds fewer than 2**16 elements)
+        both = tl.cumsum((tie.to(tl.int32) << 16) | above.to(tl.int32), 0)
+        # per-element arithmetic in int32: the ties this tile may still take, at most BLOCK
+        room = tl.minimum(tl.maximum(need - ties_before, 0), BLOCK).to(tl.int32)
+        ties = both >> 16  # the tile's ties up to here, inclusive
+        chosen = above | (tie & (ties <= room))
+        # chosen before this element: the tiles before, then the tile's keys above it and its
+        # ties taken so far
+        first = above_before + tl.minimum(ties_before, need)
+        slot = (both & 0xFFFF) + tl.minimum(ties, room) - 1
+        if gathered:
+            i = tl.load(idx_ptr + j, mask=chosen, other=0).to(tl.int64)
+        else:
+            i = j
+        tl.store(out_ptr + first + slot, i, mask=chosen)
 
 
-def _radix_select(x: torch.Tensor, k: int, side: int) -> torch.Tensor:
-    # The state of _digit_choice_kernel once every digit of the k-th largest key is settled.
+class _Selection:
+    """The device buffers of one radix selection.
+
+    ``state`` is :func:`_digit_choice_kernel`'s (the k-th largest key in ``state[0]``, the ties
+    at it still to take in ``state[1]``, the candidates gathered in ``state[4]``); ``keys`` and
+    ``idx`` hold the candidates, room for ``k + n // SLACK``.
+    """
+
+    def __init__(self, x: torch.Tensor, k: int):
+        n = x.numel()
+        wide = x.dtype == torch.float64
+        self.state = torch.zeros(5, dtype=torch.int64, device=x.device)
+        self.state[1] = k  # a fill on the device, no copy from the host
+        room = min(n, k + n // SLACK)
+        self.keys = torch.empty(room, dtype=torch.int64 if wide else torch.int32,
+                                device=x.device)
+        # int32 indices where they fit: half the bytes and cheaper arithmetic
+        self.idx = torch.empty(room, dtype=torch.int32 if n <= 2**31 else torch.int64,
+                               device=x.device)
+
+
+def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
+    # Every digit of the k-th largest key, settled on the device. The first two passes read
+    # x; the keys at or above the k-th's first two digits are then gathered (about k of them
+    # for the usual scores) and the later passes read those instead.
     n = x.numel()
     if not 0 < k <= n:  # outside, the rank would run off the counts and the writes off `out`
         raise ValueError(f"expected 0 < k <= {n}, got k={k}")
     wide = x.dtype == torch.float64
     bits = 64 if wide else 32
-    state = torch.zeros(4, dtype=torch.int64, device=x.device)
-    state[1] = k  # a fill on the device, no copy from the host
+    sel = _Selection(x, k)
     hist = torch.zeros((bits // DIGIT, 256), dtype=torch.int64, device=x.device)
     block, opts = _config("key_digits")
     grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
+    rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
+    counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)
     for p, shift in enumerate(range(bits - DIGIT, -1, -DIGIT)):
         top = p == 0
-        launch(_key_digits_kernel, grid, x, state, hist[p], n, SIDE=side, WIDE=wide,
-               SHIFT=shift, TOP=top, BLOCK=block, **opts)
-        launch(_digit_choice_kernel, (1,), hist[p], state, SHIFT=shift, TOP=top, WIDE=wide,
+        launch(_key_digits_kernel, grid, x, sel.keys, sel.state, hist[p], rows, n, SIDE=side,
+               WIDE=wide, SHIFT=shift, TOP=top, ROWS=p == 1, FIRST=p < 2, BLOCK=block, **opts)
+        launch(_digit_choice_kernel, (1,), hist[p], sel.state, SHIFT=shift, TOP=top, WIDE=wide,
                num_warps=1)
-    return state
+        if p == 1:
+            launch(_gathered_counts_kernel, grid, rows, sel.state, counts, SHIFT=shift,
+                   num_warps=1)
+            launch(_gather_kernel, grid, x, sel.state, counts.cumsum(0), sel.keys, sel.idx, n,
+                   sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=shift, BLOCK=block, **opts)
+    return sel
 
 
 def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
@@ -777,7 +904,7 @@ def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     Scores as in :func:`score_stats`, of any float dtype; the result has ``x``'s dtype. The
     radix selection of :func:`top_indices` without its writing passes: no sort, no host read.
     """
-    key = _radix_select(x, k, side)[0]
+    key = _radix_select(x, k, side).state[0]
     if x.dtype == torch.float64:
         bits = key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)
         return bits.view(torch.float64)
@@ -790,23 +917,29 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     """Return the ascending int64 indices of the ``k`` largest scores, ties to lower indices.
 
     ``0 < k <= n`` (else ``ValueError``); scores as in :func:`score_stats`, of any float
-    dtype. No sort and no host read: radix selection finds the k-th largest score's key in
-    ``ceil(bits / 8)`` counting passes over ``x`` (4 for 32-bit and 16-bit floats, 8 for
-    float64), each one histogram of a key digit among the keys that share the digits settled
-    before it; a one-program kernel settles each digit on the device. Two more passes write
-    the chosen indices in order: the counts per tile above and at the k-th key, then each
-    tile's indices at its offset.
+    dtype. No sort and no host read: radix selection finds the k-th largest score's key one
+    8-bit digit a pass (4 passes for 32-bit and 16-bit floats, 8 for float64), each pass one
+    histogram of a key digit among the keys that share the digits settled before it; a
+    one-program kernel settles each digit on the device. After two digits a pass over ``x``
+    gathers, in index order, the keys that share or beat them with their indices: a superset
+    of the top k, about ``k`` keys for the usual scores (all within a factor ``1 + 2**-7`` of
+    the k-th largest score or above it, for float32). The later passes, and the two that write
+    the chosen indices in order (the counts per tile above and at the k-th key, then each
+    tile's indices at its offset), read those candidates instead of ``x``: three reads of
+    ``x`` in all. If the candidates outnumber ``k + n // SLACK`` (many keys alike in their
+    first 16 bits), none are gathered and every pass reads ``x``.
     """
     n = x.numel()
-    wide = x.dtype == torch.float64
-    state = _radix_select(x, k, side)
+    sel = _radix_select(x, k, side)
     block, opts = _config("top_write")
-    tiles = _grid(n, block)
-    per_tile = torch.empty((tiles[0], 2), dtype=torch.int32, device=x.device)
-    launch(_chosen_counts_kernel, tiles, x, state, per_tile, n, SIDE=side, WIDE=wide,
-           BLOCK=block, **opts)
+    tiles = _grid(n, block)[0]
+    grid = (min(COUNT_PROGRAMS, tiles),)
+    wide = x.dtype == torch.float64
+    per_tile = torch.zeros((tiles, 2), dtype=torch.int32, device=x.device)
+    launch(_chosen_counts_kernel, grid, x, sel.keys, sel.state, per_tile, n, SIDE=side,
+           WIDE=wide, BLOCK=block, **opts)
     starts = per_tile.cumsum(0, dtype=torch.int64) - per_tile  # exclusive, per column
     out = torch.empty(k, dtype=torch.int64, device=x.device)
-    launch(_chosen_write_kernel, tiles, x, state, starts, out, n, SIDE=side, WIDE=wide,
-           BLOCK=block, **opts)
+    launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state, starts, out, n,
+           SIDE=side, WIDE=wide, BLOCK=block, **opts)
     return out
