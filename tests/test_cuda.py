@@ -3,6 +3,8 @@ tensors over every transport, no host synchronisation in the fused majorities, t
 benchmarks. Without a GPU the same comparisons run on CPU tensors through the torch path (each
 codec's tests) and the Triton kernels under the interpreter (test_kernels.py)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -209,12 +211,19 @@ def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
 
 def test_radix_selection_gives_the_cpus_sets_for_every_dtype_and_side():
     """select_abs, select_side and topk select on the GPU by radix selection (compiled, not
-    interpreted): the CPU's sets, ties to lower indices, for 32-, 64- and 16-bit floats."""
+    interpreted): the CPU's sets, ties to lower indices, for 32-, 64- and 16-bit floats; with
+    candidates gathered (normal scores) and without (few distinct values)."""
     from bitcomm.codecs import _kernels
 
     g = torch.Generator().manual_seed(10)
-    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        v = (torch.randint(-20, 21, (300_007,), generator=g) / 4).to(dtype)  # ties and zeros
+    for dtype, spread in itertools.product(
+            (torch.float32, torch.float64, torch.float16, torch.bfloat16), (False, True)):
+        if spread:
+            v = torch.randn(300_007, generator=g).to(dtype)
+            gathered = _kernels._radix_select(v.cuda(), 1000, 2).state[4].item()
+            assert 1000 <= gathered <= 1000 + 300_007 // _kernels.SLACK, dtype
+        else:
+            v = (torch.randint(-20, 21, (300_007,), generator=g) / 4).to(dtype)  # ties, zeros
         v[:3] = torch.tensor([-0.0, 1e-40, -1e-40]).to(dtype)
         for k in (1, 1000, 150_000):
             assert torch.equal(select.select_abs(v, k), select.select_abs(v.cuda(), k).cpu())
