@@ -170,7 +170,7 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
             ("top-k 1% fp64", n, lambda: k.top_indices(meta(n, torch.float64),
                                                        max(1, n // 100)))]
     ranks = 8
-    chunk = n // ranks
+    chunk = -(-n // ranks)  # the first ranks' chunks: a partial last tile when n is odd
     cb = (chunk + 7) // 8
     xc = meta(chunk, torch.float32)
     for w_in, w_out in ((0, 1), (1, 2), (2, 3), (3, 4)):
