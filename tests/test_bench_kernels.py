@@ -57,7 +57,8 @@ def test_no_kernel_spills_registers_on_an_h100(every_case):
             "redsync-1% counts of 63 bounds", "top-k 1% fp32", "top-k 1% fp64"} <= names
     edges = {r["kernel"] for r in rows if "EDGE=True" in r["config"]}
     assert edges == {"sign_unpack", "planes_unpack", "radix_unpack", "qsgd_values",
-                     "count_step"}
+                     "count_step", "vote_count", "sign_error", "weighted_votes",
+                     "scaled_signs"}
     assert [(r["case"], r["stack"]) for r in rows if r["stack"]] == []
     assert all(0 < r["registers"] <= 255 for r in rows)
 

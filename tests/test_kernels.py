@@ -334,6 +334,60 @@ def test_count_step_adds_votes_and_repacks():
                 assert torch.equal(dec, bits.pack(want.to(torch.uint8), 1)), (n, i, tie)
 
 
+def _unpacked(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.from_numpy(np.unpackbits(packed.numpy())[:n].astype(bool))
+
+
+def test_onebit_and_vote_kernels_in_full_tiles_and_the_last_one():
+    """The all-to-all vote count and 1-bit Adam's kernels against torch, at lengths that fill
+    every tile (no masks), leave a last tile (masks, padding bits), or both; scaled_signs with
+    chunks of a tile or more (one scale division a tile) and smaller."""
+    from bitcomm.collectives import _kernels as ck
+
+    g = torch.Generator().manual_seed(8)
+    tile = 8 * ck.TUNING["vote_count"][0]  # elements a program (vote_count, scaled_signs)
+    for n in (13, tile, 2 * tile + 13):
+        for size in (1, 4, 5):
+            raw = torch.randint(0, 2, (size, n), generator=g, dtype=torch.uint8)
+            votes = torch.stack([bits.pack(r, 1) for r in raw])
+            if n % 8:  # padding bits set in the votes stay clear in the decision
+                votes[:, -1] |= (1 << (8 - n % 8)) - 1
+            count = raw.sum(0)
+            even = (torch.arange(n) + 1) % 2 == 0
+            for tie, want in (("negative", 2 * count > size), ("positive", 2 * count >= size),
+                              ("alternate", (2 * count > size) | ((2 * count == size) & even))):
+                got = ck.vote_count(votes, n, tie=tie, tie_base=1)
+                assert torch.equal(got, bits.pack(want.to(torch.uint8), 1)), (n, size, tie)
+        for chunk in (1000, tile, tile + 8):
+            scales = torch.rand(-(-n // chunk), generator=g) + 0.5
+            signs = torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8)
+            got = ck.scaled_signs(bits.pack(signs, 1), scales, n, chunk)
+            want = scales[torch.arange(n) // chunk] * torch.where(signs.bool(), 1.0, -1.0)
+            assert torch.equal(got, want), (n, chunk)
+    tile = 8 * ck.TUNING["sign_error"][0]
+    for n in (8, tile, 2 * tile + 8):
+        buf = torch.randn(n, generator=g)
+        buf[:2] = torch.tensor([-0.0, float("nan")])
+        scale = torch.tensor(0.75)
+        error = torch.empty(n)
+        packed = ck.sign_error(buf, scale, error)
+        bit = (buf >= 0) | buf.isnan()
+        assert torch.equal(_unpacked(packed, n), bit), n
+        assert torch.equal(error[2:], (buf - torch.where(bit, scale, -scale))[2:]), n
+        assert error[1].isnan()
+        size = 3
+        votes = torch.stack([bits.pack(torch.randint(0, 2, (n,), generator=g,
+                                                     dtype=torch.uint8), 1)
+                             for _ in range(size)])
+        weights = torch.rand(size, generator=g)
+        want = torch.zeros(n)
+        for r in range(size):  # in rank order, then the error: the kernel's float additions
+            want += torch.where(_unpacked(votes[r], n), weights[r], -weights[r])
+        want += error.nan_to_num()
+        got = ck.weighted_votes(votes, weights, error.nan_to_num())
+        assert torch.equal(got, want), n
+
+
 def test_ring_steps_benchmark_rows():
     """bench.collectives.ring_steps: one row per kernel of rank 0, bytes as derived here."""
     from bitcomm.bench.collectives import ring_steps

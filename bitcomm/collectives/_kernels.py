@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitcomm.codecs._kernels import launch, launch_tiles
+from bitcomm.codecs._kernels import launch_tiles
 
 __all__ = ["count_step", "vote_count", "sign_error", "weighted_votes", "scaled_signs"]
 
@@ -39,10 +39,12 @@ TUNING: dict[str, tuple[int, int]] = {
 :data:`bitcomm.codecs._kernels.TUNING` says, near or below 64 registers per thread on sm_90."""
 
 
-def _launch(name: str, kernel, total: int, *args, **kwargs) -> None:
-    # One program per TUNING[name] bytes of the ``total`` bytes per plane.
+def _launch_tiles(name: str, kernel, total: int, n: int, *args, **kwargs) -> None:
+    # One program per TUNING[name] bytes of the ``total`` bytes per plane; those whose 8 * BLOCK
+    # elements all lie before ``n`` without masks (launch_tiles).
     block, warps = TUNING[name]
-    launch(kernel, (triton.cdiv(total, block),), *args, BLOCK=block, num_warps=warps, **kwargs)
+    launch_tiles(kernel, triton.cdiv(total, block), n // (8 * block), *args, BLOCK=block,
+                 num_warps=warps, **kwargs)
 
 
 TIE_CODES = {"negative": 0, "positive": 1, "alternate": 2}
@@ -116,28 +118,34 @@ def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out:
     nb = (n + 7) // 8
     out = torch.empty(w_out * nb, dtype=torch.uint8, device=x.device)
     if nb:
-        block, warps = TUNING["count_step"]
-        launch_tiles(_count_step_kernel, triton.cdiv(nb, block), n // (8 * block),
-                     x if received is None else received, x, out, n, nb, max(decide, 1),
-                     tie_base % 2, W_IN=w_in, W_OUT=w_out, DECIDE=bool(decide),
-                     TIE=TIE_CODES[tie], WIDEN=x.element_size() == 2, BLOCK=block,
-                     num_warps=warps)
+        _launch_tiles("count_step", _count_step_kernel, nb, n,
+                      x if received is None else received, x, out, n, nb, max(decide, 1),
+                      tie_base % 2, W_IN=w_in, W_OUT=w_out, DECIDE=bool(decide),
+                      TIE=TIE_CODES[tie], WIDEN=x.element_size() == 2)
     return out
 
 
 @triton.jit
-def _vote_count_kernel(votes_ptr, out_ptr, n, nb, size, tie_base, TIE: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _vote_count_kernel(votes_ptr, out_ptr, n, nb, size, tie_base, first, TIE: tl.constexpr,
+                       BLOCK: tl.constexpr, EDGE: tl.constexpr):
+    ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     count = tl.zeros([BLOCK, 8], dtype=tl.int32)
     for r in range(size):
-        byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        if EDGE:
+            byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        else:
+            byte = tl.load(votes_ptr + r * nb + ob).to(tl.int32)
         count += (byte[:, None] >> (7 - j)[None, :]) & 1
     idx = ob[:, None] * 8 + j[None, :]
-    bit = tl.where(idx < n, _majority(count, size, idx, tie_base, TIE), 0)
-    out = tl.sum(bit << (7 - j)[None, :], axis=1)
-    tl.store(out_ptr + ob, out.to(tl.uint8), mask=ob < nb)
+    bit = _majority(count, size, idx, tie_base, TIE)
+    if EDGE:  # the padding bits of the last byte stay 0
+        bit = tl.where(idx < n, bit, 0)
+    out = tl.sum(bit << (7 - j)[None, :], axis=1).to(tl.uint8)
+    if EDGE:
+        tl.store(out_ptr + ob, out, mask=ob < nb)
+    else:
+        tl.store(out_ptr + ob, out)
 
 
 def vote_count(votes: torch.Tensor, n: int, *, tie: str = "negative", tie_base: int = 0
@@ -149,8 +157,8 @@ def vote_count(votes: torch.Tensor, n: int, *, tie: str = "negative", tie_base: 
     size, nb = votes.shape
     out = torch.empty(nb, dtype=torch.uint8, device=votes.device)
     if nb:
-        _launch("vote_count", _vote_count_kernel, nb, votes, out, n, nb, size, tie_base % 2,
-                TIE=TIE_CODES[tie])
+        _launch_tiles("vote_count", _vote_count_kernel, nb, n, votes, out, n, nb, size,
+                      tie_base % 2, TIE=TIE_CODES[tie])
     return out
 
 
@@ -158,18 +166,26 @@ def vote_count(votes: torch.Tensor, n: int, *, tie: str = "negative", tie_base: 
 
 
 @triton.jit
-def _sign_error_kernel(buf_ptr, scale_ptr, err_ptr, out_ptr, nb, BLOCK: tl.constexpr):
-    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _sign_error_kernel(buf_ptr, scale_ptr, err_ptr, out_ptr, nb, first, BLOCK: tl.constexpr,
+                       EDGE: tl.constexpr):
+    ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     idx = ob[:, None] * 8 + j[None, :]
-    live = idx < nb * 8
-    x = tl.load(buf_ptr + idx, mask=live, other=0.0)
+    if EDGE:
+        x = tl.load(buf_ptr + idx, mask=idx < nb * 8, other=0.0)
+    else:
+        x = tl.load(buf_ptr + idx)
     # DeepSpeed's x.sign().add_(1).bool(): true for x >= 0, and for NaN (NaN + 1 is truthy).
     bit = (x >= 0) | (x != x)
     scale = tl.load(scale_ptr)
-    tl.store(err_ptr + idx, x - tl.where(bit, scale, -scale), mask=live)
-    byte = tl.sum(bit.to(tl.int32) << (7 - j)[None, :], axis=1)
-    tl.store(out_ptr + ob, byte.to(tl.uint8), mask=ob < nb)
+    error = x - tl.where(bit, scale, -scale)
+    byte = tl.sum(bit.to(tl.int32) << (7 - j)[None, :], axis=1).to(tl.uint8)
+    if EDGE:
+        tl.store(err_ptr + idx, error, mask=idx < nb * 8)
+        tl.store(out_ptr + ob, byte, mask=ob < nb)
+    else:
+        tl.store(err_ptr + idx, error)
+        tl.store(out_ptr + ob, byte)
 
 
 def sign_error(buf: torch.Tensor, scale: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
@@ -181,24 +197,30 @@ def sign_error(buf: torch.Tensor, scale: torch.Tensor, error: torch.Tensor) -> t
     nb = buf.numel() // 8
     out = torch.empty(nb, dtype=torch.uint8, device=buf.device)
     if nb:
-        _launch("sign_error", _sign_error_kernel, nb, buf, scale, error, out, nb)
+        _launch_tiles("sign_error", _sign_error_kernel, nb, nb * 8, buf, scale, error, out, nb)
     return out
 
 
 @triton.jit
-def _weighted_votes_kernel(votes_ptr, weights_ptr, err_ptr, out_ptr, nb, size,
-                           BLOCK: tl.constexpr):
-    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _weighted_votes_kernel(votes_ptr, weights_ptr, err_ptr, out_ptr, nb, size, first,
+                           BLOCK: tl.constexpr, EDGE: tl.constexpr):
+    ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     idx = ob[:, None] * 8 + j[None, :]
-    live = idx < nb * 8
     acc = tl.zeros([BLOCK, 8], dtype=tl.float32)
     for r in range(size):  # ranks in order, as torch's sum over them
-        byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        if EDGE:
+            byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
+        else:
+            byte = tl.load(votes_ptr + r * nb + ob).to(tl.int32)
         w = tl.load(weights_ptr + r)
         acc += tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, w, -w)
-    acc += tl.load(err_ptr + idx, mask=live, other=0.0)
-    tl.store(out_ptr + idx, acc, mask=live)
+    if EDGE:
+        acc += tl.load(err_ptr + idx, mask=idx < nb * 8, other=0.0)
+        tl.store(out_ptr + idx, acc, mask=idx < nb * 8)
+    else:
+        acc += tl.load(err_ptr + idx)
+        tl.store(out_ptr + idx, acc)
 
 
 def weighted_votes(votes: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
@@ -207,20 +229,37 @@ def weighted_votes(votes: torch.Tensor, weights: torch.Tensor, error: torch.Tens
     size, nb = votes.shape
     out = torch.empty(nb * 8, dtype=torch.float32, device=votes.device)
     if nb:
-        _launch("weighted_votes", _weighted_votes_kernel, nb, votes, weights, error, out, nb,
-                size)
+        _launch_tiles("weighted_votes", _weighted_votes_kernel, nb, nb * 8, votes, weights,
+                      error, out, nb, size)
     return out
 
 
 @triton.jit
-def _scaled_signs_kernel(packed_ptr, scales_ptr, out_ptr, n, nbytes, chunk, BLOCK: tl.constexpr):
-    ob = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _scaled_signs_kernel(packed_ptr, scales_ptr, out_ptr, n, nbytes, chunk, first,
+                         BLOCK: tl.constexpr, EDGE: tl.constexpr, WHOLE: tl.constexpr):
+    tile = (first + tl.program_id(0)).to(tl.int64)
+    ob = tile * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
-    byte = tl.load(packed_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
     idx = ob[:, None] * 8 + j[None, :]
-    scale = tl.load(scales_ptr + idx // chunk, mask=idx < n, other=0.0)
+    if EDGE:
+        byte = tl.load(packed_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
+    else:
+        byte = tl.load(packed_ptr + ob).to(tl.int32)
+    if WHOLE:  # chunks of a tile or more: the tile meets two chunks at most, one division
+        c = tile * BLOCK * 8 // chunk
+        end = (c + 1) * chunk
+        here = tl.load(scales_ptr + c)
+        after = tl.load(scales_ptr + c + 1, mask=end < n, other=0.0)
+        scale = tl.where(idx < end, here, after)
+    elif EDGE:
+        scale = tl.load(scales_ptr + idx // chunk, mask=idx < n, other=0.0)
+    else:
+        scale = tl.load(scales_ptr + idx // chunk)
     val = tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, scale, -scale)
-    tl.store(out_ptr + idx, val, mask=idx < n)
+    if EDGE:
+        tl.store(out_ptr + idx, val, mask=idx < n)
+    else:
+        tl.store(out_ptr + idx, val)
 
 
 def scaled_signs(packed: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
@@ -229,6 +268,7 @@ def scaled_signs(packed: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
     out = torch.empty(n, dtype=torch.float32, device=packed.device)
     nbytes = packed.numel()
     if n:
-        _launch("scaled_signs", _scaled_signs_kernel, nbytes, packed, scales, out, n, nbytes,
-                chunk)
+        block = TUNING["scaled_signs"][0]
+        _launch_tiles("scaled_signs", _scaled_signs_kernel, triton.cdiv(n, 8), n, packed,
+                      scales, out, n, nbytes, chunk, WHOLE=chunk >= 8 * block)
     return out
