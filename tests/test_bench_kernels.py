@@ -70,9 +70,9 @@ def test_rows_are_printed_and_saved(every_case):
     assert [r["case"] for r in saved] == [r["case"] for r in rows]
     for r in rows:
         assert r["case"] in result.stdout
-        if r["programs"] == 1:  # radix selection's digit choice (256 counts, not the vector)
-            # or a decoder's last tile, the one that checks the end: no figure per element
-            assert r["kernel"] == "digit_choice" or "EDGE=True" in r["config"], r
+        if r["programs"] == 1:  # a last tile, the one that checks the end: no figure per
+            # element
+            assert "EDGE=True" in r["config"], r
             continue
         if r["kernel"] == "gathered_counts":  # one row of 257 counts a program, not the vector
             assert r["per_element"] < 1 and r["loads"] > 0, r

@@ -561,20 +561,60 @@ def test_radix_selection_gathers_its_candidates_in_index_order(programs, monkeyp
         want = np.flatnonzero((keys >> 16) >= (kth >> 16))
         assert k <= want.size <= k + n // _kernels.SLACK  # the test's premise: they fit
         sel = _kernels._radix_select(v, k, side)
-        m = int(sel.state[4])
+        m = int(sel.m)
         assert m == want.size, side
         assert sel.idx[:m].tolist() == want.tolist()
         assert sel.keys[:m].tolist() == keys[want].tolist()
-        assert int(sel.state[0]) == kth
+        assert int(sel.state[2, 0]) == kth & ~0xFFFF  # the first two digits, settled
         assert _kernels.top_indices(v, k, side).tolist() == _brute_top(s, k)
         # room for fewer candidates than there are: nothing gathered, the same result
         monkeypatch.setattr(_kernels, "SLACK", 10**9)
         assert want.size > k  # so room for k leaves some out
-        assert int(_kernels._radix_select(v, k, side).state[4]) == 0
+        assert int(_kernels._radix_select(v, k, side).m) == 0
         assert _kernels.top_indices(v, k, side).tolist() == _brute_top(s, k)
         assert _kernels.kth_largest(v, k, side).item() == s.sort(descending=True).values[k - 1]
         monkeypatch.undo()
         monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+
+
+def _launches(fn) -> list[str]:
+    # The kernels fn launches on meta tensors: its Triton launches (recorded, not run) and
+    # the torch ops that launch one on a device (not views, not allocations).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bitcomm.bench.kernels import _recorded
+
+    quiet = {"empty", "view", "slice", "select", "detach", "lift_fresh", "alias", "as_strided",
+             "_unsafe_view", "new_empty"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in quiet:
+                self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    with _recorded() as calls, Ops() as ops:
+        fn()
+    return [kernel.fn.__name__.strip("_").removesuffix("_kernel") for kernel, *_ in calls] + \
+        ops.names
+
+
+def test_radix_selection_launches_few_kernels():
+    """Small vectors are bound by launches, not bytes: top_indices of 32-bit scores is 12
+    launches (a kernel settles each digit at its start instead of a kernel of its own), 16 for
+    float64; kth_largest one fewer than the counting and writing kernels."""
+    x = torch.empty(10_000, device="meta")
+    got = _launches(lambda: _kernels.top_indices(x, 100, 2))
+    assert sorted(got) == sorted(["zeros", "fill_", "key_digits", "key_digits",
+                                  "gathered_counts", "cumsum", "gather", "key_digits",
+                                  "key_digits", "chosen_counts", "cumsum", "chosen_write"])
+    wide = torch.empty(10_000, device="meta", dtype=torch.float64)
+    assert len(_launches(lambda: _kernels.top_indices(wide, 100))) == 16
+    assert len(_launches(lambda: _kernels.kth_largest(x, 100))) == 10
 
 
 def test_kth_largest_is_the_sorted_scores_kth():

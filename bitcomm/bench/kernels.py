@@ -13,9 +13,10 @@ for the data), and reports for each:
   times its threads, over the elements the program covers (fp32 inputs for encoders, outputs
   for decoders, counts for the count codecs). The count is static: loops are unrolled
   (``tl.static_range``), except the loops over ranks of ``vote_count`` and ``weighted_votes``,
-  counted once, and the loops over tiles of the kernels in :data:`_STRIDED`, counted per
-  tile. A launch of one program (radix selection's ``digit_choice``, a decoder's last tile
-  with ``EDGE=True``) is counted per element of the whole vector, so its figures are near 0.
+  counted once, and the loop over tiles of the kernels in :data:`_STRIDED` (the span of
+  their longest backward branch), counted once a tile, the code around it once a program.
+  A launch of one program (a decoder's last tile with ``EDGE=True``) is counted per
+  element of the whole vector, so its figures are near 0.
   The radix selection's kernels that run after its candidates are gathered read a tile of
   them or, when none were gathered, of the vector: both branches are in the static count,
   which is therefore that of neither.
@@ -202,7 +203,7 @@ _STRIDED = ("_count_above_kernel", "_key_digits_kernel", "_gather_kernel",
             "_chosen_counts_kernel", "_chosen_write_kernel")
 """Kernels whose programs loop over several tiles of the vector."""
 
-_OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+_OPCODE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[.\w]*\s*([^;]*)")
 
 
 def _compile(kernel, args: tuple, kwargs: dict, arch: int):
@@ -234,8 +235,12 @@ def _compile(kernel, args: tuple, kwargs: dict, arch: int):
         if kernel.params[kernel.arg_names.index(name)].is_constexpr}
 
 
-def _machine_code(cubin: bytes) -> tuple[Counter, int, int]:
-    """Return the SASS opcode counts, registers and stack bytes of a one-kernel cubin."""
+def _machine_code(cubin: bytes) -> tuple[Counter, Counter, int, int]:
+    """Return a one-kernel cubin's SASS opcode counts, its registers and its stack bytes.
+
+    The second value counts the opcodes of its outermost loop (the span of its longest
+    backward branch; empty without one).
+    """
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -246,12 +251,19 @@ def _machine_code(cubin: bytes) -> tuple[Counter, int, int]:
                                check=True, timeout=120).stdout
     finally:
         os.unlink(f.name)
-    ops = Counter(m.group(1) for line in sass.splitlines() if (m := _OPCODE.match(line)))
+    code = [(int(m.group(1), 16), m.group(2), m.group(3)) for line in sass.splitlines()
+            if (m := _OPCODE.match(line))]
+    ops = Counter(op for _, op, _ in code)
+    loops = [(int(jump.group(1), 16), at) for at, op, target in code
+             if op == "BRA" and (jump := re.match(r"0x([0-9a-f]+)", target))
+             and int(jump.group(1), 16) < at]
+    first, last = max(loops, key=lambda span: span[1] - span[0], default=(1, 0))
+    loop = Counter(op for at, op, _ in code if first <= at <= last)
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     if not (ops and regs and stack):
         raise RuntimeError(f"could not read cuobjdump's listing of the kernel:\n{usage}")
-    return ops, int(regs.group(1)), int(stack.group(1))
+    return ops, loop, int(regs.group(1)), int(stack.group(1))
 
 
 def run(n: int = 1 << 26, *, arch: int = ARCH, only: str | None = None,
@@ -268,19 +280,22 @@ def run(n: int = 1 << 26, *, arch: int = ARCH, only: str | None = None,
             launch()
         for kernel, grid, args, kwargs in calls:
             compiled, config = _compile(kernel, args, kwargs, arch)
-            ops, regs, stack = _machine_code(compiled.asm["cubin"])
+            ops, loop, regs, stack = _machine_code(compiled.asm["cubin"])
             threads = 32 * compiled.metadata.num_warps
+            run = Counter(ops)  # what a program runs
             covered = elements
-            if kernel.fn.__name__ in _STRIDED:  # the static count is one tile's
-                covered = min(elements, grid[0] * kwargs["BLOCK"])
+            if kernel.fn.__name__ in _STRIDED:  # the tile loop runs once a tile
+                tiles = -(-elements // (grid[0] * kwargs["BLOCK"]))
+                run.update({op: count * (tiles - 1) for op, count in loop.items()})
+                covered = min(elements, grid[0] * tiles * kwargs["BLOCK"])
             lanes = threads * grid[0] / covered  # lane-instructions per instruction per element
             row = KernelRow(
                 case=name, kernel=kernel.fn.__name__.strip("_").removesuffix("_kernel"),
                 config=" ".join(f"{key}={value}" for key, value in config.items()),
                 arch=arch, programs=grid[0], warps=compiled.metadata.num_warps,
                 registers=regs, stack=stack, instructions=sum(ops.values()),
-                per_element=sum(ops.values()) * lanes, loads=ops["LDG"] * lanes,
-                stores=ops["STG"] * lanes)
+                per_element=sum(run.values()) * lanes, loads=run["LDG"] * lanes,
+                stores=run["STG"] * lanes)
             rows.append(row)
             if progress:
                 progress(row)

@@ -687,21 +687,51 @@ def _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE: tl.constexpr, WIDE
 
 
 @triton.jit
-def _key_digits_kernel(x_ptr, keys_ptr, state_ptr, hist_ptr, rows_ptr, n, SIDE: tl.constexpr,
-                       WIDE: tl.constexpr, SHIFT: tl.constexpr, TOP: tl.constexpr,
-                       ROWS: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+def _settle(hist_ptr, state_ptr, SHIFT: tl.constexpr, TOP: tl.constexpr, WIDE: tl.constexpr):
+    # The k-th largest key's digit at SHIFT, from its pass's histogram (hist_ptr) and the state
+    # before it (state_ptr: the prefix of the digits settled so far, and the rank r of the
+    # k-th largest among the keys that share it). Every program of the kernel that needs the
+    # digit settles it alike (256 counts, cached); program 0 writes the next state row.
+    j = tl.arange(0, 256)
+    counts = tl.load(hist_ptr + 255 - j)  # from the largest digit down
+    r = tl.load(state_ptr + 1)
+    ahead = tl.cumsum(counts, 0) < r  # digits whose keys all rank before the k-th
+    digit = 255 - tl.sum(ahead.to(tl.int32), 0)
+    if TOP:
+        digit = digit ^ 128
+    if WIDE:
+        bits = digit.to(tl.int64) << SHIFT
+    else:  # a top digit shifted into an int32's sign bit gives a negative key, sign-extended
+        bits = (digit.to(tl.int32) << SHIFT).to(tl.int64)
+    prefix = tl.load(state_ptr) | bits
+    if tl.program_id(0) == 0:
+        tl.store(state_ptr + 2, prefix)
+        tl.store(state_ptr + 3, r - tl.sum(tl.where(ahead, counts, 0), 0))
+    return prefix
+
+
+@triton.jit
+def _key_digits_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, rows_ptr, n,
+                       SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
+                       TOP: tl.constexpr, ROWS: tl.constexpr, FIRST: tl.constexpr,
+                       SETTLE: tl.constexpr, SETTLE_TOP: tl.constexpr, BLOCK: tl.constexpr):
     # The histogram of the key digit at SHIFT among the keys whose higher digits equal those
-    # of the k-th largest key, settled by the earlier passes (state[0]); over the gathered
-    # candidates once there are some (state[4] > 0), else over x. Each program takes a run of
-    # tiles and adds its 256 counts once: one program per tile would pile millions of atomic
-    # additions onto the same 256 addresses. With ROWS a program also writes its counts, and
-    # how many of its keys lie above the group, for the gathering pass.
-    prefix = tl.load(state_ptr)
+    # of the k-th largest key (the prefix); over the gathered candidates once there are some
+    # (m_ptr > 0), else over x. With SETTLE the kernel first settles the digit above, from the
+    # previous pass's histogram (the row before hist_ptr) and state row (state_ptr), else
+    # state_ptr's row holds the prefix. Each program takes a run of tiles and adds its 256
+    # counts once: one program per tile would pile millions of atomic additions onto the same
+    # 256 addresses. With ROWS a program also writes its counts, and how many of its keys lie
+    # above the group, for the gathering pass.
+    if SETTLE:
+        prefix = _settle(hist_ptr - 256, state_ptr, SHIFT + 8, SETTLE_TOP, WIDE)
+    else:
+        prefix = tl.load(state_ptr)
     if FIRST:  # before the candidates are gathered
         gathered = False
         total = n
     else:
-        m = tl.load(state_ptr + 4)
+        m = tl.load(m_ptr)
         gathered = m > 0
         total = tl.where(gathered, m, n)
     lo, hi = _span(total, BLOCK)
@@ -726,49 +756,41 @@ def _key_digits_kernel(x_ptr, keys_ptr, state_ptr, hist_ptr, rows_ptr, n, SIDE: 
 
 
 @triton.jit
-def _digit_choice_kernel(hist_ptr, state_ptr, SHIFT: tl.constexpr, TOP: tl.constexpr,
-                         WIDE: tl.constexpr):
-    # One program: the digit of the k-th largest key from the pass's histogram.
-    # state: [prefix key, rank r of the k-th largest among the keys sharing the prefix,
-    # keys above the prefix's group, keys equal to the prefix (after the last pass),
-    # candidates gathered (0: none)].
-    j = tl.arange(0, 256)
-    counts = tl.load(hist_ptr + 255 - j)  # from the largest digit down
-    r = tl.load(state_ptr + 1)
-    ahead = tl.cumsum(counts, 0) < r  # digits whose keys all rank before the k-th
-    skip = tl.sum(ahead.to(tl.int32), 0)
-    passed = tl.sum(tl.where(ahead, counts, 0), 0)
-    digit = 255 - skip
-    if TOP:
-        digit = digit ^ 128
+def _kth_value_kernel(hist_ptr, state_ptr, out_ptr, WIDE: tl.constexpr):
+    # One program: the last digit of the k-th largest key, and the score whose key it is
+    # (float64, or float32 for 32-bit and 16-bit scores).
+    key = _settle(hist_ptr, state_ptr, 0, False, WIDE)
     if WIDE:
-        bits = digit.to(tl.int64) << SHIFT
-    else:  # a top digit shifted into an int32's sign bit gives a negative key, sign-extended
-        bits = (digit.to(tl.int32) << SHIFT).to(tl.int64)
-    tl.store(state_ptr, tl.load(state_ptr) | bits)
-    tl.store(state_ptr + 1, r - passed)
-    tl.store(state_ptr + 2, tl.load(state_ptr + 2) + passed)
-    tl.store(state_ptr + 3, tl.sum(tl.where(j == skip, counts, 0), 0))
+        bits = key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)
+        tl.store(out_ptr, bits.to(tl.float64, bitcast=True))
+    else:
+        bits = key.to(tl.int32)
+        bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        tl.store(out_ptr, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _gathered_counts_kernel(rows_ptr, state_ptr, counts_ptr, SHIFT: tl.constexpr):
-    # How many keys each program of the ROWS pass (digit at SHIFT) will gather: those above
-    # the group (the row's last count) and the group's whose digit is the k-th's or above.
+def _gathered_counts_kernel(hist_ptr, state_ptr, rows_ptr, counts_ptr, SHIFT: tl.constexpr,
+                            TOP: tl.constexpr, WIDE: tl.constexpr):
+    # Settles the digit at SHIFT (the ROWS pass's), then: how many keys each program of that
+    # pass will gather, those above the group (the row's last count) and the group's whose
+    # digit is the k-th's or above.
+    digit = ((_settle(hist_ptr, state_ptr, SHIFT, TOP, WIDE) >> SHIFT) & 255).to(tl.int32)
     row = rows_ptr + tl.program_id(0) * 257
     j = tl.arange(0, 256)
-    digit = ((tl.load(state_ptr) >> SHIFT) & 255).to(tl.int32)
     c = tl.sum(tl.where(j >= digit, tl.load(row + j), 0), 0) + tl.load(row + 256)
     tl.store(counts_ptr + tl.program_id(0), c.to(tl.int64))
 
 
 @triton.jit
-def _gather_kernel(x_ptr, state_ptr, ends_ptr, keys_ptr, idx_ptr, n, room, SIDE: tl.constexpr,
-                   WIDE: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, n, room,
+                   SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
+                   BLOCK: tl.constexpr):
     # The candidates: every key whose digits from SHIFT up are at least the k-th largest's
     # (a superset of the top k), with its index, each program's run at the end of the runs
     # before it (ends: the running sum of _gathered_counts_kernel's counts), so in index
-    # order. Nothing when they would not fit in `room`: the passes then go on reading x.
+    # order; their number goes to m_ptr. Nothing when they would not fit in `room`: m stays
+    # 0 and the passes go on reading x.
     pid = tl.program_id(0)
     total = tl.load(ends_ptr + tl.num_programs(0) - 1)
     if total <= room:
@@ -783,7 +805,7 @@ def _gather_kernel(x_ptr, state_ptr, ends_ptr, keys_ptr, idx_ptr, n, room, SIDE:
             tl.store(idx_ptr + at + slot, i.to(idx_ptr.dtype.element_ty), mask=take)
             at += tl.sum(take.to(tl.int32), 0)
         if pid == 0:
-            tl.store(state_ptr + 4, total)
+            tl.store(m_ptr, total)
 
 
 @triton.jit
@@ -796,12 +818,13 @@ def _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE: tl.constexp
 
 
 @triton.jit
-def _chosen_counts_kernel(x_ptr, keys_ptr, state_ptr, counts_ptr, n, SIDE: tl.constexpr,
-                          WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    # Per tile (of the candidates, or of x): how many keys exceed the k-th largest, and how
-    # many equal it. Tiles past the candidates keep their zeros.
-    kth = tl.load(state_ptr)
-    m = tl.load(state_ptr + 4)
+def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_ptr, n,
+                          SIDE: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # Settles the last digit (from the last pass's histogram and the state before it), then
+    # per tile (of the candidates, or of x): how many keys exceed the k-th largest, and how
+    # many equal it. Rows past the last tile are left as they are: nothing reads them.
+    kth = _settle(hist_ptr, state_ptr, 0, False, WIDE)
+    m = tl.load(m_ptr)
     gathered = m > 0
     total = tl.where(gathered, m, n)
     lo, hi = _span(total, BLOCK)
@@ -814,25 +837,26 @@ def _chosen_counts_kernel(x_ptr, keys_ptr, state_ptr, counts_ptr, n, SIDE: tl.co
 
 
 @triton.jit
-def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, starts_ptr, out_ptr, n,
+def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, ends_ptr, out_ptr, n,
                          SIDE: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     # Every key above the k-th largest, and the first `need` keys equal to it in index order,
-    # written in index order: a tile's chosen indices follow those of the tiles before it.
+    # written in index order: a tile's chosen indices follow those of the tiles before it
+    # (ends: the running sums of the per-tile counts, this tile's included).
     kth = tl.load(state_ptr)
     need = tl.load(state_ptr + 1)
-    m = tl.load(state_ptr + 4)
+    m = tl.load(m_ptr)
     gathered = m > 0
     total = tl.where(gathered, m, n)
     lo, hi = _span(total, BLOCK)
     for start in range(lo, hi, BLOCK):
         j, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
                                      BLOCK)
-        tile = starts_ptr + (start // BLOCK) * 2
-        above_before = tl.load(tile)
-        ties_before = tl.load(tile + 1)
         # one scan for both running counts: ties in the high half, keys above in the low (a
         # tile holds fewer than 2**16 elements)
         both = tl.cumsum((tie.to(tl.int32) << 16) | above.to(tl.int32), 0)
+        tile = ends_ptr + (start // BLOCK) * 2
+        above_before = tl.load(tile) - tl.sum(above.to(tl.int32), 0)
+        ties_before = tl.load(tile + 1) - tl.sum(tie.to(tl.int32), 0)
         # per-element arithmetic in int32: the ties this tile may still take, at most BLOCK
         room = tl.minimum(tl.maximum(need - ties_before, 0), BLOCK).to(tl.int32)
         ties = both >> 16  # the tile's ties up to here, inclusive
@@ -849,18 +873,25 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, starts_ptr, out_pt
 
 
 class _Selection:
-    """The device buffers of one radix selection.
+    """The device buffers of one radix selection of ``k`` among ``n`` keys.
 
-    ``state`` is :func:`_digit_choice_kernel`'s (the k-th largest key in ``state[0]``, the ties
-    at it still to take in ``state[1]``, the candidates gathered in ``state[4]``); ``keys`` and
-    ``idx`` hold the candidates, room for ``k + n // SLACK``.
+    ``hist[p]``: pass ``p``'s histogram. ``state[p]``: the prefix of the k-th largest key once
+    ``p`` digits are settled, and its rank among the keys that share that prefix (the ties at
+    the k-th largest still to take once every digit is). ``m``: how many candidates were
+    gathered into ``keys`` and ``idx`` (0: none; room for ``k + n // SLACK``). All zeros but
+    ``state[0]``'s rank, ``k``, in one buffer: two launches.
     """
 
     def __init__(self, x: torch.Tensor, k: int):
         n = x.numel()
         wide = x.dtype == torch.float64
-        self.state = torch.zeros(5, dtype=torch.int64, device=x.device)
-        self.state[1] = k  # a fill on the device, no copy from the host
+        self.digits = (64 if wide else 32) // DIGIT
+        d = self.digits
+        work = torch.zeros(d * 256 + 2 * (d + 1) + 1, dtype=torch.int64, device=x.device)
+        self.hist = work[: d * 256].view(d, 256)
+        self.state = work[d * 256 : -1].view(d + 1, 2)
+        self.m = work[-1:]
+        self.state[0, 1:].fill_(k)  # one fill kernel on the device, no copy from the host
         room = min(n, k + n // SLACK)
         self.keys = torch.empty(room, dtype=torch.int64 if wide else torch.int32,
                                 device=x.device)
@@ -870,31 +901,33 @@ class _Selection:
 
 
 def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
-    # Every digit of the k-th largest key, settled on the device. The first two passes read
-    # x; the keys at or above the k-th's first two digits are then gathered (about k of them
-    # for the usual scores) and the later passes read those instead.
+    # Every digit of the k-th largest key but the last, settled on the device; the last pass's
+    # histogram is left for the caller's next kernel to settle. The first two passes read x;
+    # the keys at or above the k-th's first two digits are then gathered (about k of them for
+    # the usual scores) and the later passes read those instead.
     n = x.numel()
     if not 0 < k <= n:  # outside, the rank would run off the counts and the writes off `out`
         raise ValueError(f"expected 0 < k <= {n}, got k={k}")
     wide = x.dtype == torch.float64
-    bits = 64 if wide else 32
     sel = _Selection(x, k)
-    hist = torch.zeros((bits // DIGIT, 256), dtype=torch.int64, device=x.device)
     block, opts = _config("key_digits")
     grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
     rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
     counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)
-    for p, shift in enumerate(range(bits - DIGIT, -1, -DIGIT)):
-        top = p == 0
-        launch(_key_digits_kernel, grid, x, sel.keys, sel.state, hist[p], rows, n, SIDE=side,
-               WIDE=wide, SHIFT=shift, TOP=top, ROWS=p == 1, FIRST=p < 2, BLOCK=block, **opts)
-        launch(_digit_choice_kernel, (1,), hist[p], sel.state, SHIFT=shift, TOP=top, WIDE=wide,
-               num_warps=1)
+    shifts = range((sel.digits - 1) * DIGIT, -1, -DIGIT)
+    for p, shift in enumerate(shifts):
+        # pass p settles digit p - 1 first, except after the gathering pass, which did
+        settle = p not in (0, 2)
+        launch(_key_digits_kernel, grid, x, sel.keys, sel.hist[p],
+               sel.state[p - 1 if settle else p], sel.m, rows, n, SIDE=side, WIDE=wide,
+               SHIFT=shift, TOP=p == 0, ROWS=p == 1, FIRST=p < 2, SETTLE=settle,
+               SETTLE_TOP=p == 1, BLOCK=block, **opts)
         if p == 1:
-            launch(_gathered_counts_kernel, grid, rows, sel.state, counts, SHIFT=shift,
-                   num_warps=1)
-            launch(_gather_kernel, grid, x, sel.state, counts.cumsum(0), sel.keys, sel.idx, n,
-                   sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=shift, BLOCK=block, **opts)
+            launch(_gathered_counts_kernel, grid, sel.hist[1], sel.state[1], rows, counts,
+                   SHIFT=shift, TOP=False, WIDE=wide, num_warps=1)
+            launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
+                   sel.idx, n, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=shift,
+                   BLOCK=block, **opts)
     return sel
 
 
@@ -904,13 +937,13 @@ def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     Scores as in :func:`score_stats`, of any float dtype; the result has ``x``'s dtype. The
     radix selection of :func:`top_indices` without its writing passes: no sort, no host read.
     """
-    key = _radix_select(x, k, side).state[0]
-    if x.dtype == torch.float64:
-        bits = key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)
-        return bits.view(torch.float64)
-    key = key.to(torch.int32)  # the keys of 16-bit floats are those of their float32 values
-    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
-    return bits.view(torch.float32).to(x.dtype)
+    sel = _radix_select(x, k, side)
+    d = sel.digits
+    wide = x.dtype == torch.float64
+    out = torch.empty((), dtype=torch.float64 if wide else torch.float32, device=x.device)
+    launch(_kth_value_kernel, (1,), sel.hist[d - 1], sel.state[d - 1], out, WIDE=wide,
+           num_warps=1)
+    return out.to(x.dtype)  # the keys of 16-bit floats are those of their float32 values
 
 
 def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
@@ -919,27 +952,29 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     ``0 < k <= n`` (else ``ValueError``); scores as in :func:`score_stats`, of any float
     dtype. No sort and no host read: radix selection finds the k-th largest score's key one
     8-bit digit a pass (4 passes for 32-bit and 16-bit floats, 8 for float64), each pass one
-    histogram of a key digit among the keys that share the digits settled before it; a
-    one-program kernel settles each digit on the device. After two digits a pass over ``x``
-    gathers, in index order, the keys that share or beat them with their indices: a superset
-    of the top k, about ``k`` keys for the usual scores (all within a factor ``1 + 2**-7`` of
-    the k-th largest score or above it, for float32). The later passes, and the two that write
+    histogram of a key digit among the keys that share the digits settled before it; the
+    next kernel settles each digit on the device. After two digits a pass over ``x`` gathers,
+    in index order, the keys that share or beat them with their indices: a superset of the
+    top k, about ``k`` keys for the usual scores (all within a factor ``1 + 2**-7`` of the
+    k-th largest score or above it, for float32). The later passes, and the two that write
     the chosen indices in order (the counts per tile above and at the k-th key, then each
     tile's indices at its offset), read those candidates instead of ``x``: three reads of
-    ``x`` in all. If the candidates outnumber ``k + n // SLACK`` (many keys alike in their
-    first 16 bits), none are gathered and every pass reads ``x``.
+    ``x`` in all, and 12 launches for 32-bit scores. If the candidates outnumber
+    ``k + n // SLACK`` (many keys alike in their first 16 bits), none are gathered and every
+    pass reads ``x``.
     """
     n = x.numel()
     sel = _radix_select(x, k, side)
+    d = sel.digits
     block, opts = _config("top_write")
     tiles = _grid(n, block)[0]
     grid = (min(COUNT_PROGRAMS, tiles),)
     wide = x.dtype == torch.float64
-    per_tile = torch.zeros((tiles, 2), dtype=torch.int32, device=x.device)
-    launch(_chosen_counts_kernel, grid, x, sel.keys, sel.state, per_tile, n, SIDE=side,
-           WIDE=wide, BLOCK=block, **opts)
-    starts = per_tile.cumsum(0, dtype=torch.int64) - per_tile  # exclusive, per column
+    per_tile = torch.empty((tiles, 2), dtype=torch.int32, device=x.device)
+    launch(_chosen_counts_kernel, grid, x, sel.keys, sel.hist[d - 1], sel.state[d - 1], sel.m,
+           per_tile, n, SIDE=side, WIDE=wide, BLOCK=block, **opts)
     out = torch.empty(k, dtype=torch.int64, device=x.device)
-    launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state, starts, out, n,
-           SIDE=side, WIDE=wide, BLOCK=block, **opts)
+    launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m,
+           per_tile.cumsum(0, dtype=torch.int64), out, n, SIDE=side, WIDE=wide, BLOCK=block,
+           **opts)
     return out
