@@ -83,6 +83,12 @@ def test_rows_are_printed_and_saved(every_case):
     # the qsgd encoder's hash and rounding.
     by = {r["case"]: r for r in rows}
     assert by["sign encode fp32"]["per_element"] < by["qsgd-4 encode, bucket 512"]["per_element"]
+    # A program of the threshold counts loops over 17 tiles: the code around its tile loop
+    # (the atomic additions of its counts) is spread over them, so an element costs less than
+    # the program's whole code over one tile of 1024 elements, and more than a tenth of it.
+    counts = by["redsync-1% counts of 63 bounds"]
+    one_tile = counts["instructions"] * 32 * counts["warps"] / 1024
+    assert one_tile / 10 < counts["per_element"] < one_tile
 
 
 def test_only_filters_cases_and_unknown_names_fail(tmp_path):
