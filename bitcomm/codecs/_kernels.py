@@ -673,6 +673,17 @@ def _span(total, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _source(m_ptr, n, BLOCK: tl.constexpr):
+    # What a pass after the gathering reads: the m gathered candidates, or the n keys of x if
+    # none were gathered (m = 0); and this program's span of it.
+    m = tl.load(m_ptr)
+    gathered = m > 0
+    total = tl.where(gathered, m, n)
+    lo, hi = _span(total, BLOCK)
+    return gathered, total, lo, hi
+
+
+@triton.jit
 def _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE: tl.constexpr, WIDE: tl.constexpr,
                BLOCK: tl.constexpr):
     # The keys of the tile at `start`: the gathered candidates' (a uniform branch per tile),
@@ -730,11 +741,9 @@ def _key_digits_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, rows_ptr, n,
     if FIRST:  # before the candidates are gathered
         gathered = False
         total = n
+        lo, hi = _span(n, BLOCK)
     else:
-        m = tl.load(m_ptr)
-        gathered = m > 0
-        total = tl.where(gathered, m, n)
-    lo, hi = _span(total, BLOCK)
+        gathered, total, lo, hi = _source(m_ptr, n, BLOCK)
     acc = tl.zeros([256], dtype=tl.int32)
     outside = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
@@ -824,10 +833,7 @@ def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_pt
     # per tile (of the candidates, or of x): how many keys exceed the k-th largest, and how
     # many equal it. Rows past the last tile are left as they are: nothing reads them.
     kth = _settle(hist_ptr, state_ptr, 0, False, WIDE)
-    m = tl.load(m_ptr)
-    gathered = m > 0
-    total = tl.where(gathered, m, n)
-    lo, hi = _span(total, BLOCK)
+    gathered, total, lo, hi = _source(m_ptr, n, BLOCK)
     for start in range(lo, hi, BLOCK):
         _, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
                                      BLOCK)
@@ -844,10 +850,7 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, ends_ptr, o
     # (ends: the running sums of the per-tile counts, this tile's included).
     kth = tl.load(state_ptr)
     need = tl.load(state_ptr + 1)
-    m = tl.load(m_ptr)
-    gathered = m > 0
-    total = tl.where(gathered, m, n)
-    lo, hi = _span(total, BLOCK)
+    gathered, total, lo, hi = _source(m_ptr, n, BLOCK)
     for start in range(lo, hi, BLOCK):
         j, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
                                      BLOCK)
