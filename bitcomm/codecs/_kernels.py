@@ -54,7 +54,7 @@ import triton.language as tl
 
 __all__ = ["launch", "launch_tiles", "sign_pack", "sign_unpack", "partial_sums", "planes_pack",
            "planes_unpack", "qsgd_codes", "qsgd_values", "score_stats", "count_above",
-           "kth_largest", "top_indices", "MAX_FUSED_BUCKET", "DIGIT"]
+           "kth_largest", "top_indices", "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
