@@ -617,6 +617,26 @@ def test_radix_selection_launches_few_kernels():
     assert len(_launches(lambda: _kernels.kth_largest(x, 100))) == 10
 
 
+@pytest.mark.parametrize("programs", [4096, 2])
+def test_indices_above_a_threshold_without_a_host_read(programs, monkeypatch):
+    """indices_above writes torch.nonzero's indices of the scores above a threshold, rounded
+    to the scores' dtype as the comparison rounds it, for each side; signed zeros, a
+    threshold between two floats and one beyond float32's range; several tiles a program."""
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+    g = torch.Generator().manual_seed(14)
+    for dtype in (torch.float32, torch.float64):
+        v = torch.randn(5000, generator=g).to(dtype)
+        v[:4] = torch.tensor([0.0, -0.0, 1.25, -1.25]).to(dtype)
+        for side in (0, 1, -1, 2):
+            s = {0: v, 1: v.clamp(min=0), -1: v.neg().clamp(min=0), 2: v.abs()}[side]
+            for t in (0.0, 0.5, 1.25, 1.25 - 1e-12, 2.9, 1e39):
+                count = int((s > t).sum())
+                got = _kernels.indices_above(v, t, count, side)
+                assert got.dtype == torch.int64
+                assert got.tolist() == torch.nonzero(s > t).reshape(-1).tolist(), (side, t)
+    assert _kernels.indices_above(v, 1e39, 0).numel() == 0
+
+
 def test_kth_largest_is_the_sorted_scores_kth():
     """kth_largest returns the k-th of the scores sorted in descending order, in x's dtype;
     Ok-Topk's threshold takes it on the Triton path."""

@@ -168,6 +168,7 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
     out += [("redsync-1% mean, max, check", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
              lambda: k.count_above(x, meta(63, torch.float32), 1)),
+            ("redsync-1% survivors", n, lambda: k.indices_above(x, 2.0, n // 100, 1)),
             ("top-k 1% fp32", n, lambda: k.top_indices(x, max(1, n // 100))),
             ("top-k 1% fp32, top side", n, lambda: k.top_indices(x, max(1, n // 100), 1)),
             ("top-k 1% fp32, magnitude", n, lambda: k.top_indices(x, max(1, n // 100), 2)),
@@ -200,7 +201,7 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
 
 
 _STRIDED = ("_count_above_kernel", "_key_digits_kernel", "_gather_kernel",
-            "_chosen_counts_kernel", "_chosen_write_kernel")
+            "_chosen_counts_kernel", "_chosen_write_kernel", "_count_at_least_kernel")
 """Kernels whose programs loop over several tiles of the vector."""
 
 _OPCODE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[.\w]*\s*([^;]*)")

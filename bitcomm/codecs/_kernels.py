@@ -16,9 +16,11 @@ launch never waits for the device.
   of :mod:`bitcomm.codecs._rng`, fixed-point stochastic rounding, packing) in one pass when the
   bucket is a power of two up to :data:`MAX_FUSED_BUCKET`; otherwise with per-bucket factors
   computed by torch. The decoder multiplies each level by its bucket's step.
-* :func:`score_stats` / :func:`count_above`: the passes of :mod:`bitcomm.codecs.select`'s
-  threshold searches (mean, max and finiteness; how many scores exceed each of a few dozen
-  thresholds), computing RedSync's one-sided scores ``max(+-x, 0)`` as they read ``x``.
+* :func:`score_stats` / :func:`count_above` / :func:`indices_above`: the passes of
+  :mod:`bitcomm.codecs.select`'s threshold searches (mean, max and finiteness; how many scores
+  exceed each of a few dozen thresholds; the indices of those above the chosen one, whose
+  number the counts gave, written without a host read), computing RedSync's one-sided scores
+  ``max(+-x, 0)`` as they read ``x``.
 * :func:`top_indices`: the exact top-k by radix selection on the scores' order-preserving
   integer keys (one 256-bin histogram pass per key byte, the digit chosen on the device); after
   two bytes, the keys that could still be chosen (about k) are gathered in index order and the
@@ -48,13 +50,15 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 __all__ = ["launch", "launch_tiles", "sign_pack", "sign_unpack", "partial_sums", "planes_pack",
            "planes_unpack", "qsgd_codes", "qsgd_values", "score_stats", "count_above",
-           "kth_largest", "top_indices", "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
+           "kth_largest", "top_indices", "indices_above", "MAX_FUSED_BUCKET", "DIGIT",
+           "SLACK"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -794,12 +798,12 @@ def _gathered_counts_kernel(hist_ptr, state_ptr, rows_ptr, counts_ptr, SHIFT: tl
 @triton.jit
 def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, n, room,
                    SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    # The candidates: every key whose digits from SHIFT up are at least the k-th largest's
-    # (a superset of the top k), with its index, each program's run at the end of the runs
-    # before it (ends: the running sum of _gathered_counts_kernel's counts), so in index
-    # order; their number goes to m_ptr. Nothing when they would not fit in `room`: m stays
-    # 0 and the passes go on reading x.
+                   KEYS: tl.constexpr, BLOCK: tl.constexpr):
+    # The candidates: every key whose digits from SHIFT up are at least those of the key in
+    # state_ptr (the k-th largest's prefix: a superset of the top k), with its index (and,
+    # with KEYS, the key), each program's run at the end of the runs before it (ends: the
+    # running sum of the programs' counts), so in index order; their number goes to m_ptr.
+    # Nothing when they would not fit in `room`: m stays 0 and the passes go on reading x.
     pid = tl.program_id(0)
     total = tl.load(ends_ptr + tl.num_programs(0) - 1)
     if total <= room:
@@ -810,7 +814,8 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, n, room
             i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
             take = live & ((key >> SHIFT) >= floor.to(key.dtype))
             slot = tl.cumsum(take.to(tl.int32), 0) - 1  # int32 offsets from the run's end
-            tl.store(keys_ptr + at + slot, key, mask=take)
+            if KEYS:
+                tl.store(keys_ptr + at + slot, key, mask=take)
             tl.store(idx_ptr + at + slot, i.to(idx_ptr.dtype.element_ty), mask=take)
             at += tl.sum(take.to(tl.int32), 0)
         if pid == 0:
@@ -929,7 +934,7 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
             launch(_gathered_counts_kernel, grid, sel.hist[1], sel.state[1], rows, counts,
                    SHIFT=shift, TOP=False, WIDE=wide, num_warps=1)
             launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
-                   sel.idx, n, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=shift,
+                   sel.idx, n, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=shift, KEYS=True,
                    BLOCK=block, **opts)
     return sel
 
@@ -980,4 +985,59 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m,
            per_tile.cumsum(0, dtype=torch.int64), out, n, SIDE=side, WIDE=wide, BLOCK=block,
            **opts)
+    return out
+
+
+# --- indices above a threshold (RedSync's survivors; bitcomm.codecs.select) ----------------------
+
+
+@triton.jit
+def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, n, SIDE: tl.constexpr,
+                           WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's.
+    floor = tl.load(floor_ptr)
+    lo, hi = _span(n, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(lo, hi, BLOCK):
+        _, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
+        acc += (live & (key >= floor.to(key.dtype))).to(tl.int32)
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
+
+
+def _key_of(threshold: float, wide: bool) -> int:
+    # The order key (as _order_key makes it) of threshold rounded to the scores' dtype, as a
+    # comparison with the scores rounds it.
+    with np.errstate(over="ignore"):  # beyond float32: inf, as the comparison makes it
+        rounded = np.array(threshold, dtype=np.float64).astype(np.float64 if wide
+                                                                 else np.float32)
+    if rounded == 0:
+        return 0  # -0.0 ranks with +0.0
+    bits = int(rounded.view(np.int64 if wide else np.int32))
+    width = 64 if wide else 32
+    return bits ^ ((bits >> (width - 1)) & ((1 << (width - 1)) - 1))
+
+
+def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0) -> torch.Tensor:
+    """Return the ascending int64 indices of the ``count`` scores above ``threshold``.
+
+    Scores as in :func:`score_stats`, float32 or float64; ``threshold`` is rounded to their
+    dtype, as a comparison with them rounds it, and ``count`` is how many exceed it
+    (:func:`count_above` counts them alike). No host read, where ``torch.nonzero`` waits for
+    the device to learn its size: one pass counts each program's run of tiles, a second
+    writes each run's indices after the runs before it.
+    """
+    out = torch.empty(count, dtype=torch.int64, device=x.device)
+    n = x.numel()
+    if count == 0:
+        return out
+    wide = x.dtype == torch.float64
+    # [the least key above the threshold, a slot for the number written]
+    aux = torch.full((2,), _key_of(threshold, wide) + 1, dtype=torch.int64, device=x.device)
+    block, opts = _config("key_digits")
+    grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
+    counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)
+    launch(_count_at_least_kernel, grid, x, aux, counts, n, SIDE=side, WIDE=wide, BLOCK=block,
+           **opts)
+    launch(_gather_kernel, grid, x, aux, aux[1:], counts.cumsum(0), out, out, n, count,
+           SIDE=side, WIDE=wide, SHIFT=0, KEYS=False, BLOCK=block, **opts)
     return out

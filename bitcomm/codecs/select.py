@@ -126,8 +126,14 @@ class _Scores:
         mean, top = torch.stack([s.mean(dtype=torch.float64), s.max().to(torch.float64)]).tolist()
         return mean, top  # one host read
 
-    def above(self, threshold: float) -> torch.Tensor:
-        """Return the ascending indices of the scores above ``threshold`` (which is >= 0)."""
+    def above(self, threshold: float, count: int | None = None) -> torch.Tensor:
+        """Return the ascending indices of the scores above ``threshold`` (which is >= 0).
+
+        ``count``, how many there are if the caller knows: the Triton path then writes them
+        without a host read (``torch.nonzero`` reads its size back).
+        """
+        if self.fused and count is not None:
+            return _frame.kernels().indices_above(self.v, threshold, count, self.side)
         if self.fused and self.side:
             # a score max(+-v, 0) or |v| exceeds a threshold >= 0 exactly when +-v does
             v, t = self.v, threshold
@@ -314,7 +320,7 @@ def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: 
             hi = mid
         else:
             lo = mid
-    keep = src.above(threshold(hi))
+    keep = src.above(threshold(hi), kept(hi, lo, hi))  # a count already fetched
     return keep[_exact(src.at(keep), k)]
 
 
@@ -361,7 +367,7 @@ def _threshold(src: _Scores, k: int, eps: float, mean: float, top: float, counts
             hi = mid
         else:
             lo = mid
-    return src.above(threshold(lo))
+    return src.above(threshold(lo), above(lo, lo, hi))  # a count already fetched
 
 
 def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
