@@ -575,6 +575,11 @@ def test_radix_selection_gathers_its_candidates_in_index_order(programs, monkeyp
         assert _kernels.kth_largest(v, k, side).item() == s.sort(descending=True).values[k - 1]
         monkeypatch.undo()
         monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):  # they gather too
+        w = v.to(dtype)
+        m = int(_kernels._radix_select(w, k, 2).m)
+        assert k <= m <= k + n // _kernels.SLACK, dtype
+        assert _kernels.top_indices(w, k, 2).tolist() == _brute_top(w.abs(), k)
 
 
 def _launches(fn) -> list[str]:
