@@ -126,22 +126,14 @@ class _Scores:
         mean, top = torch.stack([s.mean(dtype=torch.float64), s.max().to(torch.float64)]).tolist()
         return mean, top  # one host read
 
-    def above(self, threshold: float, count: int | None = None) -> torch.Tensor:
-        """Return the ascending indices of the scores above ``threshold`` (which is >= 0).
+    def above(self, threshold: float, count: int) -> torch.Tensor:
+        """Return the ascending indices of the ``count`` scores above ``threshold`` (>= 0).
 
-        ``count``, how many there are if the caller knows: the Triton path then writes them
+        The searches know ``count`` from their counts, so the Triton path writes the indices
         without a host read (``torch.nonzero`` reads its size back).
         """
-        if self.fused and count is not None:
+        if self.fused:
             return _frame.kernels().indices_above(self.v, threshold, count, self.side)
-        if self.fused and self.side:
-            # a score max(+-v, 0) or |v| exceeds a threshold >= 0 exactly when +-v does
-            v, t = self.v, threshold
-            if self.side == _ABS:
-                keep = (v > t) | (v < -t)
-            else:
-                keep = v > t if self.side > 0 else v < -t
-            return torch.nonzero(keep).reshape(-1)
         return torch.nonzero(self.tensor > threshold).reshape(-1)
 
     def top(self, k: int) -> torch.Tensor:
