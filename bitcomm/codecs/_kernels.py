@@ -124,6 +124,26 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
 
 
 @triton.jit
+def _load(ptr, live, other, EDGE: tl.constexpr):
+    # A tile's load: masked by `live` in the last tile only (EDGE), whose lanes may lie past
+    # the end; a full tile's needs no mask (launch_tiles).
+    if EDGE:
+        value = tl.load(ptr, mask=live, other=other)
+    else:
+        value = tl.load(ptr)
+    return value
+
+
+@triton.jit
+def _store(ptr, value, live, EDGE: tl.constexpr):
+    # A tile's store, masked as _load masks.
+    if EDGE:
+        tl.store(ptr, value, mask=live)
+    else:
+        tl.store(ptr, value)
+
+
+@triton.jit
 def _flag(flags_ptr, bad):
     # Record a broken rule: one reduction over the program's tile, one store if it is set.
     # (A store from each lane that sees one, masked, costs a predicated store and its address
@@ -182,19 +202,13 @@ def _sign_unpack_kernel(buf_ptr, out_ptr, scale, n, nbytes, flags_ptr, first,
     ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     idx = ob[:, None] * 8 + j[None, :]
-    if EDGE:
-        byte = tl.load(buf_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
-    else:
-        byte = tl.load(buf_ptr + ob).to(tl.int32)
+    byte = _load(buf_ptr + ob, ob < nbytes, 0, EDGE).to(tl.int32)
     bit = (byte[:, None] >> (7 - j)[None, :]) & 1
     # scale * +-1 is exact, so a scaled frame decodes to exactly +-scale.
     val = tl.where(bit != 0, scale, -scale).to(out_ptr.dtype.element_ty)
+    _store(out_ptr + idx, val, idx < n, EDGE)
     if EDGE:
-        live = idx < n
-        tl.store(out_ptr + idx, val, mask=live)
-        _flag(flags_ptr, (bit != 0) & ~live)  # set padding bits
-    else:
-        tl.store(out_ptr + idx, val)
+        _flag(flags_ptr, (bit != 0) & (idx >= n))  # set padding bits
 
 
 def sign_unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float = 1.0, *,
@@ -286,25 +300,19 @@ def _planes_unpack_kernel(buf_ptr, out_ptr, n, nb, maxval, flags_ptr, first, W: 
     ci = ob[:, None] * 8 + j[None, :]
     code = tl.zeros([BLOCK, 8], dtype=tl.int32)
     for row in tl.static_range(W):
-        if EDGE:
-            byte = tl.load(buf_ptr + row * nb + ob, mask=ob < nb, other=0).to(tl.int32)
-        else:
-            byte = tl.load(buf_ptr + row * nb + ob).to(tl.int32)
+        byte = _load(buf_ptr + row * nb + ob, ob < nb, 0, EDGE).to(tl.int32)
         code |= ((byte[:, None] >> (7 - j)[None, :]) & 1) << (W - 1 - row)
-    value = code.to(out_ptr.dtype.element_ty)
+    live = ci < n
+    _store(out_ptr + ci, code.to(out_ptr.dtype.element_ty), live, EDGE)
+    # Rule 1 (the last tile): padding bits after the last code are zero; rule 2 (RANGE): a
+    # count at most m (values of a full width cannot be out of range).
     if EDGE:
-        live = ci < n
-        tl.store(out_ptr + ci, value, mask=live)
-        # Rule 1: padding bits after the last code are zero; rule 2 (RANGE): a count at most
-        # m (values of a full width cannot be out of range).
         bad = (code != 0) & ~live
         if RANGE:
             bad |= live & (code > maxval)
         _flag(flags_ptr, bad)
-    else:
-        tl.store(out_ptr + ci, value)
-        if RANGE:
-            _flag(flags_ptr, code > maxval)
+    elif RANGE:
+        _flag(flags_ptr, code > maxval)
 
 
 @triton.jit
@@ -322,10 +330,7 @@ def _radix_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, limit, flags_ptr, firs
     shift = 7 - (c & 7).to(tl.int32)
     code = tl.zeros([BLOCK], dtype=tl.int32)
     for row in tl.static_range(W):
-        if EDGE:
-            byte = tl.load(buf_ptr + row * nb + byte_i, mask=byte_i < nb, other=0)
-        else:
-            byte = tl.load(buf_ptr + row * nb + byte_i)
+        byte = _load(buf_ptr + row * nb + byte_i, byte_i < nb, 0, EDGE)
         code |= ((byte.to(tl.int32) >> shift) & 1) << (W - 1 - row)
     # Rule 2: a code below base**G; at the end, rule 1: padding bits after the last code are
     # zero, and rule 3: padding counts after n are zero.
@@ -343,9 +348,7 @@ def _radix_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, limit, flags_ptr, firs
         value = digit.to(out_ptr.dtype.element_ty)
         if EDGE:
             bad |= live & (e >= n) & (digit != 0)
-            tl.store(out_ptr + e, value, mask=e < n)
-        else:
-            tl.store(out_ptr + e, value)
+        _store(out_ptr + e, value, e < n, EDGE)
     _flag(flags_ptr, bad)
 
 
@@ -496,10 +499,7 @@ def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, first,
     if SMALL:  # every element index fits in int32
         ob = ob.to(tl.int32)
     j = tl.arange(0, PER)
-    if EDGE:
-        byte = tl.load(codes_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
-    else:
-        byte = tl.load(codes_ptr + ob).to(tl.int32)
+    byte = _load(codes_ptr + ob, ob < nbytes, 0, EDGE).to(tl.int32)
     code = (byte[:, None] >> (8 - BITS * (j + 1))[None, :]) & ((1 << BITS) - 1)
     idx = ob[:, None] * PER + j[None, :]
     # A power-of-two bucket is a shift, any other a division: with the division in int64
@@ -507,21 +507,14 @@ def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, first,
     # (`bitcomm bench kernels`). An H100 timed a shift of int64 indices no faster than the
     # division, so the GPU benchmark has the last word.
     b = idx >> SHIFT if SHIFT >= 0 else idx // bucket
-    if EDGE:
-        live = idx < n
-        step = tl.load(steps_ptr + b, mask=live, other=0.0)
-    else:
-        step = tl.load(steps_ptr + b)
+    step = _load(steps_ptr + b, idx < n, 0.0, EDGE)
     val = (code & S).to(tl.float32) * step
     val = tl.where((code >> (BITS - 1)) != 0, -val, val)
     if BF16:  # out_ptr is an int16 view of the bfloat16 result
         val = _bf16_bits(val)
     else:
         val = val.to(out_ptr.dtype.element_ty)
-    if EDGE:
-        tl.store(out_ptr + idx, val, mask=live)
-    else:
-        tl.store(out_ptr + idx, val)
+    _store(out_ptr + idx, val, idx < n, EDGE)
 
 
 def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torch.Tensor,

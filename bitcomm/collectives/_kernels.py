@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitcomm.codecs._kernels import launch_tiles
+from bitcomm.codecs._kernels import _load, _store, launch_tiles
 
 __all__ = ["count_step", "vote_count", "sign_error", "weighted_votes", "scaled_signs"]
 
@@ -72,19 +72,13 @@ def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, tie_base, first,
     ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     idx = ob[:, None] * 8 + j[None, :]
-    if EDGE:  # the last tile: masks, and padding lanes vote 0
-        live = idx < n
-        x = tl.load(x_ptr + idx, mask=live, other=-1.0)
-    else:
-        x = tl.load(x_ptr + idx)
+    live = idx < n
+    x = _load(x_ptr + idx, live, -1.0, EDGE)  # padding lanes vote 0
     if WIDEN:  # 16-bit floats compare as float32 (exact)
         x = x.to(tl.float32)
     count = (x >= 0).to(tl.int32)  # this rank's vote
     for row in tl.static_range(W_IN):
-        if EDGE:
-            byte = tl.load(recv_ptr + row * nb + ob, mask=ob < nb, other=0).to(tl.int32)
-        else:
-            byte = tl.load(recv_ptr + row * nb + ob).to(tl.int32)
+        byte = _load(recv_ptr + row * nb + ob, ob < nb, 0, EDGE).to(tl.int32)
         count += ((byte[:, None] >> (7 - j)[None, :]) & 1) << (W_IN - 1 - row)
     if DECIDE:
         count = _majority(count, size, idx, tie_base, TIE)
@@ -93,10 +87,7 @@ def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, tie_base, first,
     for row in tl.static_range(W_OUT):
         bit = (count >> (W_OUT - 1 - row)) & 1
         out = tl.sum(bit << (7 - j)[None, :], axis=1).to(tl.uint8)
-        if EDGE:
-            tl.store(out_ptr + row * nb + ob, out, mask=ob < nb)
-        else:
-            tl.store(out_ptr + row * nb + ob, out)
+        _store(out_ptr + row * nb + ob, out, ob < nb, EDGE)
 
 
 def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out: int, *,
@@ -132,20 +123,14 @@ def _vote_count_kernel(votes_ptr, out_ptr, n, nb, size, tie_base, first, TIE: tl
     j = tl.arange(0, 8)
     count = tl.zeros([BLOCK, 8], dtype=tl.int32)
     for r in range(size):
-        if EDGE:
-            byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
-        else:
-            byte = tl.load(votes_ptr + r * nb + ob).to(tl.int32)
+        byte = _load(votes_ptr + r * nb + ob, ob < nb, 0, EDGE).to(tl.int32)
         count += (byte[:, None] >> (7 - j)[None, :]) & 1
     idx = ob[:, None] * 8 + j[None, :]
     bit = _majority(count, size, idx, tie_base, TIE)
     if EDGE:  # the padding bits of the last byte stay 0
         bit = tl.where(idx < n, bit, 0)
     out = tl.sum(bit << (7 - j)[None, :], axis=1).to(tl.uint8)
-    if EDGE:
-        tl.store(out_ptr + ob, out, mask=ob < nb)
-    else:
-        tl.store(out_ptr + ob, out)
+    _store(out_ptr + ob, out, ob < nb, EDGE)
 
 
 def vote_count(votes: torch.Tensor, n: int, *, tie: str = "negative", tie_base: int = 0
@@ -171,21 +156,14 @@ def _sign_error_kernel(buf_ptr, scale_ptr, err_ptr, out_ptr, nb, first, BLOCK: t
     ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     idx = ob[:, None] * 8 + j[None, :]
-    if EDGE:
-        x = tl.load(buf_ptr + idx, mask=idx < nb * 8, other=0.0)
-    else:
-        x = tl.load(buf_ptr + idx)
+    x = _load(buf_ptr + idx, idx < nb * 8, 0.0, EDGE)
     # DeepSpeed's x.sign().add_(1).bool(): true for x >= 0, and for NaN (NaN + 1 is truthy).
     bit = (x >= 0) | (x != x)
     scale = tl.load(scale_ptr)
     error = x - tl.where(bit, scale, -scale)
     byte = tl.sum(bit.to(tl.int32) << (7 - j)[None, :], axis=1).to(tl.uint8)
-    if EDGE:
-        tl.store(err_ptr + idx, error, mask=idx < nb * 8)
-        tl.store(out_ptr + ob, byte, mask=ob < nb)
-    else:
-        tl.store(err_ptr + idx, error)
-        tl.store(out_ptr + ob, byte)
+    _store(err_ptr + idx, error, idx < nb * 8, EDGE)
+    _store(out_ptr + ob, byte, ob < nb, EDGE)
 
 
 def sign_error(buf: torch.Tensor, scale: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
@@ -209,18 +187,11 @@ def _weighted_votes_kernel(votes_ptr, weights_ptr, err_ptr, out_ptr, nb, size, f
     idx = ob[:, None] * 8 + j[None, :]
     acc = tl.zeros([BLOCK, 8], dtype=tl.float32)
     for r in range(size):  # ranks in order, as torch's sum over them
-        if EDGE:
-            byte = tl.load(votes_ptr + r * nb + ob, mask=ob < nb, other=0).to(tl.int32)
-        else:
-            byte = tl.load(votes_ptr + r * nb + ob).to(tl.int32)
+        byte = _load(votes_ptr + r * nb + ob, ob < nb, 0, EDGE).to(tl.int32)
         w = tl.load(weights_ptr + r)
         acc += tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, w, -w)
-    if EDGE:
-        acc += tl.load(err_ptr + idx, mask=idx < nb * 8, other=0.0)
-        tl.store(out_ptr + idx, acc, mask=idx < nb * 8)
-    else:
-        acc += tl.load(err_ptr + idx)
-        tl.store(out_ptr + idx, acc)
+    acc += _load(err_ptr + idx, idx < nb * 8, 0.0, EDGE)
+    _store(out_ptr + idx, acc, idx < nb * 8, EDGE)
 
 
 def weighted_votes(votes: torch.Tensor, weights: torch.Tensor, error: torch.Tensor
@@ -241,25 +212,17 @@ def _scaled_signs_kernel(packed_ptr, scales_ptr, out_ptr, n, nbytes, chunk, firs
     ob = tile * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
     idx = ob[:, None] * 8 + j[None, :]
-    if EDGE:
-        byte = tl.load(packed_ptr + ob, mask=ob < nbytes, other=0).to(tl.int32)
-    else:
-        byte = tl.load(packed_ptr + ob).to(tl.int32)
+    byte = _load(packed_ptr + ob, ob < nbytes, 0, EDGE).to(tl.int32)
     if WHOLE:  # chunks of a tile or more: the tile meets two chunks at most, one division
         c = tile * BLOCK * 8 // chunk
         end = (c + 1) * chunk
         here = tl.load(scales_ptr + c)
         after = tl.load(scales_ptr + c + 1, mask=end < n, other=0.0)
         scale = tl.where(idx < end, here, after)
-    elif EDGE:
-        scale = tl.load(scales_ptr + idx // chunk, mask=idx < n, other=0.0)
     else:
-        scale = tl.load(scales_ptr + idx // chunk)
+        scale = _load(scales_ptr + idx // chunk, idx < n, 0.0, EDGE)
     val = tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, scale, -scale)
-    if EDGE:
-        tl.store(out_ptr + idx, val, mask=idx < n)
-    else:
-        tl.store(out_ptr + idx, val)
+    _store(out_ptr + idx, val, idx < n, EDGE)
 
 
 def scaled_signs(packed: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
