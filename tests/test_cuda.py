@@ -332,8 +332,9 @@ def test_the_sync_count_of_each_collective_on_the_gpu():
         assert got[name] == 0, (name, got)
     assert got["ring-majority-radix"] == 1, got  # its payloads' checks, at the end
     assert got["sparse-allgather"] == 2, got  # its frame's check, the received frames' check
-    # at most the reads that tests/test_oktopk.py counts on the CPU (some are of host memory)
-    assert got["oktopk"] <= 11, got
+    # tests/test_oktopk.py counts 5 reads a steady call on the CPU, one of them of host memory
+    # (the pieces' counts); balancing adds one
+    assert got["oktopk"] <= 5, got
 
 
 def test_bench_hooks_over_nccl_runs_the_hooks_cuda_path(tmp_path):

@@ -277,21 +277,52 @@ def test_a_corrupt_piece_raises_naming_the_lowest_rank_that_sent_one(monkeypatch
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
 def test_a_call_reads_the_host_as_often_at_any_number_of_ranks(size, path, monkeypatch):
     """On CUDA each host read waits for the device. A call that reuses its thresholds reads
-    the local selection's size, the region cuts, the pieces' counts (host memory: a copy and a
-    read), its own region's entries, the global selection's size, the checks of all pieces
-    received and of all gathered entries, and the size of the local entries that made it: 9
-    reads whatever the ranks, none per piece."""
+    the local selection's counts by region, the pieces' counts, its own region's reduced count
+    with the checks of the pieces received, every rank's global count, and the count of local
+    entries that made it with the checks of all gathered entries: 5 reads whatever the ranks,
+    none per piece. Recomputing the thresholds adds the regions' sizes (6: the thresholds come
+    back with the counts), repartitioning the averaged boundaries with their cuts (7)."""
     n, k = 2000, 40
     accs = _accs(size, n, seed=5)
-    states = [OkTopkState(tau_prime=8, tau=8) for _ in range(size)]
-    run_local(lambda c: oktopk_allreduce(c, accs[c.rank], k, states[c.rank]), size)
+    states = [OkTopkState(tau_prime=2, tau=4) for _ in range(size)]
 
     def call():
         return run_local(lambda c: oktopk_allreduce(c, accs[c.rank], k, states[c.rank],
                                                     check=False), size)
 
     with forced(path):
-        reads = host_reads(monkeypatch, call)
-    assert all(not s.last.recomputed and not s.last.repartitioned for s in states)
-    in_oktopk = [r for r in reads if r[1].endswith("oktopk.py")]
-    assert len(in_oktopk) == 9 * size, in_oktopk
+        for recomputed, repartitioned, want in [(True, True, 7), (False, False, 5),
+                                                (True, False, 6)]:
+            reads = host_reads(monkeypatch, call)
+            assert all(s.last.recomputed == recomputed for s in states)
+            assert all(s.last.repartitioned == repartitioned for s in states)
+            assert len(reads) == want * size, reads
+    # the reads did not change what the call computes: Topk(sum_i Topk(acc_i)) at tau' = 1
+    exact = [OkTopkState(tau_prime=1) for _ in range(size)]
+    with forced(path):
+        got = run_local(lambda c: oktopk_allreduce(c, accs[c.rank], k, exact[c.rank]), size)
+    u, local = oracle(accs, k)
+    for r, (out, idx) in enumerate(got):
+        assert torch.equal(out, u) and torch.equal(idx, local[r])
+
+
+def test_indices_of_a_mask_whose_count_is_known(monkeypatch):
+    """``_frame.indices_of`` gives torch.nonzero's indices without reading the count back; a
+    torch without ``nonzero_static`` for the device takes torch.nonzero, the same indices."""
+    from bitcomm.codecs import _frame
+
+    g = torch.Generator().manual_seed(3)
+    masks = [torch.zeros(0, dtype=torch.bool), torch.zeros(9, dtype=torch.bool),
+             torch.ones(9, dtype=torch.bool), torch.rand(1001, generator=g) > 0.9]
+    for mask in masks:
+        want = torch.nonzero(mask).reshape(-1)
+        got = _frame.indices_of(mask, int(mask.sum()))
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+        assert host_reads(monkeypatch, lambda m=mask: _frame.indices_of(m, 0)) == []
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from "
+                                  "the 'CUDA' backend")
+
+    monkeypatch.setattr(torch, "nonzero_static", missing)
+    assert torch.equal(_frame.indices_of(masks[-1], 7), torch.nonzero(masks[-1]).reshape(-1))

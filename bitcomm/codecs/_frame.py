@@ -184,6 +184,19 @@ def broken_order(idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return (idx[0] < lo) | (idx[-1] >= hi) | (idx[1:] <= idx[:-1]).any()
 
 
+def indices_of(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Return ``torch.nonzero(mask)`` of a 1-D mask whose ``count`` the host already knows.
+
+    ``torch.nonzero`` reads the count back to size its output (on a GPU, a wait); given the
+    count, ``torch.nonzero_static`` does not. CUDA builds of torch before 2.6 lack it for CUDA
+    tensors and take ``torch.nonzero``: the same indices, with the wait.
+    """
+    try:
+        return torch.nonzero_static(mask, size=count).reshape(-1)
+    except NotImplementedError:
+        return torch.nonzero(mask).reshape(-1)
+
+
 def _check_tensor(x: object, name: str) -> None:
     # A codec reads the elements: sparse layouts and tensors without storage (the meta device)
     # have none to read, which torch would report as RuntimeError or NotImplementedError.

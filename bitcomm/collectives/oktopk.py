@@ -228,55 +228,96 @@ def oktopk_allreduce_bytes(size: int, n: int, stats: OkTopkStats, *, check: bool
     return total + w * stats.moved + w * p1 * stats.block
 
 
+
+
 # -- pieces of the call -----------------------------------------------------------------------
 
 
-def _kth_largest(a: torch.Tensor, k: int) -> float:
-    """Return the threshold keeping the k largest of ``a`` (non-negative): all if fewer."""
+def _kth_largest(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Return the threshold keeping the k largest of ``a`` (non-negative), on ``a``'s device.
+
+    All of them if fewer; none (``inf``) if ``k`` is 0 or ``a`` is empty. No host read.
+    """
     if a.numel() == 0 or k == 0:
-        return math.inf
+        return torch.full((), math.inf, dtype=a.dtype, device=a.device)
     if k >= a.numel():
-        return float(a.min())
+        return a.min()
     if _frame.use_triton(a):  # radix selection: torch.topk sorts a long vector on a GPU
-        return float(_frame.kernels().kth_largest(a, k))
-    return float(torch.topk(a, k, sorted=False).values.min())
+        return _frame.kernels().kth_largest(a, k)
+    return torch.topk(a, k, sorted=False).values.min()
 
 
-def _local(acc: torch.Tensor, k: int, state: OkTopkState, recompute: bool) -> torch.Tensor:
-    mag = acc.abs()
+def _local_threshold(mag: torch.Tensor, nonzero: torch.Tensor, k: int) -> torch.Tensor:
+    """Return the k-th largest nonzero ``mag`` on the device; the least one if fewer."""
+    kth = _kth_largest(mag, k)  # among zeros too: positive exactly when k values are
+    least = torch.where(nonzero, mag, math.inf).min() if mag.numel() else kth
+    return torch.where(kth > 0, kth, least)
+
+
+def _edges(counts: list[int]) -> list[int]:
+    """Return the offsets at which the regions' ``counts`` of entries start, and the end."""
+    edges = [0]
+    for c in counts:
+        edges.append(edges[-1] + c)
+    return edges
+
+
+def _local(mag: torch.Tensor, k: int, state: OkTopkState, recompute: bool,
+           bounds: list[int] | None) -> tuple[torch.Tensor, list[int] | None]:
+    """Return ``L_i`` (ascending int64) and, given the region ``bounds``, its cuts at them.
+
+    One host read per try (on a GPU, one wait): a recomputed threshold and the count in each
+    region come back together, and the count sizes the indices without another read.
+    """
+    n = mag.numel()
     nonzero = mag > 0
+    computed = None
     if recompute or state.local_th is None or math.isinf(state.local_th):
         if state.local_fit is None or k == 0:
-            state.local_th = _kth_largest(mag[nonzero], k)
+            computed = _local_threshold(mag, nonzero, k)
         else:
-            state.local_th = sidco.threshold(mag, min(1.0, k / mag.numel()), state.local_fit,
+            state.local_th = sidco.threshold(mag, min(1.0, k / n), state.local_fit,
                                              state.local_stages, check=False)
-    # The selection's size is its count: one host read per try (on a GPU, a wait), not two.
-    local = torch.nonzero(nonzero & (mag >= state.local_th)).reshape(-1)
-    if state.feedback and not recompute:
-        for _ in range(state.raise_tries):
-            if 3 * local.numel() <= 4 * k:
-                break
-            state.local_th *= state.raise_step
-            local = torch.nonzero(nonzero & (mag >= state.local_th)).reshape(-1)
-    return local
+    regions = list(zip([0, *bounds], [*bounds, n], strict=True)) if bounds is not None \
+        else [(0, n)]
+    tries = state.raise_tries if state.feedback and not recompute else 0
+    while True:
+        mask = nonzero & (mag >= (state.local_th if computed is None else computed))
+        counts = torch.stack([mask[a:b].sum() for a, b in regions]).to(torch.float64)
+        if computed is not None:
+            counts = torch.cat([computed.to(torch.float64).reshape(1), counts])
+        got = counts.tolist()
+        if computed is not None:
+            state.local_th, computed = got.pop(0), None
+        found = [int(c) for c in got]
+        if tries == 0 or 3 * sum(found) <= 4 * k:
+            break
+        tries -= 1
+        state.local_th *= state.raise_step
+    local = _frame.indices_of(mask, sum(found))
+    return local, _edges(found) if bounds is not None else None
 
 
-def _proposal(local: torch.Tensor, n: int, size: int) -> list[int]:
-    m = local.numel()
-    if m < size:
-        return [j * n // size for j in range(1, size)]
-    return [int(local[j * m // size]) for j in range(1, size)]
+def _repartition(comm: Comm, local: torch.Tensor, n: int) -> tuple[list[int], list[int]]:
+    """Return the averaged region boundaries and the cuts of ``local`` at them.
 
-
-def _repartition(comm: Comm, local: torch.Tensor, n: int) -> list[int]:
-    mine = torch.tensor(_proposal(local, n, comm.size), dtype=torch.int64)
-    got = comm.allgatherv(mine.view(torch.uint8), [8 * (comm.size - 1)] * comm.size)
-    props = torch.stack([g.cpu().view(torch.int64) for g in got])
-    if bool((props < 0).any()) or bool((props > n).any()):
-        raise ValueError(f"oktopk_allreduce: a rank proposed a region boundary outside [0, {n}]")
+    Each rank proposes the first index of each of ``P`` equal chunks of ``local`` (an even
+    split of ``[0, n)`` when ``|local| < P``). The proposals' check, their floored mean and
+    the cuts come back in one host read.
+    """
+    size, m = comm.size, local.numel()
+    firsts = [j * (n if m < size else m) // size for j in range(1, size)]
+    at = _frame.to_device(torch.tensor(firsts, dtype=torch.int64), local.device)
+    mine = at if m < size else local[at]
+    got = comm.allgatherv(mine.view(torch.uint8), [8 * (size - 1)] * size)
+    props = torch.stack([g.to(local.device).view(torch.int64) for g in got])
+    bad = ((props < 0) | (props > n)).any().reshape(1).to(torch.int64)
     # floor of the mean of non-decreasing proposals: non-decreasing, the same on every rank
-    return (props.sum(0) // comm.size).tolist()
+    bounds = props.sum(0) // size
+    read = torch.cat([bad, bounds, torch.searchsorted(local, bounds)]).tolist()
+    if read[0]:
+        raise ValueError(f"oktopk_allreduce: a rank proposed a region boundary outside [0, {n}]")
+    return read[1:size], [0, *read[size:], m]
 
 
 def _pack(idx: torch.Tensor, val: torch.Tensor, n: int) -> torch.Tensor:
@@ -285,23 +326,27 @@ def _pack(idx: torch.Tensor, val: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _unpack(buf: torch.Tensor, count: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return a received piece's indices and values, unchecked (see :func:`_check_pieces`)."""
+    """Return a received piece's indices and values, unchecked (see :func:`_flags`)."""
     iw = stream.index_width(n)
     itype = torch.int32 if iw == 4 else torch.int64
     return buf[: iw * count].view(itype).to(torch.int64), buf[iw * count:].view(torch.float32)
 
 
-def _check_pieces(pieces: list[tuple[int, torch.Tensor, int, int]]) -> None:
-    """Raise ``ValueError`` unless each ``(peer, indices, lo, hi)`` increases within [lo, hi).
+def _flags(pieces: list[tuple[int, torch.Tensor, int, int]], device: torch.device
+           ) -> torch.Tensor:
+    """Return whether each ``(peer, indices, lo, hi)`` breaks a rule, as int64 on ``device``.
 
-    The pieces of one exchange are checked in one host read (on a GPU, one wait), before any
-    of their indices addresses memory; the message names the lowest peer whose piece broke a
-    rule.
+    The indices must increase within ``[lo, hi)``; an empty piece breaks none.
     """
-    pieces = [p for p in pieces if p[1].numel()]
     if not pieces:
-        return
-    bad = torch.stack([_frame.broken_order(idx, lo, hi) for _, idx, lo, hi in pieces]).tolist()
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    return torch.stack([_frame.broken_order(idx, lo, hi) if idx.numel()
+                        else torch.zeros((), dtype=torch.bool, device=device)
+                        for _, idx, lo, hi in pieces]).to(torch.int64)
+
+
+def _raise_broken(pieces: list[tuple[int, torch.Tensor, int, int]], bad: list[int]) -> None:
+    """Raise ``ValueError`` naming the lowest peer whose piece was flagged in ``bad``."""
     if any(bad):
         peer, _, lo, hi = min((p for p, b in zip(pieces, bad, strict=True) if b),
                               key=lambda p: p[0])
@@ -309,16 +354,23 @@ def _check_pieces(pieces: list[tuple[int, torch.Tensor, int, int]]) -> None:
                          "out of order")
 
 
+def _check_pieces(pieces: list[tuple[int, torch.Tensor, int, int]]) -> None:
+    """Raise ``ValueError`` unless each piece increases within its range: one host read."""
+    if pieces:
+        _raise_broken(pieces, _flags(pieces, pieces[0][1].device).tolist())
+
+
 def _counts(comm: Comm, mine: list[int]) -> list[int]:
     """All-to-all of one int64 count per rank."""
     bufs = [torch.tensor([c], dtype=torch.int64).view(torch.uint8) for c in mine]
     got = comm.alltoallv(bufs, [8] * comm.size)
-    return torch.cat(got).cpu().view(torch.int64).tolist()
+    return torch.cat(got).view(torch.int64).tolist()
 
 
-def _allgather_counts(comm: Comm, c: int) -> list[int]:
-    # 8 bytes per rank as float64: exact for any count below 2**53
-    return [int(v[0]) for v in comm.allgather_floats([c])]
+def _allgather_counts(comm: Comm, mine: torch.Tensor) -> list[int]:
+    """Allgather of one int64 count (a 1-element tensor, on the device or the host)."""
+    got = comm.allgatherv(mine.to(torch.int64).reshape(1).view(torch.uint8), [8] * comm.size)
+    return torch.cat([g.to(mine.device) for g in got]).view(torch.int64).tolist()
 
 
 def _checked(counts: list[int], limit: int, what: str) -> list[int]:
@@ -330,15 +382,18 @@ def _checked(counts: list[int], limit: int, what: str) -> list[int]:
 
 
 def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: list[int],
-                      n: int, throttle: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Send each region's entries to its owner.
+                      edges: list[int], n: int, throttle: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Send region ``j``'s entries, ``idx[edges[j]:edges[j + 1]]``, to rank ``j``; add up.
+
+    The own region's pieces are added in rank order.
 
     Returns the own region's reduced entries, the entries sent to others and those received.
+    The received pieces' checks come back with the reduced count in one host read; until then
+    their indices are clamped into the region, so a broken piece addresses no memory outside
+    it (and the call raises before it sends anything more).
     """
     size, rank = comm.size, comm.rank
-    cuts = torch.searchsorted(idx, _frame.to_device(torch.tensor(bounds, dtype=idx.dtype),
-                                                    idx.device))
-    edges = [0, *cuts.tolist(), idx.numel()]
     parts = [(idx[edges[j]:edges[j + 1]], val[edges[j]:edges[j + 1]]) for j in range(size)]
     lo, hi = ([0, *bounds][rank], [*bounds, n][rank])
     counts = _checked(_counts(comm, [p[0].numel() for p in parts]), hi - lo, "a piece of")
@@ -359,14 +414,17 @@ def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: 
                                             device=val.device), src)
                 got[src] = _unpack(buf, counts[src], n)
         Request.wait_all(sends)
-    _check_pieces([(r, got[r][0], lo, hi) for r in sorted(got) if r != rank])
+    received = [(r, got[r][0], lo, hi) for r in sorted(got) if r != rank]
     dense = torch.zeros(hi - lo, dtype=torch.float32, device=val.device)
     present = torch.zeros(hi - lo, dtype=torch.bool, device=val.device)
     for r in range(size):  # rank order: the bits do not depend on arrival
         if r in got and got[r][0].numel():
-            dense.index_add_(0, got[r][0] - lo, got[r][1])
-            present[got[r][0] - lo] = True
-    where = torch.nonzero(present).reshape(-1)
+            at_ = (got[r][0] - lo).clamp_(0, hi - lo - 1)
+            dense.index_add_(0, at_, got[r][1])
+            present[at_] = True
+    read = torch.cat([_flags(received, val.device), present.sum().reshape(1)]).tolist()
+    _raise_broken(received, read[:-1])
+    where = _frame.indices_of(present, read[-1])
     pieces = sum(p[0].numel() for j, p in enumerate(parts) if j != rank)
     return where + lo, dense[where], pieces, sum(c for r, c in enumerate(counts) if r != rank)
 
@@ -413,13 +471,21 @@ def _balance(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts: list[int]
 
 
 def _allgatherv_entries(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts: list[int],
-                        n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        n: int) -> tuple[torch.Tensor, torch.Tensor,
+                                         list[tuple[int, torch.Tensor, int, int]]]:
+    """Return every rank's entries, in rank order, and the received pieces to check.
+
+    The pieces are not checked here: the caller reads their flags (:func:`_flags`) with its
+    own count. Until then the indices are clamped into ``[0, n)``, so a broken piece addresses
+    no memory outside the result.
+    """
     w = _entry_bytes(n)
     got = comm.allgatherv(_pack(idx, val, n), [w * c for c in counts])
     parts = [(idx, val) if r == comm.rank else _unpack(g.to(val.device), counts[r], n)
              for r, g in enumerate(got)]
-    _check_pieces([(r, p[0], 0, n) for r, p in enumerate(parts) if r != comm.rank])
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    received = [(r, p[0], 0, n) for r, p in enumerate(parts) if r != comm.rank]
+    every = torch.cat([p[0] for p in parts])
+    return every.clamp_(0, max(n - 1, 0)), torch.cat([p[1] for p in parts]), received
 
 
 # -- the collective ---------------------------------------------------------------------------
@@ -471,48 +537,63 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
     if state.regions == "even":
         state.boundaries = [j * n // size for j in range(1, size)]
 
-    local = _local(v, k, state, recompute)
+    # One host read (on a GPU, one wait) at each step whose sizes the next one needs: the
+    # local selection, the pieces' counts, the reduced region, the global counts and the
+    # result's share of the local entries; each brings back the checks made since the last.
+    split = None if repartition and size > 1 else (state.boundaries if size > 1 else [])
+    local, edges = _local(v.abs(), k, state, recompute, split)
     if repartition:
-        state.boundaries = _repartition(comm, local, n) if size > 1 else []
+        if size > 1:
+            state.boundaries, edges = _repartition(comm, local, n)
+        else:
+            state.boundaries = []
     bounds = state.boundaries
     if size > 1:
-        r_idx, r_val, pieces, received = _split_and_reduce(comm, local, v[local], bounds, n,
-                                                           min(state.throttle, size - 1))
+        r_idx, r_val, pieces, received = _split_and_reduce(
+            comm, local, v[local], bounds, edges, n, min(state.throttle, size - 1))
     else:
         r_idx, r_val, pieces, received = local, v[local], 0, 0
     mag = r_val.abs()
     if recompute:
-        sizes = _checked(_allgather_counts(comm, r_idx.numel()) if size > 1 else [r_idx.numel()],
-                         n, "a region of")
+        sizes = (_checked(_allgather_counts(comm, torch.tensor([r_idx.numel()])), n,
+                          "a region of") if size > 1 else [r_idx.numel()])
         if size > 1:
             got = comm.allgatherv(r_val.contiguous().view(torch.uint8), [4 * c for c in sizes])
             every = [g.to(v.device).view(torch.float32).abs() for g in got]
         else:
             every = [mag]
-        state.global_th = _kth_largest(torch.cat(every), k)
-        counts = torch.stack([(e >= state.global_th).sum() for e in every]).tolist()
-    keep = torch.nonzero(mag >= state.global_th).reshape(-1)  # one read for both
+        th = _kth_largest(torch.cat(every), k)
+        read = torch.cat([th.to(torch.float64).reshape(1), torch.stack(
+            [(e >= th).sum() for e in every]).to(torch.float64)]).tolist()
+        state.global_th, counts = read[0], [int(c) for c in read[1:]]
+        keep = _frame.indices_of(mag >= state.global_th, counts[comm.rank])
+    else:
+        over = mag >= state.global_th
+        counts = (_checked(_allgather_counts(comm, over.sum()), n, "a selection of")
+                  if size > 1 else [int(over.sum())])
+        keep = _frame.indices_of(over, counts[comm.rank])
     g_idx, g_val = r_idx[keep], r_val[keep]
-    if not recompute:
-        counts = (_checked(_allgather_counts(comm, g_idx.numel()), n, "a selection of")
-                  if size > 1 else [g_idx.numel()])
     total = sum(counts)
     balanced = size > 1 and (state.balance == "always" or (
         state.balance == "auto" and max(counts) * size > 4 * total))
     moved = 0
+    gathered: list[tuple[int, torch.Tensor, int, int]] = []
     if size > 1:
         if balanced:
             g_idx, g_val, moved = _balance(comm, g_idx, g_val, counts, n)
             counts = [hi - lo for lo, hi in _common.bounds(total, size)]
         block = g_idx.numel()
-        all_idx, all_val = _allgatherv_entries(comm, g_idx, g_val, counts, n)
+        all_idx, all_val, gathered = _allgatherv_entries(comm, g_idx, g_val, counts, n)
     else:
         block, all_idx, all_val = 0, g_idx, g_val
     u = torch.zeros(n, dtype=torch.float32, device=v.device)
     u[all_idx] = all_val
     chosen = torch.zeros(n, dtype=torch.bool, device=v.device)
     chosen[all_idx] = True
-    indexes = local[chosen[local]]
+    mine = chosen[local]
+    read = torch.cat([_flags(gathered, v.device), mine.sum().reshape(1)]).tolist()
+    _raise_broken(gathered, read[:-1])
+    indexes = local[_frame.indices_of(mine, read[-1])]
 
     if state.feedback:
         m = local.numel()
