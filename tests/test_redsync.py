@@ -63,20 +63,28 @@ def test_bad_input():
         redsync.encode(torch.ones(3), -2)
 
 
-@pytest.mark.parametrize("p, reads", [("torch", 5), pytest.param(*OTHER_PATHS[1].values, 3,
-                                                                  marks=OTHER_PATHS[1].marks)])
+@pytest.mark.parametrize("p, reads", [("torch", (4, 3)), pytest.param(
+    *OTHER_PATHS[1].values, (2, 2), marks=OTHER_PATHS[1].marks)])
 @pytest.mark.parametrize("method", ["trimmed", "threshold"])
 def test_a_search_encodes_with_few_host_reads_off_the_numpy_path(p, reads, method,
                                                                    monkeypatch):
     """Off the numpy path (CUDA) each read waits for the device. The Triton path reads mean,
-    max and finiteness together (1), the counts (1) and the number of same-signed ones (1):
-    the survivors' number is among the counts, so they are written without a read. The torch
-    path reads finiteness and the survivors' number (torch.nonzero) on their own."""
-    x = torch.randn(20_000, generator=torch.Generator().manual_seed(1))
-    with forced("numpy"):
-        want = redsync.encode(x, 200, "bottom", method)
-    with forced(p):
-        seen = host_reads(monkeypatch, lambda: redsync.encode(x, 200, "bottom", method))
-        got = redsync.encode(x, 200, "bottom", method)
-    assert len(seen) == reads, seen
-    assert torch.equal(got, want)
+    max and finiteness together (1) and the counts (1): the survivors' number is among the
+    counts, so they are written without a read, and all of them have the side's sign. When
+    fewer than k values have it, the search falls back to the exact top-k, and the count of
+    positive scores, fetched with the first counts, says how many of those to send. The torch
+    path reads finiteness on its own, and the survivors' number (torch.nonzero) unless it
+    falls back."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20_000, generator=g)
+    few = -x.abs()
+    few[torch.randperm(20_000, generator=g)[:50]] = 1.0  # 50 of the bottom side's sign
+    for v, want_reads in zip((x, -few), reads, strict=True):
+        with forced("numpy"):
+            want = redsync.encode(v, 200, "bottom", method)
+        with forced(p):
+            seen = host_reads(monkeypatch, lambda v=v: redsync.encode(v, 200, "bottom", method))
+            got = redsync.encode(v, 200, "bottom", method)
+        assert len(seen) == want_reads, seen
+        assert torch.equal(got, want)
+    assert redsync.decode_entries(got)[0].numel() == 50

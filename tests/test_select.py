@@ -156,7 +156,12 @@ def test_a_side_selects_what_its_scores_select_on_every_path(side, p):
                     want = select.select(scores, k, method, **options)
                 with forced(p):
                     got = _select_side(v, k, side, method, **options)
+                    positive = None if side == "abs" else select.select_side(
+                        v, k, side, method, positive=True, **options)
                 assert torch.equal(got, want), (v.dtype, k, method, options)
+                # what RedSync sends: the side's sign only (zeros where k outnumbers it)
+                if positive is not None:
+                    assert torch.equal(positive, want[scores[want] > 0]), (v.dtype, k, method)
 
 
 @pytest.mark.parametrize("p", ["numpy", *OTHER_PATHS])
@@ -174,6 +179,8 @@ def test_a_side_refuses_nan_and_inf_anywhere_in_the_vector(p):
         select.select_side(torch.ones(3), 1, 0)
     with pytest.raises(TypeError, match="only eps"):
         select.select_side(torch.ones(3), 1, 1, "trimmed", stages=2)
+    with pytest.raises(TypeError, match="positive to be a bool"):
+        select.select_side(torch.ones(3), 1, 1, positive=1)
 
 
 @pytest.mark.parametrize("method, eps, reads", [

@@ -71,11 +71,10 @@ def encode(x: torch.Tensor, k: int, side: str = "top", method: str = "topk",
         raise ValueError(f"expected method in {select.METHODS}, got {method!r}")
     # NaN or inf raise from the selector's check, which on the Triton path rides on its
     # first read of v; the scores of the side are never written there.
-    idx = select.select_side(v, k, 1 if side == "top" else -1, method, **options)
-    vals = v[idx]
-    # zeros and the other sign are not sent; one read (the count) for both gathers
-    pick = torch.nonzero(vals > 0 if side == "top" else vals < 0).reshape(-1)
+    # Zeros and the other sign are not sent.
+    idx = select.select_side(v, k, 1 if side == "top" else -1, method, positive=True,
+                             **options)
     # ascending, distinct and in range from the selector, finite from its check
-    return sparse.encode(idx[pick], vals[pick], v.numel(), "mean", check=False)
+    return sparse.encode(idx, v[idx], v.numel(), "mean", check=False)
 
 

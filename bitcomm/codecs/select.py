@@ -179,8 +179,15 @@ class _Counts:
             if not self.ahead:
                 self.known[threshold] = int((self.scores.tensor > threshold).sum().item())
             else:
-                self._fetch(sorted({threshold, *speculate()}))
+                # 0.0 rides along the first fetch: how many scores are positive, which tells
+                # RedSync's sides how many selected values have the side's sign.
+                extra = set() if 0.0 in self.known else {0.0}
+                self._fetch(sorted({threshold, *extra, *speculate()}))
         return self.known[threshold]
+
+    def positive(self) -> int | None:
+        """How many scores are positive, if a fetch brought it along (else ``None``)."""
+        return self.known.get(0.0)
 
     def _fetch(self, thresholds: list[float]) -> None:
         v = self.scores.v
@@ -267,7 +274,7 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
 
     """
     s, k = _prepare(scores, k, check=False)
-    return _search(_Scores(s), k, "trimmed", eps, check)
+    return _search(_Scores(s), k, "trimmed", eps, check)[0]
 
 
 def _finite(src: _Scores, check: bool) -> None:
@@ -276,19 +283,30 @@ def _finite(src: _Scores, check: bool) -> None:
         raise ValueError(f"expected finite {src.what}, got NaN or inf")
 
 
-def _search(src: _Scores, k: int, method: str, eps: object, check: bool) -> torch.Tensor:
-    """Run RedSync's ``"trimmed"`` or ``"threshold"`` search; their common start."""
+def _search(src: _Scores, k: int, method: str, eps: object, check: bool
+            ) -> tuple[torch.Tensor, int | None]:
+    """Run RedSync's ``"trimmed"`` or ``"threshold"`` search; their common start.
+
+    Returns the indices and how many of them have a positive score, where the counts the
+    search fetched tell it (else ``None``).
+    """
     eps = _check_eps(eps, upper_open=method == "threshold")
     if k == 0 or k >= src.numel():
         _finite(src, check)
-        return src.top(k)
+        return src.top(k), None
     mean, top = src.stats(check)
     search = _trimmed if method == "trimmed" else _threshold
     return search(src, k, eps, mean, top, _Counts(src))
 
 
+def _fallback(src: _Scores, k: int, counts: _Counts) -> tuple[torch.Tensor, int | None]:
+    """Return the exact top-k, and how many are positive: all of them unless fewer are."""
+    positive = counts.positive()
+    return src.top(k), None if positive is None else min(k, positive)
+
+
 def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: _Counts
-             ) -> torch.Tensor:
+             ) -> tuple[torch.Tensor, int | None]:
     def threshold(step: int) -> float:
         return mean + (1.0 - eps * step) * (top - mean)
 
@@ -304,7 +322,7 @@ def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: 
     # most of the tensor anyway, so the exact top-k runs on all of it.
     last = math.floor(1 / eps)
     if last < 1 or kept(last, 0, last) < k:
-        return src.top(k)
+        return _fallback(src, k, counts)
     lo, hi = 0, last  # kept(lo) < k (step 0 is the max itself), kept(hi) >= k
     while hi - lo > 1:  # at most log2(1 / eps) + 1 passes
         mid = halve(lo, hi)
@@ -313,7 +331,8 @@ def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: 
         else:
             lo = mid
     keep = src.above(threshold(hi), kept(hi, lo, hi))  # a count already fetched
-    return keep[_exact(src.at(keep), k)]
+    # above a threshold at or above the mean (>= 0): every one is positive
+    return keep[_exact(src.at(keep), k)], k
 
 
 def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: bool = True
@@ -328,11 +347,11 @@ def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: 
 
     """
     s, k = _prepare(scores, k, check=False)
-    return _search(_Scores(s), k, "threshold", eps, check)
+    return _search(_Scores(s), k, "threshold", eps, check)[0]
 
 
 def _threshold(src: _Scores, k: int, eps: float, mean: float, top: float, counts: _Counts
-               ) -> torch.Tensor:
+               ) -> tuple[torch.Tensor, int | None]:
     def threshold(ratio: float) -> float:
         return mean + ratio * (top - mean)
 
@@ -345,7 +364,7 @@ def _threshold(src: _Scores, k: int, eps: float, mean: float, top: float, counts
                                                  _halvings(lo, hi, halve, LEVELS)])
 
     if above(0.0, 0.0, 1.0) < k:
-        return src.top(k)
+        return _fallback(src, k, counts)
     lo, hi = 0.0, 1.0  # invariant: at least k scores exceed the threshold at ratio lo
     for _ in range(math.ceil(math.log2(1 / eps)) + 1):  # each round halves hi - lo
         if hi - lo <= eps:
@@ -359,11 +378,12 @@ def _threshold(src: _Scores, k: int, eps: float, mean: float, top: float, counts
             hi = mid
         else:
             lo = mid
-    return src.above(threshold(lo), above(lo, lo, hi))  # a count already fetched
+    count = above(lo, lo, hi)  # already fetched; above the mean (>= 0), so all positive
+    return src.above(threshold(lo), count), count
 
 
 def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
-                check: bool = True, **options: float) -> torch.Tensor:
+                check: bool = True, positive: bool = False, **options: float) -> torch.Tensor:
     """Select among the scores ``max(v, 0)`` (``side=1``) or ``max(-v, 0)`` (``side=-1``).
 
     The same indices as ``select(scores, k, method, **options)`` on those scores, for
@@ -371,10 +391,26 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
     ``"threshold"``) compute the scores inside their passes over ``v`` instead of writing them,
     and ``check`` (NaN or inf anywhere in ``v``: ``ValueError``) rides on the searches' first
     read.
+
+    With ``positive`` only the selected indices whose score is positive are kept: the values
+    of the side's sign, without zeros (what RedSync sends). Their number takes a host read,
+    except after a search whose counts gave it (off the numpy path): a search's selection
+    above its threshold is all positive, and its first fetch of counts brings the number of
+    positive scores for when it falls back to the exact top-k.
     """
     if side not in (1, -1):
         raise ValueError(f"expected side 1 or -1, got {side!r}")
-    return _select_of(v, k, side, method, check, options)
+    if not isinstance(positive, bool):
+        raise TypeError(f"expected positive to be a bool, got {type(positive).__name__}")
+    v = _frame.check_float(v, "v")
+    src = _Scores(v, side)
+    idx, count = _select_of(src, k, method, check, options)
+    if not positive or count == idx.numel():
+        return idx
+    keep = src.at(idx) > 0
+    if count is None:
+        return idx[torch.nonzero(keep).reshape(-1)]  # one host read: their number
+    return idx[_frame.indices_of(keep, count)]
 
 
 def select_abs(v: torch.Tensor, k: int, method: str = "topk", *, check: bool = True,
@@ -385,14 +421,13 @@ def select_abs(v: torch.Tensor, k: int, method: str = "topk", *, check: bool = T
     ``"topk"`` and the threshold searches read ``v`` and never write ``|v|``; ``check``
     (NaN or inf in ``v``: ``ValueError``) rides on the searches' first read.
     """
-    return _select_of(v, k, _ABS, method, check, options)
+    return _select_of(_Scores(_frame.check_float(v, "v"), _ABS), k, method, check, options)[0]
 
 
-def _select_of(v: torch.Tensor, k: int, side: int, method: str, check: bool,
-               options: dict) -> torch.Tensor:
-    v = _frame.check_float(v, "v")
-    k = min(_frame.check_count(k, "k"), v.numel())
-    src = _Scores(v, side)
+def _select_of(src: _Scores, k: int, method: str, check: bool, options: dict
+               ) -> tuple[torch.Tensor, int | None]:
+    """Return the selection of ``src``'s scores and, where known, how many are positive."""
+    k = min(_frame.check_count(k, "k"), src.numel())
     if method in ("trimmed", "threshold"):
         eps = options.pop("eps", 0.2 if method == "trimmed" else 1e-3)
         if options:
@@ -402,8 +437,8 @@ def _select_of(v: torch.Tensor, k: int, side: int, method: str, check: bool,
     if method == "topk":
         if options:
             raise TypeError(f"topk takes no options, got {sorted(options)}")
-        return src.top(k)
-    return select(src.tensor, k, method, check=False, **options)
+        return src.top(k), None
+    return select(src.tensor, k, method, check=False, **options), None
 
 
 def select(scores: torch.Tensor, k: int, method: str = "topk", *, check: bool = True,
