@@ -491,8 +491,9 @@ def test_selection_statistics_and_counts(dtype, programs, monkeypatch):
         v = torch.randint(-8, 9, (n,), generator=g).to(dtype) / 4  # ties at the bounds below
         for side in (0, 1, -1):
             s = v if side == 0 else (v.clamp(min=0) if side == 1 else v.neg().clamp(min=0))
-            total, top, bad = _kernels.score_stats(v, side).tolist()
+            total, top, bad, positive = _kernels.score_stats(v, side).tolist()
             assert total == s.double().sum().item() and top == s.max().item() and bad == 0
+            assert positive == (s > 0).sum().item()
             for m in (1, 2, 63, 64, 100):
                 bounds = torch.linspace(-2, 2, m, dtype=dtype)
                 got = _kernels.count_above(v, bounds, side)
@@ -500,9 +501,11 @@ def test_selection_statistics_and_counts(dtype, programs, monkeypatch):
                 assert got.tolist() == want, (n, side, m)
     v = torch.ones(5000, dtype=dtype)
     v[4500] = float("nan")
-    assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0]
+    assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0, 4999.0]
     v[4500] = -float("inf")  # its score on the top side is 0, but the vector is not finite
-    assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0]
+    assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0, 4999.0]
+    v[4500] = float("inf")  # left out of the count of positive scores too
+    assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0, 4999.0]
 
 
 def _brute_top(s: torch.Tensor, k: int) -> list[int]:

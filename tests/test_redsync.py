@@ -63,18 +63,19 @@ def test_bad_input():
         redsync.encode(torch.ones(3), -2)
 
 
-@pytest.mark.parametrize("p, reads", [("torch", (4, 3)), pytest.param(
-    *OTHER_PATHS[1].values, (2, 2), marks=OTHER_PATHS[1].marks)])
-@pytest.mark.parametrize("method", ["trimmed", "threshold"])
-def test_a_search_encodes_with_few_host_reads_off_the_numpy_path(p, reads, method,
-                                                                   monkeypatch):
-    """Off the numpy path (CUDA) each read waits for the device. The Triton path reads mean,
-    max and finiteness together (1) and the counts (1): the survivors' number is among the
-    counts, so they are written without a read, and all of them have the side's sign. When
-    fewer than k values have it, the search falls back to the exact top-k, and the count of
-    positive scores, fetched with the first counts, says how many of those to send. The torch
-    path reads finiteness on its own, and the survivors' number (torch.nonzero) unless it
-    falls back."""
+@pytest.mark.parametrize("p, method, reads", [
+    ("torch", "trimmed", (4, 3)), ("torch", "threshold", (4, 3)), ("torch", "topk", (2, 2)),
+    *[pytest.param(*OTHER_PATHS[1].values, method, reads, marks=OTHER_PATHS[1].marks)
+      for method, reads in [("trimmed", (2, 2)), ("threshold", (2, 2)), ("topk", (1, 1))]]])
+def test_encodes_with_few_host_reads_off_the_numpy_path(p, method, reads, monkeypatch):
+    """Off the numpy path (CUDA) each read waits for the device. A search on the Triton path
+    reads mean, max and finiteness together (1) and the counts (1): the survivors' number is
+    among the counts, so they are written without a read, and all of them have the side's
+    sign. When fewer than k values have it, the search falls back to the exact top-k, and the
+    count of positive scores, fetched with the first counts, says how many of those to send.
+    The exact top-k reads once, its check with that count. The torch path reads finiteness on
+    its own, then the survivors' number (torch.nonzero) unless a search falls back, or for
+    the exact top-k the number of those of the side's sign."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(20_000, generator=g)
     few = -x.abs()

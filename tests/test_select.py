@@ -175,6 +175,8 @@ def test_a_side_refuses_nan_and_inf_anywhere_in_the_vector(p):
                 for side in (1, "abs"):
                     with forced(p), pytest.raises(ValueError, match="finite values"):
                         _select_side(v, k, side, method)
+                with forced(p), pytest.raises(ValueError, match="finite values"):
+                    select.select_side(v, k, 1, method, positive=True)
     with pytest.raises(ValueError, match="side 1 or -1"):
         select.select_side(torch.ones(3), 1, 0)
     with pytest.raises(TypeError, match="only eps"):

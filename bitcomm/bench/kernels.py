@@ -165,7 +165,7 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
         out.append((f"qsgd-{bits} decode", n,
                     lambda b=bits, c=codes, s=steps_: k.qsgd_values(
                         c, n, b, qsgd.DEFAULT_BUCKET, s, torch.float32)))
-    out += [("redsync-1% mean, max, check", n, lambda: k.score_stats(x, 1)),
+    out += [("redsync-1% mean, max, check, count", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
              lambda: k.count_above(x, meta(63, torch.float32), 1)),
             ("redsync-1% survivors", n, lambda: k.indices_above(x, 2.0, n // 100, 1)),

@@ -561,25 +561,28 @@ def _score_stats_kernel(x_ptr, out_ptr, n, SIDE: tl.constexpr, BLOCK: tl.constex
     s = tl.where(bad, 0.0, _side_scores(x, SIDE))
     # Only the sum needs float64 (exact conversions of every float dtype); the max and the
     # check stay in the scores' dtype.
-    tl.store(out_ptr + pid * 3, tl.sum(s.to(tl.float64), axis=0))
+    tl.store(out_ptr + pid * 4, tl.sum(s.to(tl.float64), axis=0))
     top = tl.max(tl.where(live, s, -float("inf")), axis=0)
-    tl.store(out_ptr + pid * 3 + 1, top.to(tl.float64))
-    tl.store(out_ptr + pid * 3 + 2, tl.max(bad.to(tl.float64), axis=0))
+    tl.store(out_ptr + pid * 4 + 1, top.to(tl.float64))
+    tl.store(out_ptr + pid * 4 + 2, tl.max(bad.to(tl.float64), axis=0))
+    tl.store(out_ptr + pid * 4 + 3, tl.sum((s > 0).to(tl.int32), axis=0).to(tl.float64))
 
 
 def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
-    """Return float64 ``[sum, max, bad]`` of the scores of ``x``, on its device (no host read).
+    """Return float64 ``[sum, max, bad, positive]`` of the scores of ``x``, on its device.
 
     The scores are ``x`` (``side=0``), ``max(x, 0)`` (1), ``max(-x, 0)`` (-1) or ``|x|`` (2);
-    ``bad`` is 1 if ``x`` holds NaN or inf (those elements are left out of the sum and the
-    max). One read of ``x``: block sums in float64, then torch adds the blocks.
+    ``bad`` is 1 if ``x`` holds NaN or inf (those elements are left out of the sum, the max
+    and the count); ``positive`` counts the scores above 0. One read of ``x`` and no host
+    read: block sums in float64 (exact for counts below 2**53), then torch adds the blocks.
     """
     n = x.numel()
     block, opts = _config("score_stats")
     grid = _grid(n, block)
-    parts = torch.empty((grid[0], 3), dtype=torch.float64, device=x.device)
+    parts = torch.empty((grid[0], 4), dtype=torch.float64, device=x.device)
     launch(_score_stats_kernel, grid, x, parts, n, SIDE=side, BLOCK=block, **opts)
-    return torch.stack([parts[:, 0].sum(), parts[:, 1].max(), parts[:, 2].max()])
+    return torch.stack([parts[:, 0].sum(), parts[:, 1].max(), parts[:, 2].max(),
+                        parts[:, 3].sum()])
 
 
 @triton.jit

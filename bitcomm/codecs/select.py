@@ -117,7 +117,7 @@ class _Scores:
         RedSync's thresholds interpolate between the two.
         """
         if self.fused:  # the finiteness check rides on the same read
-            total, top, bad = _frame.kernels().score_stats(self.v, self.side).tolist()
+            total, top, bad, _ = _frame.kernels().score_stats(self.v, self.side).tolist()
             if check and bad:
                 raise ValueError(f"expected finite {self.what}, got NaN or inf")
             return total / self.v.numel(), top
@@ -277,32 +277,49 @@ def trimmed_topk(scores: torch.Tensor, k: int, *, eps: float = 0.2, check: bool 
     return _search(_Scores(s), k, "trimmed", eps, check)[0]
 
 
-def _finite(src: _Scores, check: bool) -> None:
-    # The check of the paths that skip the statistics (whose read carries it).
+def _finite(src: _Scores, check: bool, count: bool = False) -> int | None:
+    """Check the scores' vector on the paths that skip the statistics (whose read carries it).
+
+    With ``count``, a check on the Triton path of a side's scores brings back, in its one
+    read, how many scores are positive; otherwise the result is ``None``.
+    """
+    if count and check and src.fused and src.side in (1, -1) and src.numel():
+        _, _, bad, positive = _frame.kernels().score_stats(src.v, src.side).tolist()
+        if bad:
+            raise ValueError(f"expected finite {src.what}, got NaN or inf")
+        return int(positive)
     if check and src.numel() and not _frame.all_finite(src.v):
         raise ValueError(f"expected finite {src.what}, got NaN or inf")
+    return None
 
 
-def _search(src: _Scores, k: int, method: str, eps: object, check: bool
+def _search(src: _Scores, k: int, method: str, eps: object, check: bool, count: bool = False
             ) -> tuple[torch.Tensor, int | None]:
     """Run RedSync's ``"trimmed"`` or ``"threshold"`` search; their common start.
 
-    Returns the indices and how many of them have a positive score, where the counts the
-    search fetched tell it (else ``None``).
+    Returns the indices and how many of them have a positive score, where the reads the
+    search made tell it (else ``None``); ``count``: its check may bring that number back.
     """
     eps = _check_eps(eps, upper_open=method == "threshold")
     if k == 0 or k >= src.numel():
-        _finite(src, check)
-        return src.top(k), None
+        return _top_counted(src, k, _finite(src, check, count))
     mean, top = src.stats(check)
     search = _trimmed if method == "trimmed" else _threshold
     return search(src, k, eps, mean, top, _Counts(src))
 
 
-def _fallback(src: _Scores, k: int, counts: _Counts) -> tuple[torch.Tensor, int | None]:
-    """Return the exact top-k, and how many are positive: all of them unless fewer are."""
-    positive = counts.positive()
+def _top_counted(src: _Scores, k: int, positive: int | None
+                 ) -> tuple[torch.Tensor, int | None]:
+    """Return the exact top-k and how many of them are positive.
+
+    Given the ``positive`` count of all the scores: every one of the k, unless fewer are.
+    """
     return src.top(k), None if positive is None else min(k, positive)
+
+
+def _fallback(src: _Scores, k: int, counts: _Counts) -> tuple[torch.Tensor, int | None]:
+    """Return the searches' exact top-k with the count of positive scores the counts brought."""
+    return _top_counted(src, k, counts.positive())
 
 
 def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: _Counts
@@ -404,7 +421,7 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
         raise TypeError(f"expected positive to be a bool, got {type(positive).__name__}")
     v = _frame.check_float(v, "v")
     src = _Scores(v, side)
-    idx, count = _select_of(src, k, method, check, options)
+    idx, count = _select_of(src, k, method, check, options, positive)
     if not positive or count == idx.numel():
         return idx
     keep = src.at(idx) > 0
@@ -424,20 +441,24 @@ def select_abs(v: torch.Tensor, k: int, method: str = "topk", *, check: bool = T
     return _select_of(_Scores(_frame.check_float(v, "v"), _ABS), k, method, check, options)[0]
 
 
-def _select_of(src: _Scores, k: int, method: str, check: bool, options: dict
-               ) -> tuple[torch.Tensor, int | None]:
-    """Return the selection of ``src``'s scores and, where known, how many are positive."""
+def _select_of(src: _Scores, k: int, method: str, check: bool, options: dict,
+               count: bool = False) -> tuple[torch.Tensor, int | None]:
+    """Return the selection of ``src``'s scores and, where known, how many are positive.
+
+    ``count``: the caller wants that number, so the finiteness check of ``"topk"`` and the
+    searches' shortcuts brings it back where it can in its read.
+    """
     k = min(_frame.check_count(k, "k"), src.numel())
     if method in ("trimmed", "threshold"):
         eps = options.pop("eps", 0.2 if method == "trimmed" else 1e-3)
         if options:
             raise TypeError(f"{method} takes only eps, got {sorted(options)}")
-        return _search(src, k, method, eps, check)
-    _finite(src, check)
+        return _search(src, k, method, eps, check, count)
     if method == "topk":
         if options:
             raise TypeError(f"topk takes no options, got {sorted(options)}")
-        return src.top(k), None
+        return _top_counted(src, k, _finite(src, check, count))
+    _finite(src, check)
     return select(src.tensor, k, method, check=False, **options), None
 
 
