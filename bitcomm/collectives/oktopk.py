@@ -283,7 +283,9 @@ def _local(mag: torch.Tensor, k: int, state: OkTopkState, recompute: bool,
     tries = state.raise_tries if state.feedback and not recompute else 0
     while True:
         mask = nonzero & (mag >= (state.local_th if computed is None else computed))
-        counts = torch.stack([mask[a:b].sum() for a, b in regions]).to(torch.float64)
+        # count_nonzero: a bool sum promotes through int64, several times slower on a CPU
+        counts = torch.stack([torch.count_nonzero(mask[a:b]) for a, b in regions]).to(
+            torch.float64)
         if computed is not None:
             counts = torch.cat([computed.to(torch.float64).reshape(1), counts])
         got = counts.tolist()
@@ -422,7 +424,8 @@ def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: 
             at_ = (got[r][0] - lo).clamp_(0, hi - lo - 1)
             dense.index_add_(0, at_, got[r][1])
             present[at_] = True
-    read = torch.cat([_flags(received, val.device), present.sum().reshape(1)]).tolist()
+    read = torch.cat([_flags(received, val.device),
+                      torch.count_nonzero(present).reshape(1)]).tolist()
     _raise_broken(received, read[:-1])
     where = _frame.indices_of(present, read[-1])
     pieces = sum(p[0].numel() for j, p in enumerate(parts) if j != rank)
@@ -564,13 +567,14 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
             every = [mag]
         th = _kth_largest(torch.cat(every), k)
         read = torch.cat([th.to(torch.float64).reshape(1), torch.stack(
-            [(e >= th).sum() for e in every]).to(torch.float64)]).tolist()
+            [torch.count_nonzero(e >= th) for e in every]).to(torch.float64)]).tolist()
         state.global_th, counts = read[0], [int(c) for c in read[1:]]
         keep = _frame.indices_of(mag >= state.global_th, counts[comm.rank])
     else:
         over = mag >= state.global_th
-        counts = (_checked(_allgather_counts(comm, over.sum()), n, "a selection of")
-                  if size > 1 else [int(over.sum())])
+        chosen_here = torch.count_nonzero(over)
+        counts = (_checked(_allgather_counts(comm, chosen_here), n, "a selection of")
+                  if size > 1 else [int(chosen_here)])
         keep = _frame.indices_of(over, counts[comm.rank])
     g_idx, g_val = r_idx[keep], r_val[keep]
     total = sum(counts)
@@ -591,7 +595,8 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
     chosen = torch.zeros(n, dtype=torch.bool, device=v.device)
     chosen[all_idx] = True
     mine = chosen[local]
-    read = torch.cat([_flags(gathered, v.device), mine.sum().reshape(1)]).tolist()
+    read = torch.cat([_flags(gathered, v.device),
+                      torch.count_nonzero(mine).reshape(1)]).tolist()
     _raise_broken(gathered, read[:-1])
     indexes = local[_frame.indices_of(mine, read[-1])]
 
