@@ -236,7 +236,8 @@ def test_radix_selection_gives_the_cpus_sets_for_every_dtype_and_side():
 
 def test_encoders_copy_their_headers_without_waiting():
     """A header goes to the GPU from pinned memory: sign's and stream's encoders do not wait
-    for the device, qsgd's waits once (its scale check), and every frame is the CPU's."""
+    for the device, qsgd's waits once (its scale check), redsync's once or twice (below), and
+    every frame is the CPU's."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(100_003, generator=g)
     idx = select.topk(x.abs(), 500)
@@ -250,6 +251,12 @@ def test_encoders_copy_their_headers_without_waiting():
     assert count_syncs(lambda: (sign.encode(on_gpu), stream.encode(streams[0]),
                                 stream.encode(streams[1]))) == 0
     assert count_syncs(lambda: qsgd.encode(on_gpu, 4, 512, seed=1)) == 1
+    # redsync: the exact top-k's check brings the number of values of the side's sign; a
+    # search reads its statistics, then its counts (that number among them)
+    for method, waits in (("topk", 1), ("trimmed", 2), ("threshold", 2)):
+        frame = redsync.encode(x, 500, "top", method)
+        assert torch.equal(redsync.encode(on_gpu, 500, "top", method).cpu(), frame), method
+        assert count_syncs(lambda m=method: redsync.encode(on_gpu, 500, "top", m)) == waits
 
 
 def test_sparcml_reads_the_host_once_per_received_round():
