@@ -73,8 +73,10 @@ def host_reads(monkeypatch, fn):
         if caller.startswith(root) and not caller.endswith("_kernels.py"):
             seen.append((name, caller, sys._getframe(2).f_lineno))
 
-    # torch.nonzero's output size depends on the data, so on CUDA it waits for the device too.
-    for owner, name in [(torch.Tensor, n) for n in _SYNCS] + [(torch, "nonzero")]:
+    # torch.nonzero's and torch.unique's output sizes depend on the data, so on CUDA they wait
+    # for the device too.
+    for owner, name in [(torch.Tensor, n) for n in _SYNCS] + [(torch, "nonzero"),
+                                                               (torch, "unique")]:
         original = getattr(owner, name)
 
         def spy(*a, _original=original, _name=name, **k):

@@ -349,16 +349,19 @@ def test_without_the_agreement_bad_entries_still_raise_here(name):
 def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path, monkeypatch):
     """On CUDA each host read waits for the device. The stream codec reads the rank's entries'
     rules once, each received round's frames once together (not each header and each frame's
-    rules), and a split's bounds once (CPU tensors on the paths a CUDA tensor takes)."""
+    rules), a split's bounds once, and the size of each merge of two sparse streams; a sum of
+    more streams (the received parts, every rank's stream) reads once at its end (CPU tensors
+    on the paths a CUDA tensor takes)."""
     n = 4000
     sets = index_sets("random", size, n, 200, 5)
     values = integer_values(sets, 5)
     rounds = size.bit_length() - 1
-    # per rank: its entries, then the rounds of frames it receives; the split-allgathers split
-    # (one search, one round of received parts) before their rounds, and DSAR's rounds carry
-    # dense ranges, which are not streams
-    per_rank = {"ssar_recursive_double": 1 + rounds, "ssar_split_allgather": 3 + rounds,
-                "dsar_split_allgather": 3, "stream_allgather": 2}
+    # per rank: its entries, then the rounds of frames it receives (recursive doubling merges
+    # each); the split-allgathers split (one search, one round of received parts, their sum)
+    # before their rounds, and DSAR's rounds carry dense ranges, which are not streams; the
+    # allgather checks every rank's frame, then sums them
+    per_rank = {"ssar_recursive_double": 1 + 2 * rounds, "ssar_split_allgather": 4 + rounds,
+                "dsar_split_allgather": 3, "stream_allgather": 3}
     for name, want in per_rank.items():
         with forced("numpy"):
             expect = run(name, sets, values, n)

@@ -258,3 +258,50 @@ def test_decode_all_reads_the_host_once_off_the_numpy_path(monkeypatch):
         per_frame = host_reads(monkeypatch, lambda: [stream.decode(f, n=100) for f in frames])
     # decode reads each header (a copy and a view: two calls) and each frame's rules
     assert len(per_frame) > 2 * len(frames)
+
+
+def test_add_all_off_the_numpy_path_is_pairwise_add_with_one_read(monkeypatch):
+    """Off the numpy path (CUDA) three or more sparse streams merge with one host read at the
+    end; the sum is the pairwise one from the left, to the bit (-0.0 and cancellations too)
+    and dense from the same sum on: never, at the first sum, at a later one, or on the bound
+    although the union stays below it."""
+    from conftest import forced, host_reads
+
+    g = torch.Generator().manual_seed(5)
+
+    def random_streams(n, count, nnz):
+        out = []
+        for _ in range(count):
+            idx = torch.randperm(n, generator=g)[:nnz].sort().values
+            val = torch.randint(-3, 4, (nnz,), generator=g).float() / 2  # ties, zeros
+            val[val == 0] = -0.0
+            out.append(stream.from_entries(idx, val, n))
+        return out
+
+    # n = 10: sparse below 5 pairs. 2 + 2 and then 2 + 1 pairs stay below, the sum cancels;
+    # 2 + 3 pairs reach 5 at the second sum although the union is 3
+    cancels = [_sparse(10, {1: 1, 2: 2}), _sparse(10, {1: 1, 2: 1}), _sparse(10, {2: -3})]
+    on_bound = cancels[:2] + [_sparse(10, {1: 1, 2: 1, 3: 1})]
+    cases = [random_streams(1000, 3, 40), random_streams(1000, 8, 30),  # stays sparse
+             random_streams(100, 3, 30),  # dense at the first sum (30 + 30 >= 50)
+             random_streams(100, 6, 12),  # dense at a later sum
+             cancels, on_bound]
+    for streams in cases:
+        with forced("numpy"):
+            want = streams[0]
+            for s in streams[1:]:
+                want = stream.add(want, s)
+        with forced("torch"):
+            got = stream.add_all(streams)
+            reads = host_reads(monkeypatch, lambda s=streams: stream.add_all(s))
+        assert len(reads) == 1, reads
+        assert got.dense == want.dense and got.n == want.n
+        assert torch.equal(got.values.view(torch.int32), want.values.view(torch.int32))
+        if not got.dense:
+            assert torch.equal(got.indices, want.indices)
+    with forced("torch"):
+        kept, dense = stream.add_all(cancels), stream.add_all(on_bound)
+    assert kept.indices.tolist() == [1, 2] and kept.values.tolist() == [2.0, 0.0]
+    assert dense.dense and dense.values.tolist() == [0, 3, 4, 1, 0, 0, 0, 0, 0, 0]
+    with forced("torch"), pytest.raises(ValueError, match="same length"):
+        stream.add_all([_sparse(10, {1: 1}), _sparse(10, {2: 1}), _sparse(11, {3: 1})])

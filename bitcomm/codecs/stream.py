@@ -232,13 +232,57 @@ def add(a: Stream, b: Stream) -> Stream:
 
 
 def add_all(streams: list[Stream]) -> Stream:
-    """Return the sum of ``streams``, added left to right (so the order fixes the bits)."""
+    """Return the sum of ``streams``, added left to right (so the order fixes the bits).
+
+    The stream that :func:`add` makes pairwise from the left, dense where it would be. Off
+    the numpy path (CUDA) each sparse merge of :func:`add` reads its size back to the host;
+    there three or more sparse streams merge into buffers of their summed sizes instead, and
+    one read at the end brings every merge's size, from which add's rule says whether the sum
+    turned dense.
+    """
     if not streams:
         raise ValueError("expected at least one stream")
+    if len(streams) > 2 and not _frame.use_numpy(streams[0].values) \
+            and all(s.indices is not None for s in streams):
+        return _merge_sparse(streams)
     total = streams[0]
     for s in streams[1:]:
         total = add(total, s)
     return total
+
+
+def _merge_sparse(streams: list[Stream]) -> Stream:
+    """:func:`add_all` of sparse streams with one host read.
+
+    Each merge sorts the running sum's pairs and the next stream's (stably: the sum's first)
+    and adds each index's values into its slot among the distinct indices, as :func:`add` does
+    after ``torch.unique``: at most two values a slot, so any order of the additions gives the
+    same bits. The running sum keeps its buffer's size, its unused slots holding the index
+    ``n`` (after every real index) and the value 0.
+    """
+    n = streams[0].n
+    idx, val = streams[0].indices, streams[0].values
+    merged = []
+    for s in streams[1:]:
+        if s.n != n:
+            raise ValueError(f"expected streams of the same length, got {n} and {s.n}")
+        key, order = torch.sort(torch.cat([idx, s.indices]), stable=True)
+        first = torch.ones_like(key, dtype=torch.bool)
+        first[1:] = key[1:] != key[:-1]
+        slot = torch.cumsum(first, 0) - 1
+        idx = torch.full_like(key, n).scatter_(0, slot, key)
+        val = torch.zeros(key.numel(), dtype=torch.float32, device=key.device).index_add_(
+            0, slot, torch.cat([val, s.values])[order])
+        merged.append(torch.count_nonzero(first & (key < n)))
+    sizes = torch.stack(merged).tolist()  # the one host read
+    nnz = streams[0].nnz
+    for s, size in zip(streams[1:], sizes, strict=True):
+        if not _is_sparse(n, nnz + s.nnz):  # add's rule: dense from this sum on
+            out = torch.zeros(n, dtype=torch.float32, device=val.device)
+            out[idx[:sizes[-1]]] = val[:sizes[-1]]
+            return Stream(n, None, out)
+        nnz = size
+    return Stream(n, idx[:nnz], val[:nnz])
 
 
 def concat(parts: list[Stream]) -> Stream:
