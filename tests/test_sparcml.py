@@ -349,26 +349,34 @@ def test_without_the_agreement_bad_entries_still_raise_here(name):
 def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path, monkeypatch):
     """On CUDA each host read waits for the device. The stream codec reads the rank's entries'
     rules once, each received round's frames once together (not each header and each frame's
-    rules), a split's bounds once, and the size of each merge of two sparse streams; a sum of
-    more streams (the received parts, every rank's stream) reads once at its end (CPU tensors
-    on the paths a CUDA tensor takes)."""
+    rules), a split's bounds once, and the size of a sum of sparse streams (two, the received
+    parts or every rank's stream) once at its end, with the check of the frames it adds
+    (CPU tensors on the paths a CUDA tensor takes)."""
+    import inspect
+
+    from bitcomm.codecs import _frame
+
+    lines, first = inspect.getsourcelines(_frame.read_checked)
+    shared = range(first, first + len(lines))  # the read a sum shares with its frames' check
     n = 4000
     sets = index_sets("random", size, n, 200, 5)
     values = integer_values(sets, 5)
     rounds = size.bit_length() - 1
-    # per rank: its entries, then the rounds of frames it receives (recursive doubling merges
-    # each); the split-allgathers split (one search, one round of received parts, their sum)
-    # before their rounds, and DSAR's rounds carry dense ranges, which are not streams; the
-    # allgather checks every rank's frame, then sums them
-    per_rank = {"ssar_recursive_double": 1 + 2 * rounds, "ssar_split_allgather": 4 + rounds,
-                "dsar_split_allgather": 3, "stream_allgather": 3}
+    # per rank: its entries, then the rounds of frames it receives (recursive doubling reads
+    # each frame's check with its merge's size); the split-allgathers split (one search, one
+    # round of received parts: SSAR checks them with their sum) before their rounds, and
+    # DSAR's rounds carry dense ranges, which are not streams; the allgather checks every
+    # rank's frame with their sum
+    per_rank = {"ssar_recursive_double": 1 + rounds, "ssar_split_allgather": 3 + rounds,
+                "dsar_split_allgather": 3, "stream_allgather": 2}
     for name, want in per_rank.items():
         with forced("numpy"):
             expect = run(name, sets, values, n)
         with forced(path):
             reads = host_reads(monkeypatch, lambda name=name: run(name, sets, values, n))
             got = run(name, sets, values, n)
-        in_codec = [r for r in reads if r[1].endswith("stream.py")]
+        in_codec = [r for r in reads if r[1].endswith("stream.py")
+                    or r[1].endswith("_frame.py") and r[2] in shared]
         assert len(in_codec) == size * want, (name, in_codec)
         for (a, _), (b, _) in zip(got, expect, strict=True):
             assert frame_bytes(a) == frame_bytes(b)
@@ -409,3 +417,38 @@ def test_quantised_dsar_raises_an_overflowed_range_on_every_rank(path):
     assert len(owner) == 1, out
     assert all("corrupt qsgd frame: expected a finite scale" in str(e)
                for r, e in enumerate(out) if r != owner[0]), out
+
+
+@pytest.mark.parametrize("name, size", [("ssar_recursive_double", 2),
+                                        ("ssar_recursive_double", 4),
+                                        ("ssar_split_allgather", 4), ("stream_allgather", 3)])
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_a_corrupt_stream_frame_raises_its_own_error_where_it_is_summed(name, size, path,
+                                                                        monkeypatch):
+    """Off the numpy path a received frame's check is read with the size of the sum it goes
+    into; until then its indices only sort within the sum's buffer. An index beyond the
+    vector (here n, the sum's filler index) still raises the decoder's own error on every
+    rank that received one, before the sum is used."""
+    from bitcomm.codecs import stream as stream_codec
+
+    n = 4000
+    sets = index_sets("random", size, n, 50, 2)
+    values = integer_values(sets, 2)
+    real = stream_codec.encode
+
+    def corrupt(s):
+        frame = real(s)
+        if not s.dense and s.nnz:  # the last index becomes s.n: out of [0, s.n)
+            width = stream_codec.index_width(s.n)
+            at = 17 + (s.nnz - 1) * width
+            frame[at:at + width] = torch.tensor(list(s.n.to_bytes(width, "little")),
+                                                dtype=torch.uint8)
+        return frame
+
+    monkeypatch.setattr(stream_codec, "encode", corrupt)
+    with forced(path):
+        out = run_local(lambda c: getattr(sparcml, name)(c, sets[c.rank], values[c.rank], n,
+                                                         check=False),
+                        size, timeout=30, return_exceptions=True)
+    for e in out:
+        assert isinstance(e, ValueError) and "corrupt stream frame: expected indices" in str(e)

@@ -143,6 +143,24 @@ def check_later(flag: torch.Tensor, fallback) -> None:
         raise AssertionError("a payload was flagged that the precise check accepted")
 
 
+def read_checked(checks: list, values: torch.Tensor | None = None) -> list:
+    """Return ``values.tolist()`` read with the flags of ``checks`` in one host read.
+
+    ``checks``: ``(flag, fallback)`` pairs as :func:`check_later` takes, whose flags nobody has
+    read yet; the first one set has its ``fallback()`` raise the precise error. ``values``: a
+    1-D integer tensor on the flags' device (``None``: only the flags).
+    """
+    if not checks:
+        return [] if values is None else values.tolist()
+    flags = torch.stack([flag.reshape(()).to(torch.int64) for flag, _ in checks])
+    got = (flags if values is None else torch.cat([flags, values.to(torch.int64)])).tolist()
+    for (_, fallback), bad in zip(checks, got, strict=False):
+        if bad:
+            fallback()
+            raise AssertionError("a payload was flagged that the precise check accepted")
+    return got[len(checks):]
+
+
 class deferred:  # noqa: N801 - used as a function: `with _frame.deferred():`
     """Check the flags that :func:`check_later` gets inside the block together, at its end.
 

@@ -207,10 +207,20 @@ def check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, finite: bool 
                          "range")
 
 
-def add(a: Stream, b: Stream) -> Stream:
-    """Return the sum of two streams of the same length (SparCML's summation rules)."""
+def add(a: Stream, b: Stream, *, checks: list | None = None) -> Stream:
+    """Return the sum of two streams of the same length (SparCML's summation rules).
+
+    ``checks``: the unread checks of operands that :func:`decode_all` decoded with ``checks``.
+    Off the numpy path a sparse merge reads them with its size (sorting and adding within the
+    merge touch no memory by an index); a sum that addresses the dense vector by the indices
+    reads them first.
+    """
     if a.n != b.n:
         raise ValueError(f"expected streams of the same length, got {a.n} and {b.n}")
+    if a.indices is not None and b.indices is not None and _is_sparse(a.n, a.nnz + b.nnz) \
+            and not _frame.use_numpy(a.values):
+        return _merge_sparse([a, b], checks or [])
+    _frame.read_checked(checks or [])
     if a.indices is None or b.indices is None:
         dense, other = (a, b) if a.indices is None else (b, a)
         out = dense.values.clone()
@@ -231,28 +241,29 @@ def add(a: Stream, b: Stream) -> Stream:
     return Stream(a.n, idx, val)
 
 
-def add_all(streams: list[Stream]) -> Stream:
+def add_all(streams: list[Stream], *, checks: list | None = None) -> Stream:
     """Return the sum of ``streams``, added left to right (so the order fixes the bits).
 
     The stream that :func:`add` makes pairwise from the left, dense where it would be. Off
-    the numpy path (CUDA) each sparse merge of :func:`add` reads its size back to the host;
-    there three or more sparse streams merge into buffers of their summed sizes instead, and
-    one read at the end brings every merge's size, from which add's rule says whether the sum
-    turned dense.
+    the numpy path (CUDA) each sparse merge would read its size back to the host; there
+    sparse streams merge into buffers of their summed sizes instead, and one read at the end
+    brings every merge's size, from which add's rule says whether the sum turned dense.
+    ``checks`` as :func:`add` takes them.
     """
     if not streams:
         raise ValueError("expected at least one stream")
-    if len(streams) > 2 and not _frame.use_numpy(streams[0].values) \
+    if len(streams) > 1 and not _frame.use_numpy(streams[0].values) \
             and all(s.indices is not None for s in streams):
-        return _merge_sparse(streams)
+        return _merge_sparse(streams, checks or [])
+    _frame.read_checked(checks or [])
     total = streams[0]
     for s in streams[1:]:
         total = add(total, s)
     return total
 
 
-def _merge_sparse(streams: list[Stream]) -> Stream:
-    """:func:`add_all` of sparse streams with one host read.
+def _merge_sparse(streams: list[Stream], checks: list) -> Stream:
+    """:func:`add_all` of sparse streams with one host read, which ``checks`` share.
 
     Each merge sorts the running sum's pairs and the next stream's (stably: the sum's first)
     and adds each index's values into its slot among the distinct indices, as :func:`add` does
@@ -274,7 +285,7 @@ def _merge_sparse(streams: list[Stream]) -> Stream:
         val = torch.zeros(key.numel(), dtype=torch.float32, device=key.device).index_add_(
             0, slot, torch.cat([val, s.values])[order])
         merged.append(torch.count_nonzero(first & (key < n)))
-    sizes = torch.stack(merged).tolist()  # the one host read
+    sizes = _frame.read_checked(checks, torch.stack(merged))  # the one host read
     nnz = streams[0].nnz
     for s, size in zip(streams[1:], sizes, strict=True):
         if not _is_sparse(n, nnz + s.nnz):  # add's rule: dense from this sum on
@@ -394,14 +405,17 @@ def decode(frame: torch.Tensor, *, n: int | None = None) -> tuple[Stream, int]:
     return Stream(length, idx, val), end + 4 * nnz
 
 
-def decode_all(frames: list[torch.Tensor], n: int) -> list[Stream]:
+def decode_all(frames: list[torch.Tensor], n: int, *, checks: list | None = None
+               ) -> list[Stream]:
     """Return the streams of ``frames``, each of which must hold a whole stream of length ``n``.
 
     ``decode(f, n=n)[0]`` for each frame, with its errors, and a frame with bytes past its
     stream is a ``ValueError`` too. A frame's size fixes its layout (:func:`layout`), so off
     the numpy path (CUDA), where :func:`decode` reads each header and each frame's rules to the
     host, the headers are compared with the layouts and the rules checked on the device, and
-    one host read covers every frame.
+    one host read covers every frame. With a list ``checks`` that read is left to the caller:
+    the check is appended to it for :func:`add` or :func:`add_all`, and the streams' indices
+    may break the rules until it is read.
     """
     n = _frame.check_count(n, "n")
     bufs = [_frame.as_buffer(f) for f in frames]
@@ -422,8 +436,15 @@ def decode_all(frames: list[torch.Tensor], n: int) -> list[Stream]:
             if nnz:
                 flags.append(_frame.broken_order(idx, 0, n))
             out.append(Stream(n, idx, val))
+        if checks is not None:
+            checks.append((torch.stack(flags).any(), lambda: _decode_each(bufs, n)))
+            return out
         if not bool(torch.stack(flags).any()):  # the one host read
             return out
+    return _decode_each(bufs, n)
+
+
+def _decode_each(bufs: list[torch.Tensor], n: int) -> list[Stream]:
     # The numpy path, or some frame is corrupt: one at a time, each raising its precise error.
     streams = []
     for b in bufs:

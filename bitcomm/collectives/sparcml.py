@@ -103,14 +103,18 @@ def _frame_message(s: Stream) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.frombuffer(bytearray(_LEN.pack(frame.numel())), dtype=torch.uint8), frame
 
 
-def _swap(comm: Comm, s: Stream, peer: int, n: int) -> Stream:
-    """Exchange streams of length ``n`` with ``peer``; return the peer's."""
+def _swap(comm: Comm, s: Stream, peer: int, n: int, checks: list | None = None) -> Stream:
+    """Exchange streams of length ``n`` with ``peer``; return the peer's.
+
+    ``checks``: leave the check of the peer's frame to the caller's next read (see
+    :func:`bitcomm.codecs.stream.decode_all`).
+    """
     length, frame = _frame_message(s)
     theirs = comm.sendrecv(length, peer, torch.empty(_LEN.size, dtype=torch.uint8), peer)
     size = _read_length(theirs, peer, n)
     got = comm.sendrecv(frame, peer, torch.empty(size, dtype=torch.uint8, device=frame.device),
                         peer)
-    return stream.decode_all([got], n)[0]
+    return stream.decode_all([got], n, checks=checks)[0]
 
 
 def _send_stream(comm: Comm, s: Stream, peer: int) -> None:
@@ -124,8 +128,9 @@ def _recv_frame(comm: Comm, peer: int, n: int, device: torch.device) -> torch.Te
     return comm.recv(torch.empty(size, dtype=torch.uint8, device=device), peer)
 
 
-def _recv_stream(comm: Comm, peer: int, n: int, device: torch.device) -> Stream:
-    return stream.decode_all([_recv_frame(comm, peer, n, device)], n)[0]
+def _recv_stream(comm: Comm, peer: int, n: int, device: torch.device,
+                 checks: list | None = None) -> Stream:
+    return stream.decode_all([_recv_frame(comm, peer, n, device)], n, checks=checks)[0]
 
 
 def _read_length(buf: torch.Tensor, peer: int, n: int) -> int:
@@ -192,7 +197,10 @@ def _fold(comm: Comm, fold: Fold, s: Stream) -> Stream | None:
         if fold.rank % 2 == 0:
             _send_stream(comm, s, fold.rank + 1)
             return None
-        return stream.add(_recv_stream(comm, fold.rank - 1, s.n, s.values.device), s)
+        # the frame's check is read with the sum's size (one host read on a GPU)
+        checks: list = []
+        theirs = _recv_stream(comm, fold.rank - 1, s.n, s.values.device, checks)
+        return stream.add(theirs, s, checks=checks)
     return s
 
 
@@ -220,9 +228,11 @@ def ssar_recursive_double(comm: Comm, indices: torch.Tensor, values: torch.Tenso
     if mine is not None:
         v, mask = fold.vrank, 1
         while mask < fold.pof2:
-            theirs = _swap(comm, mine, fold.real(v ^ mask), n)
+            checks: list = []  # the frame's check, read with the sum's size
+            theirs = _swap(comm, mine, fold.real(v ^ mask), n, checks)
             # lower virtual rank first: both sides compute the same sum
-            mine = stream.add(mine, theirs) if v < v ^ mask else stream.add(theirs, mine)
+            lower, upper = (mine, theirs) if v < v ^ mask else (theirs, mine)
+            mine = stream.add(lower, upper, checks=checks)
             mask <<= 1
     return _unfold(comm, fold, mine, n, s.values.device)
 
@@ -237,10 +247,12 @@ def _unfold(comm: Comm, fold: Fold, result: Stream | None, n: int,
     return result
 
 
-def _split(comm: Comm, fold: Fold, mine: Stream, bounds: list[tuple[int, int]]) -> list[Stream]:
+def _split(comm: Comm, fold: Fold, mine: Stream, bounds: list[tuple[int, int]],
+           checks: list | None = None) -> list[Stream]:
     """Send each virtual rank its range of ``mine``; return the parts of this rank's range.
 
-    The parts come in virtual-rank order, this rank's own included.
+    The parts come in virtual-rank order, this rank's own included. ``checks``: leave the
+    received frames' check to the caller's next read.
     """
     v = fold.vrank
     mine_by_range = stream.split(mine, bounds)
@@ -254,7 +266,7 @@ def _split(comm: Comm, fold: Fold, mine: Stream, bounds: list[tuple[int, int]]) 
     sources = [(v - s) % fold.pof2 for s in range(1, fold.pof2)]
     frames = [_recv_frame(comm, fold.real(u), hi - lo, mine.values.device) for u in sources]
     parts: list[Stream] = [mine_by_range[v]] * fold.pof2
-    for u, got in zip(sources, stream.decode_all(frames, hi - lo), strict=True):
+    for u, got in zip(sources, stream.decode_all(frames, hi - lo, checks=checks), strict=True):
         parts[u] = got
     for r in sends:
         r.wait()
@@ -273,7 +285,8 @@ def ssar_split_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor
     result = None
     if mine is not None:
         bounds = ranges(n, fold.pof2)
-        owned = stream.add_all(_split(comm, fold, mine, bounds))
+        checks: list = []  # the parts' check, read with their sum's sizes
+        owned = stream.add_all(_split(comm, fold, mine, bounds, checks), checks=checks)
         v, mask = fold.vrank, 1
         while mask < fold.pof2:
             # blocks of mask ranges: this rank's starts at range v & ~(mask - 1)
@@ -517,7 +530,8 @@ def stream_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n:
     lengths = comm.allgatherv(length, [_LEN.size] * comm.size)
     sizes = [_read_length(t, r, n) for r, t in enumerate(torch.cat(lengths).cpu().split(_LEN.size))]
     frames = comm.allgatherv(frame, sizes)
-    return stream.add_all(stream.decode_all(frames, n))
+    checks: list = []  # the frames' check, read with their sum's sizes
+    return stream.add_all(stream.decode_all(frames, n, checks=checks), checks=checks)
 
 
 def stream_allgather_bytes(index_sets: Sequence[torch.Tensor], n: int, *,
