@@ -410,10 +410,11 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
     read.
 
     With ``positive`` only the selected indices whose score is positive are kept: the values
-    of the side's sign, without zeros (what RedSync sends). Their number takes a host read,
-    except after a search whose counts gave it (off the numpy path): a search's selection
-    above its threshold is all positive, and its first fetch of counts brings the number of
-    positive scores for when it falls back to the exact top-k.
+    of the side's sign, without zeros (what RedSync sends). Their number takes a host read
+    unless a read the selection makes anyway brings it. Off the numpy path a search's
+    selection above its threshold is all positive, and its first fetch of counts brings the
+    number of positive scores for when it falls back to the exact top-k; on the Triton path
+    the check of ``"topk"`` (with ``check``) brings that number too.
     """
     if side not in (1, -1):
         raise ValueError(f"expected side 1 or -1, got {side!r}")

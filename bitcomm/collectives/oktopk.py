@@ -228,8 +228,6 @@ def oktopk_allreduce_bytes(size: int, n: int, stats: OkTopkStats, *, check: bool
     return total + w * stats.moved + w * p1 * stats.block
 
 
-
-
 # -- pieces of the call -----------------------------------------------------------------------
 
 
@@ -421,9 +419,9 @@ def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: 
     present = torch.zeros(hi - lo, dtype=torch.bool, device=val.device)
     for r in range(size):  # rank order: the bits do not depend on arrival
         if r in got and got[r][0].numel():
-            at_ = (got[r][0] - lo).clamp_(0, hi - lo - 1)
-            dense.index_add_(0, at_, got[r][1])
-            present[at_] = True
+            slot = (got[r][0] - lo).clamp_(0, hi - lo - 1)
+            dense.index_add_(0, slot, got[r][1])
+            present[slot] = True
     read = torch.cat([_flags(received, val.device),
                       torch.count_nonzero(present).reshape(1)]).tolist()
     _raise_broken(received, read[:-1])
