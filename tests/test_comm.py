@@ -289,3 +289,35 @@ def test_finish_ends_a_gloo_rank_without_the_interpreters_teardown(tmp_path):
     r = run("print('no group', end='')\nfinish(2)\n")
     assert r.returncode == 2, r.stderr
     assert r.stdout == "no group teardown ran\n", r.stdout
+
+
+def test_torch_transport_brings_received_parts_back_in_one_copy():
+    """A buffer received on the exchange's device comes back as its ranks' parts in one copy
+    (to the host from a GPU: one wait, not one a rank); a tensor already on the device is not
+    copied at all. The meta device stands in for the other device here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bitcomm.comm.torchdist import _moved, _parts
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("_to_copy", "copy_"):
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    recv = torch.arange(40, dtype=torch.uint8)
+    sizes = [8, 0, 20, 12]
+    with Copies() as seen:
+        parts = _parts(recv, sizes, torch.device("meta"))
+    assert len(seen.ops) == 1, seen.ops
+    assert [p.numel() for p in parts] == sizes and all(p.device.type == "meta" for p in parts)
+    with Copies() as seen:
+        here = _parts(recv, sizes, recv.device)
+        same = _moved(recv, recv.device)
+    assert seen.ops == [] and same is recv
+    assert [p.tolist() for p in here] == [recv[:8].tolist(), [], recv[8:28].tolist(),
+                                          recv[28:].tolist()]

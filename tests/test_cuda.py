@@ -259,6 +259,24 @@ def test_encoders_copy_their_headers_without_waiting():
         assert count_syncs(lambda m=method: redsync.encode(on_gpu, 500, "top", m)) == waits
 
 
+def test_the_torch_transport_moves_host_buffers_without_extra_waits():
+    """With NCCL a host buffer (a length, a count, the agreement's record) goes to the GPU from
+    pinned memory without waiting for the device, and every rank's part of a received buffer
+    comes back to the host in one copy: one wait, not one a rank."""
+    from bitcomm.comm.torchdist import _copy_into, _moved, _parts
+
+    host = torch.arange(64, dtype=torch.uint8)
+    on_gpu = torch.empty(64, dtype=torch.uint8, device="cuda")
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    assert count_syncs(lambda: _moved(host, cuda)) == 0
+    assert count_syncs(lambda: _copy_into(on_gpu, host)) == 0
+    assert torch.equal(on_gpu.cpu(), host) and torch.equal(_moved(host, cuda).cpu(), host)
+    recv = torch.arange(64, dtype=torch.uint8, device="cuda")
+    assert count_syncs(lambda: _parts(recv, [16] * 4, torch.device("cpu"))) == 1
+    assert [p.tolist() for p in _parts(recv, [16] * 4, torch.device("cpu"))] == [
+        list(range(j, j + 16)) for j in range(0, 64, 16)]
+
+
 def test_sparcml_reads_the_host_once_per_received_round():
     """Recursive doubling on the GPU: the entries' check, then per round one read for the
     frame's check and the size of the merge (the peer's length is in host memory here)."""

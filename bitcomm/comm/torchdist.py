@@ -8,8 +8,10 @@ collective in place of ``size - 1`` Python rounds matters for the small tensors 
 buckets: each round's latency, not its bytes, is their cost.
 
 With gloo, CUDA tensors are staged through the host; with NCCL, CPU tensors are moved to the
-rank's current CUDA device for the exchange. Waits are bounded by the process group's
-``timeout`` (``init_process_group(timeout=...)``).
+rank's current CUDA device for the exchange. A host buffer goes to the GPU from pinned memory
+(from pageable memory the copy would first wait for the device), and the parts of a received
+buffer come back to the host in one copy (one wait, not one a rank). Waits are bounded by the
+process group's ``timeout`` (``init_process_group(timeout=...)``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,40 @@ __all__ = ["TorchComm"]
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); torch >= 2.1 is kept.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _to_gpu(src: torch.Tensor, device: torch.device) -> bool:
+    return src.device.type == "cpu" and device.type == "cuda"
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Return ``t`` on ``device`` (itself if there); a host tensor goes to a GPU without a wait.
+
+    From pinned memory: from pageable memory the copy would first wait for the device. The
+    pinned block is not reused before the copy is done (PyTorch's host allocator records the
+    copy's stream).
+    """
+    if t.device == device:
+        return t
+    if _to_gpu(t, device):
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _copy_into(out: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``out``; from the host to a GPU without a wait, as :func:`_moved`."""
+    if _to_gpu(src, out.device):
+        out.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        out.copy_(src)
+
+
+def _parts(recv: torch.Tensor, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Return ``recv`` split into ``sizes`` on ``device``: one copy for all the parts.
+
+    To the host that is one wait for the device rather than one a rank.
+    """
+    return list(_moved(recv, device).split(sizes))
 
 
 class TorchComm(Comm):
@@ -60,14 +96,15 @@ class TorchComm(Comm):
         # backends reject zero-element tensors.
         ops, staged = [], None
         if buf is not None and buf.numel():
-            ops.append(dist.P2POp(dist.isend, buf.to(self.wire), self._global(dest), self.group))
+            ops.append(dist.P2POp(dist.isend, _moved(buf, self.wire), self._global(dest),
+                                  self.group))
         if out is not None and out.numel():
             staged = out if out.device == self.wire else torch.empty_like(out, device=self.wire)
             ops.append(dist.P2POp(dist.irecv, staged, self._global(source), self.group))
         for req in dist.batch_isend_irecv(ops) if ops else []:
             req.wait()
         if out is not None and staged is not None and staged is not out:
-            out.copy_(staged)
+            _copy_into(out, staged)
         return out
 
     def _send(self, buf: torch.Tensor, dest: int) -> None:
@@ -76,7 +113,7 @@ class TorchComm(Comm):
     def _isend(self, buf: torch.Tensor, dest: int) -> Request:
         if not buf.numel():
             return Request()  # skipped on both sides, as in _ops
-        wire = buf.to(self.wire)
+        wire = _moved(buf, self.wire)
         work = dist.isend(wire, self._global(dest), self.group)
         return Request(work.wait, wire)
 
@@ -97,19 +134,21 @@ class TorchComm(Comm):
         splits_in, splits_out = [0] * self.size, [0] * self.size
         splits_in[dest], splits_out[source] = buf.numel(), out.numel()
         staged = out if out.device == self.wire else torch.empty_like(out, device=self.wire)
-        dist.all_to_all_single(staged, buf.to(self.wire), output_split_sizes=splits_out,
+        dist.all_to_all_single(staged, _moved(buf, self.wire), output_split_sizes=splits_out,
                                input_split_sizes=splits_in, group=self.group)
         if staged is not out:
-            out.copy_(staged)
+            _copy_into(out, staged)
         return Request()
 
     def _alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
-        send = torch.cat([b.to(self.wire) for b in bufs])
+        device = bufs[self.rank].device
+        same = all(b.device == device for b in bufs)
+        send = (_moved(torch.cat(bufs), self.wire) if same
+                else torch.cat([_moved(b, self.wire) for b in bufs]))
         recv = torch.empty(sum(sizes), dtype=torch.uint8, device=self.wire)
         dist.all_to_all_single(recv, send, output_split_sizes=sizes,
                                input_split_sizes=[b.numel() for b in bufs], group=self.group)
-        device = bufs[self.rank].device
-        out = [p.to(device) for p in recv.split(sizes)]
+        out = _parts(recv, sizes, device)
         out[self.rank] = bufs[self.rank]
         return out
 
@@ -118,15 +157,16 @@ class TorchComm(Comm):
             return self._alltoallv([buf] * self.size, sizes)
         recv = torch.empty(self.size * sizes[0], dtype=torch.uint8, device=self.wire)
         if sizes[0]:
-            _all_gather(recv, buf.to(self.wire), group=self.group)
-        out = [p.to(buf.device) for p in recv.split(sizes)]
+            _all_gather(recv, _moved(buf, self.wire), group=self.group)
+        out = _parts(recv, sizes, buf.device)
         out[self.rank] = buf
         return out
 
     def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.to(self.wire, copy=True)
+        t = _moved(x, self.wire)
+        t = t.clone() if t is x else t
         dist.all_reduce(t, group=self.group)
-        return t.to(x.device)
+        return _moved(t, x.device)
 
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
