@@ -291,13 +291,13 @@ def test_finish_ends_a_gloo_rank_without_the_interpreters_teardown(tmp_path):
     assert r.stdout == "no group teardown ran\n", r.stdout
 
 
-def test_torch_transport_brings_received_parts_back_in_one_copy():
+def test_transports_bring_received_parts_back_in_one_copy():
     """A buffer received on the exchange's device comes back as its ranks' parts in one copy
     (to the host from a GPU: one wait, not one a rank); a tensor already on the device is not
     copied at all. The meta device stands in for the other device here."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from bitcomm.comm.torchdist import _moved, _parts
+    from bitcomm.comm.base import _moved, _parts
 
     class Copies(TorchDispatchMode):
         def __init__(self):

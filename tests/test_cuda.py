@@ -260,10 +260,11 @@ def test_encoders_copy_their_headers_without_waiting():
 
 
 def test_the_torch_transport_moves_host_buffers_without_extra_waits():
-    """With NCCL a host buffer (a length, a count, the agreement's record) goes to the GPU from
-    pinned memory without waiting for the device, and every rank's part of a received buffer
-    comes back to the host in one copy: one wait, not one a rank."""
-    from bitcomm.comm.torchdist import _copy_into, _moved, _parts
+    """The transports' staging: with NCCL a host buffer (a length, a count, the agreement's
+    record) goes to the GPU, and with MPI or gloo a CUDA tensor's received bytes go back to
+    it, from pinned memory without waiting for the device; every rank's part of a buffer
+    received on the GPU comes back to the host in one copy: one wait, not one a rank."""
+    from bitcomm.comm.base import _copy_into, _moved, _parts
 
     host = torch.arange(64, dtype=torch.uint8)
     on_gpu = torch.empty(64, dtype=torch.uint8, device="cuda")

@@ -29,6 +29,45 @@ import torch
 __all__ = ["Comm", "Counters", "Request"]
 
 
+# -- staging between the host and a GPU, for the transports -----------------------------------
+
+
+def _to_gpu(src: torch.Tensor, device: torch.device) -> bool:
+    return src.device.type == "cpu" and device.type == "cuda"
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Return ``t`` on ``device`` (itself if there); a host tensor goes to a GPU without a wait.
+
+    From pinned memory: from pageable memory the copy would first wait for the device. The
+    pinned block is not reused before the copy is done (PyTorch's host allocator records the
+    copy's stream).
+    """
+    if t.device == device:
+        return t
+    if _to_gpu(t, device):
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _copy_into(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy ``src`` into ``out`` and return it.
+
+    To a GPU from the host without a wait, as :func:`_moved` does.
+    """
+    if _to_gpu(src, out.device):
+        return out.copy_(src.pin_memory(), non_blocking=True)
+    return out.copy_(src)
+
+
+def _parts(recv: torch.Tensor, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Return ``recv`` split into ``sizes`` on ``device``: one copy for all the parts.
+
+    To the host that is one wait for the device rather than one a rank.
+    """
+    return list(_moved(recv, device).split(sizes))
+
+
 class Request:
     """A send in flight (see :meth:`Comm.isend`); :meth:`wait` completes it.
 

@@ -1,8 +1,10 @@
 """MPI transport through mpi4py (MPICH from PyPI: ``pip install "bitcomm[mpi]"``).
 
 Buffers travel as ``MPI.BYTE``. CPU tensors are handed to MPI without a copy (their numpy view);
-CUDA tensors are staged through host memory, unless ``cuda_aware=True`` says the MPI library
-reads device memory itself (it is then given the tensor through DLPack). ``alltoallv`` and
+CUDA tensors are staged through host memory (one copy for all of a call's buffers each way,
+and back to the GPU from pinned memory, which does not wait for the device), unless
+``cuda_aware=True`` says the MPI library reads device memory itself (it is then given the
+tensor through DLPack). ``alltoallv`` and
 ``allgatherv`` use MPI's native ``Alltoallv``/``Allgatherv``; ``allreduce`` is ``MPI.SUM``.
 
 MPI has no timeouts: launch with ``mpiexec -n N python -m mpi4py script.py`` so that an uncaught
@@ -14,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bitcomm.comm.base import Comm, Request
+from bitcomm.comm.base import Comm, Request, _copy_into, _moved, _parts
 
 __all__ = ["MPIComm"]
 
@@ -115,7 +117,7 @@ class MPIComm(Comm):
             raise ValueError(f"rank {self.rank} expected {out.numel()} bytes from rank "
                              f"{source}, got more") from None
         self._check_count(status, out, source)
-        return out if host is None else out.copy_(host)
+        return out if host is None else _copy_into(out, host)
 
     def _sendrecv(self, buf: torch.Tensor, dest: int, out: torch.Tensor, source: int
                   ) -> torch.Tensor:
@@ -126,22 +128,25 @@ class MPIComm(Comm):
         else:
             self._wait([self.mpi.Irecv(spec, source=source, tag=_TAG),
                         self.mpi.Isend(self._out(buf), dest=dest, tag=_TAG)])
-        return out if host is None else out.copy_(host)
+        return out if host is None else _copy_into(out, host)
 
     def _alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
-        send = torch.cat([b.cpu() for b in bufs]) if bufs else torch.empty(0, dtype=torch.uint8)
+        # one copy to the host for all the buffers (from a GPU, one wait, not one a rank)
+        if len({b.device for b in bufs}) == 1:
+            send = torch.cat(bufs).cpu()
+        else:
+            send = torch.cat([b.cpu() for b in bufs]) if bufs else torch.empty(0, dtype=torch.uint8)
         scounts = [b.numel() for b in bufs]
         recv = torch.empty(sum(sizes), dtype=torch.uint8)
         self.mpi.Alltoallv([send.numpy(), (scounts, _displs(scounts)), self._MPI.BYTE],
                            [recv.numpy(), (sizes, _displs(sizes)), self._MPI.BYTE])
-        device = bufs[self.rank].device
-        return [p.to(device) for p in torch.split(recv, sizes)]
+        return _parts(recv, sizes, bufs[self.rank].device)
 
     def _allgatherv(self, buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         recv = torch.empty(sum(sizes), dtype=torch.uint8)
         self.mpi.Allgatherv([buf.cpu().numpy(), self._MPI.BYTE],
                             [recv.numpy(), (sizes, _displs(sizes)), self._MPI.BYTE])
-        return [p.to(buf.device) for p in torch.split(recv, sizes)]
+        return _parts(recv, sizes, buf.device)
 
     def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
         host = x.detach().cpu().contiguous()
@@ -150,7 +155,7 @@ class MPIComm(Comm):
                             f"{x.dtype}")
         out = np.empty_like(host.numpy())
         self.mpi.Allreduce(host.numpy(), out, op=self._MPI.SUM)
-        return torch.from_numpy(out).to(x.device)
+        return _moved(torch.from_numpy(out), x.device)
 
     def _barrier(self) -> None:
         if self.poll_interval is None:

@@ -19,46 +19,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bitcomm.comm.base import Comm, Request
+from bitcomm.comm.base import Comm, Request, _copy_into, _moved, _parts
 
 __all__ = ["TorchComm"]
 
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); torch >= 2.1 is kept.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _to_gpu(src: torch.Tensor, device: torch.device) -> bool:
-    return src.device.type == "cpu" and device.type == "cuda"
-
-
-def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Return ``t`` on ``device`` (itself if there); a host tensor goes to a GPU without a wait.
-
-    From pinned memory: from pageable memory the copy would first wait for the device. The
-    pinned block is not reused before the copy is done (PyTorch's host allocator records the
-    copy's stream).
-    """
-    if t.device == device:
-        return t
-    if _to_gpu(t, device):
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _copy_into(out: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into ``out``; from the host to a GPU without a wait, as :func:`_moved`."""
-    if _to_gpu(src, out.device):
-        out.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        out.copy_(src)
-
-
-def _parts(recv: torch.Tensor, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
-    """Return ``recv`` split into ``sizes`` on ``device``: one copy for all the parts.
-
-    To the host that is one wait for the device rather than one a rank.
-    """
-    return list(_moved(recv, device).split(sizes))
 
 
 class TorchComm(Comm):
