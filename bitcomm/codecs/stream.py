@@ -245,9 +245,9 @@ def add_all(streams: list[Stream], *, checks: list | None = None) -> Stream:
     """Return the sum of ``streams``, added left to right (so the order fixes the bits).
 
     The stream that :func:`add` makes pairwise from the left, dense where it would be. Off
-    the numpy path (CUDA) each sparse merge would read its size back to the host; there
-    sparse streams merge into buffers of their summed sizes instead, and one read at the end
-    brings every merge's size, from which add's rule says whether the sum turned dense.
+    the numpy path (CUDA) each pairwise merge would read its size back to the host; there
+    sparse streams are summed together from one sort of all their pairs, and one read brings
+    every pairwise sum's size, from which add's rule says whether the sum turned dense.
     ``checks`` as :func:`add` takes them.
     """
     if not streams:
@@ -265,35 +265,45 @@ def add_all(streams: list[Stream], *, checks: list | None = None) -> Stream:
 def _merge_sparse(streams: list[Stream], checks: list) -> Stream:
     """:func:`add_all` of sparse streams with one host read, which ``checks`` share.
 
-    Each merge sorts the running sum's pairs and the next stream's (stably: the sum's first)
-    and adds each index's values into its slot among the distinct indices, as :func:`add` does
-    after ``torch.unique``: at most two values a slot, so any order of the additions gives the
-    same bits. The running sum keeps its buffer's size, its unused slots holding the index
-    ``n`` (after every real index) and the value 0.
+    One stable sort of every stream's pairs groups each index's values in stream order; then
+    round ``j`` adds each index's ``j``-th value into its slot, so every index sums its values
+    left to right as pairwise :func:`add` does (a round adds at most one value a slot besides
+    zeros, which cannot change a sum that started from +0). Each stream's count of indices new
+    to the sum gives the size of every pairwise sum, from which add's rule says whether the
+    sum turned dense.
     """
     n = streams[0].n
-    idx, val = streams[0].indices, streams[0].values
-    merged = []
     for s in streams[1:]:
         if s.n != n:
             raise ValueError(f"expected streams of the same length, got {n} and {s.n}")
-        key, order = torch.sort(torch.cat([idx, s.indices]), stable=True)
-        first = torch.ones_like(key, dtype=torch.bool)
-        first[1:] = key[1:] != key[:-1]
-        slot = torch.cumsum(first, 0) - 1
-        idx = torch.full_like(key, n).scatter_(0, slot, key)
-        val = torch.zeros(key.numel(), dtype=torch.float32, device=key.device).index_add_(
-            0, slot, torch.cat([val, s.values])[order])
-        merged.append(torch.count_nonzero(first & (key < n)))
-    sizes = _frame.read_checked(checks, torch.stack(merged))  # the one host read
-    nnz = streams[0].nnz
+    device = streams[0].values.device
+    nnz = [s.nnz for s in streams]
+    total = sum(nnz)
+    key, order = torch.sort(torch.cat([s.indices for s in streams]), stable=True)
+    val = torch.cat([s.values for s in streams])[order]
+    which = torch.repeat_interleave(torch.arange(len(streams), device=device),
+                                    _frame.to_device(torch.tensor(nnz), device),
+                                    output_size=total)[order]
+    first = torch.ones(total, dtype=torch.bool, device=device)
+    first[1:] = key[1:] != key[:-1]
+    slot = torch.cumsum(first, 0) - 1
+    at = torch.arange(total, device=device)
+    rank = at - torch.cummax(torch.where(first, at, 0), 0).values  # place among its values
+    out = torch.zeros(total, dtype=torch.float32, device=device)
+    for j in range(len(streams)):
+        out.index_add_(0, slot, torch.where(rank == j, val, 0.0))
+    new = torch.zeros(len(streams), dtype=torch.int64, device=device).index_add_(
+        0, which, first.to(torch.int64))
+    sizes = _frame.read_checked(checks, torch.cumsum(new, 0)[1:])  # the one host read
+    idx = torch.full_like(key, n).scatter_(0, slot, key)
+    held = nnz[0]
     for s, size in zip(streams[1:], sizes, strict=True):
-        if not _is_sparse(n, nnz + s.nnz):  # add's rule: dense from this sum on
-            out = torch.zeros(n, dtype=torch.float32, device=val.device)
-            out[idx[:sizes[-1]]] = val[:sizes[-1]]
-            return Stream(n, None, out)
-        nnz = size
-    return Stream(n, idx[:nnz], val[:nnz])
+        if not _is_sparse(n, held + s.nnz):  # add's rule: dense from this sum on
+            dense = torch.zeros(n, dtype=torch.float32, device=device)
+            dense[idx[:sizes[-1]]] = out[:sizes[-1]]
+            return Stream(n, None, dense)
+        held = size
+    return Stream(n, idx[:held], out[:held])
 
 
 def concat(parts: list[Stream]) -> Stream:
