@@ -285,7 +285,9 @@ def test_add_all_off_the_numpy_path_is_pairwise_add_with_one_read(monkeypatch):
     cases = [random_streams(1000, 3, 40), random_streams(1000, 8, 30),  # stays sparse
              random_streams(100, 3, 30),  # dense at the first sum (30 + 30 >= 50)
              random_streams(100, 6, 12),  # dense at a later sum
-             cancels, on_bound]
+             random_streams(1000, 2, 40), random_streams(1000, 3, 1000 // 4),  # two; overlaps
+             [stream.empty(1000), *random_streams(1000, 2, 30), stream.empty(1000)],
+             [stream.empty(1000)] * 3, cancels, on_bound]
     for streams in cases:
         with forced("numpy"):
             want = streams[0]
