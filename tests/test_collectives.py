@@ -214,6 +214,32 @@ def test_sparse_allgather_sum_of_what_was_sent(fmt):
                 assert torch.allclose(vals, sel.mean().expand_as(vals))
 
 
+@pytest.mark.parametrize("path", ["torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_sparse_allgather_of_qsgd_values_reads_the_host_as_often_at_any_number_of_ranks(
+        path, monkeypatch):
+    """Off the numpy path (CUDA) every received frame of k qsgd values is checked in one host
+    read with the others (headers, indices and qsgd blocks), not a few reads a frame: this
+    rank's entries' check and its qsgd scales' check, then that read, whatever the ranks."""
+    fmt = sparse.Qsgd(bits=4, bucket=64, seed=1)
+    for size in (2, 4):
+        xs = inputs(size, 3001, seed=size)
+
+        def job():
+            return run_local(lambda c: sparse_allgather(c, xs[c.rank], 30, fmt=fmt,
+                                                        check=False), size)
+
+        with forced("numpy"):
+            want = job()
+        with forced(path):
+            got = job()
+            reads = host_reads(monkeypatch, job)
+        assert len(reads) == 3 * size, reads
+        for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
+            assert torch.equal(dense, dense0) and torch.equal(idx, idx0)
+            assert torch.equal(val, val0)
+
+
 def test_sparse_allgather_takes_qsgd_settings_as_its_value_format():
     size, n, k = 3, 500, 20
     xs = inputs(size, n, seed=12, zeros=False)

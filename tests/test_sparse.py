@@ -232,7 +232,7 @@ def test_qsgd_settings_travel_as_one_value_format():
 def test_decode_all_gives_decode_entries_entries_and_errors(path, monkeypatch):
     """Frames of k entries of n decode to decode_entries' entries on every path, with its
     errors; a frame whose header says another k or format is refused. Off the numpy path
-    (CUDA's) the fp32 and fp16 frames' checks cost one host read for all of them."""
+    (CUDA's) the fp32, fp16 and qsgd frames' checks cost one host read for all of them."""
     g = torch.Generator().manual_seed(5)
 
     def frames_of(n, k, fmt, count=3):
@@ -250,7 +250,7 @@ def test_decode_all_gives_decode_entries_entries_and_errors(path, monkeypatch):
             want_idx, want_val, _, _ = sparse.decode_entries(f, n=n)
             assert idx.dtype == torch.int64 and torch.equal(idx, want_idx)
             assert torch.equal(val.view(torch.int32), want_val.view(torch.int32))
-        if path != "numpy" and k and fmt in ("fp32", "fp16"):
+        if path != "numpy" and k:
             reads = host_reads(monkeypatch, lambda f=frames: sparse.decode_all(f, n, k, fmt))
             assert len(reads) == 1, reads
     good = frames_of(1000, 10, "fp32")
@@ -269,6 +269,34 @@ def test_decode_all_gives_decode_entries_entries_and_errors(path, monkeypatch):
     for group, message in cases:
         with pytest.raises(ValueError, match=message):
             sparse.decode_all(group, 1000, 10, "fp32")
+
+
+def test_decode_all_of_qsgd_frames_refuses_what_decode_entries_refuses(path):
+    """qsgd values: the headers, the indices and the qsgd blocks are checked together (off
+    the numpy path with one host read), and a broken rule raises decode_entries' error."""
+    fmt = sparse.Qsgd(bits=4, bucket=4, seed=0)
+    g = torch.Generator().manual_seed(6)
+    good = [sparse.encode(torch.randperm(1000, generator=g)[:9].sort().values,
+                          torch.randn(9, generator=g), 1000, fmt) for _ in range(3)]
+    off = sparse.HEADER.size
+    q = off + 9 * 4  # the qsgd block: its header (14 bytes), 3 scales, then the codes
+    unordered, outside, nan, pad = (good[i % 3].clone() for i in range(4))
+    unordered[off:off + 8] = torch.tensor([5, 0, 0, 0, 5, 0, 0, 0], dtype=torch.uint8)
+    outside[off + 32:off + 36] = torch.tensor([0xE8, 0x03, 0, 0], dtype=torch.uint8)  # 1000
+    nan[q + 14:q + 18] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
+    pad[-1] |= 0x01  # 9 4-bit codes leave 4 padding bits
+    cases = [([good[0], unordered], "strictly increasing"),
+             ([outside, good[1]], r"indices in \[0, 1000\)"),
+             ([good[2], nan], "finite scale"),
+             ([pad], "padding"),
+             ([good[0], sparse.encode(torch.arange(9), torch.randn(9), 999, fmt)],
+              "expected n=1000")]
+    for group, message in cases:
+        with pytest.raises(ValueError, match=message):
+            sparse.decode_all(group, 1000, 9, fmt)
+    got = sparse.decode_all(good, 1000, 9, fmt)
+    assert all(torch.equal(i, sparse.decode_entries(f, n=1000)[0])
+               for f, (i, _) in zip(good, got, strict=True))
 
 
 @pytest.mark.parametrize("n, size, fmt, want", [

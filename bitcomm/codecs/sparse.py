@@ -284,8 +284,9 @@ def decode_all(frames: list[torch.Tensor], n: int, k: int | None, fmt: ValueForm
     frame whose header says another ``k`` or format, or with bytes past its entries, is a
     ``ValueError`` too. ``k=None``: each frame holds however many its size says
     (:func:`entries_in`). Off the numpy path (CUDA), where ``decode_entries`` reads each
-    frame's header and rules to the host, fp32, fp16 and mean frames are compared with the
-    expected header and checked on the device, and one host read covers them all.
+    frame's header and rules to the host, fp32, fp16 and mean frames, and qsgd frames of a
+    given ``k``, are compared with the expected header and checked on the device, and one
+    host read covers them all.
     """
     form = value_format(fmt)
     n = _frame.check_count(n, "n")
@@ -305,8 +306,17 @@ def decode_all(frames: list[torch.Tensor], n: int, k: int | None, fmt: ValueForm
         got = _each(bufs, ks, n, form, code, dtype)
         if got is not None:
             return got
-    # The numpy path, qsgd values, or some frame is corrupt: one at a time, each raising its
-    # precise error.
+    elif (isinstance(form, Qsgd) and k is not None and k <= n and bufs
+          and not _frame.use_numpy(bufs[0])
+          and all(b.numel() == encoded_size(n, k, form) for b in bufs)):
+        return _qsgd_rows(bufs, ks, n, k, form, code, dtype)
+    return _one_by_one(bufs, ks, n, k, code, dtype)
+
+
+def _one_by_one(bufs: list[torch.Tensor], ks: list[int | None], n: int, k: int | None,
+                code: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # The numpy path, qsgd values of unknown k, or some frame is corrupt: one at a time, each
+    # raising its precise error.
     out = []
     for b, sized in zip(bufs, ks, strict=True):
         # the entries the call expects, else those the size of a frame of this format says,
@@ -361,6 +371,29 @@ def _rows(bufs: list[torch.Tensor], n: int, k: int, form: str, code: int, dtype:
     if bool(torch.stack(flags).any()):  # the one host read
         return None
     return [(idx[i], val[i]) for i in range(len(bufs))]
+
+
+def _qsgd_rows(bufs: list[torch.Tensor], ks: list[int | None], n: int, k: int, form: Qsgd,
+               code: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Frames of k qsgd values each, stacked: the headers' and indices' checks and the qsgd
+    # blocks' (qsgd.decode_all) share one host read, made before any index is returned.
+    rows = torch.stack(bufs)
+    itype = _index_dtype(n)
+    end = HEADER.size + k * itype.itemsize
+    idx = torch.empty((len(bufs), k), dtype=itype, device=rows.device)
+    idx.view(torch.uint8).copy_(rows[:, HEADER.size:end])  # copied out: aligned for itype
+    idx = idx.to(torch.int64)
+    flags = [(rows[:, : HEADER.size] != _frame.header_on(rows.device, HEADER, (n, k, code))
+              ).any()]
+    if k:
+        flags += [(idx[:, 0] < 0).any(), (idx[:, -1] >= n).any(),
+                  (idx[:, 1:] <= idx[:, :-1]).any()]
+    with _frame.deferred():
+        _frame.check_later(torch.stack(flags).any(),
+                           lambda: _one_by_one(bufs, ks, n, k, code, dtype))
+        values = qsgd.decode_all([rows[i, end:] for i in range(len(bufs))], k, form.bits,
+                                 form.bucket, scale=form.scale, dtype=dtype)
+    return [(idx[i], values[i]) for i in range(len(bufs))]
 
 
 def _each(bufs: list[torch.Tensor], ks: list[int], n: int, form: str, code: int,
