@@ -93,6 +93,26 @@ def test_bad_input():
         sparse.decode(sparse.encode(torch.tensor([1]), torch.tensor([1.0]), 4), out=torch.ones(3))
 
 
+def test_qsgd_values_check_their_entries_with_their_scales(path, monkeypatch):
+    """qsgd values: the entries' check and the qsgd block's scale check share one host read
+    off the numpy path, and broken entries raise the entries' error first (a NaN value, which
+    also breaks its bucket's scale, is named as a value)."""
+    fmt = sparse.Qsgd(bits=4, bucket=2, seed=3)
+    cases = [(torch.tensor([4]), torch.tensor([1.0]), r"indices in \[0, 4\), got 4"),
+             (torch.tensor([2, 1, 2]), torch.ones(3), "distinct indices, got 2 more than once"),
+             (torch.tensor([1, 3]), torch.tensor([1.0, float("nan")]), "finite values"),
+             (torch.tensor([1]), torch.tensor([1e300], dtype=torch.float64), "finite values")]
+    for idx, val, message in cases:
+        with pytest.raises(ValueError, match=message):
+            sparse.encode(idx, val, 4, fmt)
+    idx, val = torch.tensor([3, 0, 2]), torch.tensor([0.5, -1.0, 2.0])
+    with forced("numpy"):
+        want = sparse.encode(idx, val, 4, fmt)
+    assert torch.equal(sparse.encode(idx, val, 4, fmt), want)
+    if path != "numpy":
+        assert len(host_reads(monkeypatch, lambda: sparse.encode(idx, val, 4, fmt))) == 1
+
+
 def test_truncated_and_corrupt_frames():
     frame = sparse.encode(torch.tensor([1, 5, 7]), torch.tensor([1.0, 2.0, 3.0]), 10)
     for cut in (0, 16, 17, 28, frame.numel() - 1):

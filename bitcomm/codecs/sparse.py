@@ -147,17 +147,26 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
         raise ValueError(f"expected as many values as indices ({k}), got {val.numel()}")
     device = val.device
     idx = idx.to(device=device, dtype=torch.int64)
+    # qsgd values off the numpy path: the entries' check is read with the qsgd block's
+    later = isinstance(fmt, Qsgd) and not _frame.use_numpy(idx)
     if k and check:
         idx, order = idx.sort()
         val = val[order]
-        _check_entries(idx, val, n, fp16=fmt == "fp16")
+        if not later:
+            _check_entries(idx, val, n, fp16=fmt == "fp16")
     code = FORMATS.index("qsgd" if isinstance(fmt, Qsgd) else fmt)
     parts = [
         _frame.host_bytes(HEADER.pack(n, k, code), device),
         _frame.float_bytes(idx.to(_index_dtype(n))),
     ]
     if isinstance(fmt, Qsgd):
-        parts.append(qsgd.encode(val, fmt.bits, fmt.bucket, scale=fmt.scale, seed=fmt.seed))
+        with _frame.deferred():  # one host read for both checks, the entries' first
+            if later and k and check:
+                broken = ((idx[0] < 0) | (idx[-1] >= n) | (idx[1:] == idx[:-1]).any()
+                          | ~torch.isfinite(val.to(torch.float32)).all())
+                _frame.check_later(broken, lambda: _check_entries(idx, val, n, fp16=False))
+            parts.append(qsgd.encode(val, fmt.bits, fmt.bucket, scale=fmt.scale,
+                                     seed=fmt.seed))
     elif fmt == "fp32":
         parts.append(_frame.float_bytes(val.to(torch.float32)))
     elif fmt == "fp16":
