@@ -214,30 +214,38 @@ def test_sparse_allgather_sum_of_what_was_sent(fmt):
                 assert torch.allclose(vals, sel.mean().expand_as(vals))
 
 
+@pytest.mark.parametrize("method", ["topk", "threshold"])
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
 def test_sparse_allgather_of_qsgd_values_reads_the_host_as_often_at_any_number_of_ranks(
-        path, monkeypatch):
-    """Off the numpy path (CUDA) every received frame of k qsgd values is checked in one host
-    read with the others (headers, indices and qsgd blocks), not a few reads a frame: this
-    rank's entries' check with its qsgd scales' check, then that read, whatever the ranks."""
+        path, method, monkeypatch):
+    """Off the numpy path (CUDA) the received frames of qsgd values are checked in one host
+    read (headers, indices and qsgd blocks), not a few reads a frame, whether their lengths
+    are k's (topk) or each frame's own (threshold: its size says how many entries it holds).
+    With topk a rank reads twice whatever the ranks: its entries' check with its qsgd scales'
+    check, then that one read; a threshold search adds its own reads and the lengths."""
     fmt = sparse.Qsgd(bits=4, bucket=64, seed=1)
+    per_rank = []
     for size in (2, 4):
         xs = inputs(size, 3001, seed=size)
 
         def job():
             return run_local(lambda c: sparse_allgather(c, xs[c.rank], 30, fmt=fmt,
-                                                        check=False), size)
+                                                        method=method, check=False), size)
 
         with forced("numpy"):
             want = job()
         with forced(path):
             got = job()
             reads = host_reads(monkeypatch, job)
-        assert len(reads) == 2 * size, reads
+        assert len(reads) % size == 0, reads
+        per_rank.append(len(reads) // size)
         for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
             assert torch.equal(dense, dense0) and torch.equal(idx, idx0)
             assert torch.equal(val, val0)
+    assert per_rank[0] == per_rank[1], per_rank
+    if method == "topk":
+        assert per_rank[0] == 2, per_rank
 
 
 def test_sparse_allgather_takes_qsgd_settings_as_its_value_format():

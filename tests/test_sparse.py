@@ -326,9 +326,39 @@ def test_decode_all_of_qsgd_frames_refuses_what_decode_entries_refuses(path):
     (3, 17 + 4 * 8, "fp32", None),  # 4 entries of a 3-vector
     ((1 << 31) + 1, 17 + 2 * 12, "fp32", 2),  # int64 indices
     (1000, 100, "qsgd", None),
+    # qsgd values, bucket 4: 17 + 4k (indices) + 14 + 4 ceil(k / 4) (scales) + ceil(k / 2)
+    (1000, 17 + 14, sparse.Qsgd(bucket=4), 0), (1000, 17 + 36 + 14 + 12 + 5, sparse.Qsgd(
+        bucket=4), 9), (1000, 17 + 36 + 14 + 12 + 6, sparse.Qsgd(bucket=4), None),
+    (8, 17 + 32 + 14 + 8 + 4, sparse.Qsgd(bucket=4), 8), (7, 17 + 32 + 14 + 8 + 4,
+                                                         sparse.Qsgd(bucket=4), None),
 ])
 def test_a_frames_size_says_how_many_entries_it_holds(n, size, fmt, want):
     assert sparse.entries_in(n, size, fmt) == want
+    if want is not None:
+        assert sparse.encoded_size(n, want, fmt) == size
+
+
+def test_decode_all_of_qsgd_frames_of_any_size_on_every_path(path, monkeypatch):
+    """k=None with qsgd values: each frame's size says how many entries it holds, so off the
+    numpy path one host read checks frames of every size with their qsgd blocks."""
+    fmt = sparse.Qsgd(bits=2, bucket=3, seed=1)
+    g = torch.Generator().manual_seed(9)
+    frames = [sparse.encode(torch.randperm(500, generator=g)[:k].sort().values,
+                            torch.randn(k, generator=g), 500, fmt) for k in (0, 1, 7, 17, 3)]
+    got = sparse.decode_all(frames, 500, None, fmt)
+    for f, (idx, val) in zip(frames, got, strict=True):
+        want_idx, want_val, _, _ = sparse.decode_entries(f, n=500)
+        assert idx.dtype == torch.int64 and torch.equal(idx, want_idx)
+        assert torch.equal(val.view(torch.int32), want_val.view(torch.int32))
+    if path != "numpy":
+        assert len(host_reads(monkeypatch, lambda: sparse.decode_all(frames, 500, None, fmt))) == 1
+    broken = frames[3].clone()
+    broken[sparse.HEADER.size:sparse.HEADER.size + 8] = torch.tensor([9, 0, 0, 0, 9, 0, 0, 0],
+                                                                     dtype=torch.uint8)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        sparse.decode_all([frames[1], broken], 500, None, fmt)
+    with pytest.raises(ValueError, match="expected k=8, got k=7"):
+        sparse.decode_all([frames[2]], 500, 8, fmt)
 
 
 def _mixed_frames():

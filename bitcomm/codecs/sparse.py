@@ -293,9 +293,9 @@ def decode_all(frames: list[torch.Tensor], n: int, k: int | None, fmt: ValueForm
     frame whose header says another ``k`` or format, or with bytes past its entries, is a
     ``ValueError`` too. ``k=None``: each frame holds however many its size says
     (:func:`entries_in`). Off the numpy path (CUDA), where ``decode_entries`` reads each
-    frame's header and rules to the host, fp32, fp16 and mean frames, and qsgd frames of a
-    given ``k``, are compared with the expected header and checked on the device, and one
-    host read covers them all.
+    frame's header and rules to the host, the frames are compared with the expected header
+    and checked on the device (for qsgd values, with their qsgd blocks), and one host read
+    covers them all.
     """
     form = value_format(fmt)
     n = _frame.check_count(n, "n")
@@ -315,10 +315,11 @@ def decode_all(frames: list[torch.Tensor], n: int, k: int | None, fmt: ValueForm
         got = _each(bufs, ks, n, form, code, dtype)
         if got is not None:
             return got
-    elif (isinstance(form, Qsgd) and k is not None and k <= n and bufs
-          and not _frame.use_numpy(bufs[0])
-          and all(b.numel() == encoded_size(n, k, form) for b in bufs)):
-        return _qsgd_rows(bufs, ks, n, k, form, code, dtype)
+    elif (isinstance(form, Qsgd) and bufs and not _frame.use_numpy(bufs[0]) and None not in ks
+          and (k is None or all(c == k for c in ks))):
+        if len(set(ks)) == 1:
+            return _qsgd_rows(bufs, ks, n, k, form, code, dtype)
+        return _qsgd_each(bufs, ks, n, form, code, dtype)
     return _one_by_one(bufs, ks, n, k, code, dtype)
 
 
@@ -346,12 +347,20 @@ def _one_by_one(bufs: list[torch.Tensor], ks: list[int | None], n: int, k: int |
 def entries_in(n: int, size: int, fmt: ValueFormat = "fp32") -> int | None:
     """Return the entries a ``size``-byte frame of ``fmt`` values of an ``n``-vector holds.
 
-    ``None`` where no frame has that size, and for qsgd values (whose block size is not linear
-    in the entries).
+    ``None`` where no frame has that size. Every format's frame grows with the entries, by at
+    least an index each, so at most one count has a given size; for qsgd values, whose block
+    is not linear in the entries, a bisection finds it.
     """
     form = value_format(fmt)
     if isinstance(form, Qsgd):
-        return None
+        lo, hi = 0, n
+        while lo < hi:  # the least k whose frame is at least size bytes
+            mid = (lo + hi) // 2
+            if encoded_size(n, mid, form) < size:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo if encoded_size(n, lo, form) == size else None
     iw = _index_dtype(n).itemsize
     body = size - HEADER.size - (4 if form == "mean" else 0)
     per = iw + {"fp32": 4, "fp16": 2, "mean": 0}[form]
@@ -382,10 +391,14 @@ def _rows(bufs: list[torch.Tensor], n: int, k: int, form: str, code: int, dtype:
     return [(idx[i], val[i]) for i in range(len(bufs))]
 
 
-def _qsgd_rows(bufs: list[torch.Tensor], ks: list[int | None], n: int, k: int, form: Qsgd,
-               code: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # Frames of k qsgd values each, stacked: the headers' and indices' checks and the qsgd
-    # blocks' (qsgd.decode_all) share one host read, made before any index is returned.
+def _qsgd_rows(bufs: list[torch.Tensor], ks: list[int | None], n: int, expected: int | None,
+               form: Qsgd, code: int, dtype: torch.dtype
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Frames of qsgd values that all hold k entries (their sizes say so), stacked: the
+    # headers' and indices' checks and the qsgd blocks' (qsgd.decode_all) share one host
+    # read, made before any index is returned.
+    k = ks[0]
+    assert k is not None
     rows = torch.stack(bufs)
     itype = _index_dtype(n)
     end = HEADER.size + k * itype.itemsize
@@ -399,10 +412,33 @@ def _qsgd_rows(bufs: list[torch.Tensor], ks: list[int | None], n: int, k: int, f
                   (idx[:, 1:] <= idx[:, :-1]).any()]
     with _frame.deferred():
         _frame.check_later(torch.stack(flags).any(),
-                           lambda: _one_by_one(bufs, ks, n, k, code, dtype))
+                           lambda: _one_by_one(bufs, ks, n, expected, code, dtype))
         values = qsgd.decode_all([rows[i, end:] for i in range(len(bufs))], k, form.bits,
                                  form.bucket, scale=form.scale, dtype=dtype)
     return [(idx[i], values[i]) for i in range(len(bufs))]
+
+
+def _qsgd_each(bufs: list[torch.Tensor], ks: list[int], n: int, form: Qsgd, code: int,
+               dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Frames of qsgd values of any sizes: each one's checks as device flags, read with every
+    # qsgd block's in one host read, made before any index is returned.
+    itype = _index_dtype(n)
+    flags, entries = [], []
+    with _frame.deferred():
+        for b, k in zip(bufs, ks, strict=True):
+            head = _frame.from_bytes(b[:16], torch.int64)
+            flags += [head[0] != n, head[1] != k, b[16] != code]
+            end = HEADER.size + k * itype.itemsize
+            idx = _frame.from_bytes(b[HEADER.size:end], itype).to(torch.int64)
+            if k:
+                flags.append(_frame.broken_order(idx, 0, n))
+            entries.append((idx, b[end:]))
+        _frame.check_later(torch.stack(flags).any(),
+                           lambda: _one_by_one(bufs, ks, n, None, code, dtype))
+        out = [(idx, qsgd.decode_all([block], k, form.bits, form.bucket, scale=form.scale,
+                                     dtype=dtype)[0])
+               for (idx, block), k in zip(entries, ks, strict=True)]
+    return out
 
 
 def _each(bufs: list[torch.Tensor], ks: list[int], n: int, form: str, code: int,

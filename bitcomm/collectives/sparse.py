@@ -131,24 +131,14 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
     else:
         frames = [frame]
     dense = torch.zeros(n, dtype=torch.float32, device=v.device)
-    if fixed is not None or sparse.value_format(fmt) in ("fp32", "fp16", "mean"):
-        # Frames of one known format, each as long as its entries (the lengths are known to
-        # every rank): checked together, one host read on a device.
-        entries = sparse.decode_all([f.to(v.device) for f in frames], n,
-                                    k if fixed is not None else None, fmt)
-        for idx, val in entries:  # in rank order, so the sum is the same on every rank
-            dense.index_add_(0, idx, val)  # what sparse.decode(out=dense) adds
-        return dense.reshape(x.shape), entries[comm.rank]
-    indices = values = None
-    for r, f in enumerate(frames):  # in rank order, so the sum is the same on every rank
-        if r != comm.rank:
-            sparse.decode(f.to(v.device), out=dense)
-            continue
-        # this rank's entries as the receivers decode them, read once for the sum and the
-        # caller's residual bookkeeping
-        indices, values, _, _ = sparse.decode_entries(frame, n=n)
-        dense.index_add_(0, indices, values)  # what sparse.decode(out=dense) adds
-    return dense.reshape(x.shape), (indices, values)
+    # Frames of one known format, each as long as its entries (the lengths are known to every
+    # rank): checked together, one host read on a device. This rank's entries come back as
+    # the receivers decode them, for the sum and the caller's residual bookkeeping.
+    entries = sparse.decode_all([f.to(v.device) for f in frames], n,
+                                k if fixed is not None else None, fmt)
+    for idx, val in entries:  # in rank order, so the sum is the same on every rank
+        dense.index_add_(0, idx, val)  # what sparse.decode(out=dense) adds
+    return dense.reshape(x.shape), entries[comm.rank]
 
 
 def _fixed_length(n: int, k: int, fmt: sparse.ValueFormat, method: str) -> int | None:
