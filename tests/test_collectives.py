@@ -227,22 +227,9 @@ def test_sparse_allgather_of_qsgd_values_reads_the_host_as_often_at_any_number_o
     fmt = sparse.Qsgd(bits=4, bucket=64, seed=1)
     per_rank = []
     for size in (2, 4):
-        xs = inputs(size, 3001, seed=size)
-
-        def job():
-            return run_local(lambda c: sparse_allgather(c, xs[c.rank], 30, fmt=fmt,
-                                                        method=method, check=False), size)
-
-        with forced("numpy"):
-            want = job()
-        with forced(path):
-            got = job()
-            reads = host_reads(monkeypatch, job)
+        reads = _sparse_allgather_reads(path, size, fmt, method, monkeypatch)
         assert len(reads) % size == 0, reads
         per_rank.append(len(reads) // size)
-        for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
-            assert torch.equal(dense, dense0) and torch.equal(idx, idx0)
-            assert torch.equal(val, val0)
     assert per_rank[0] == per_rank[1], per_rank
     if method == "topk":
         assert per_rank[0] == 2, per_rank
@@ -845,24 +832,31 @@ def test_frames_of_data_dependent_lengths_are_checked_with_one_read(fmt, method,
     length, so the frames' checks are one host read for all of them, at any number of ranks
     (the codec's reads: this rank's frame, then the received ones)."""
     for size in (2, 4):
-        xs = inputs(size, 3001, seed=size)
-
-        def job():
-            return run_local(lambda c: sparse_allgather(c, xs[c.rank], 30, fmt=fmt,
-                                                        method=method, check=False), size)
-
-        with forced("numpy"):
-            want = job()
-        with forced("torch"):
-            got = job()
-            reads = host_reads(monkeypatch, job)
+        reads = _sparse_allgather_reads("torch", size, fmt, method, monkeypatch)
         in_codec = [r for r in reads if r[1].endswith("codecs/sparse.py")]
         # the frames' check: one per rank; this rank's entries: one where it has any
         assert sum(name == "__bool__" for name, _, _ in in_codec) == size, in_codec
         assert len(in_codec) <= 2 * size, in_codec
-        for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
-            assert torch.equal(dense, dense0) and torch.equal(idx, idx0)
-            assert torch.equal(val, val0)
+
+
+def _sparse_allgather_reads(path, size, fmt, method, monkeypatch):
+    """Run sparse_allgather without the agreement on ``path``; check its results against the
+    numpy path's and return the host reads of a call."""
+    xs = inputs(size, 3001, seed=size)
+
+    def job():
+        return run_local(lambda c: sparse_allgather(c, xs[c.rank], 30, fmt=fmt,
+                                                    method=method, check=False), size)
+
+    with forced("numpy"):
+        want = job()
+    with forced(path):
+        got = job()
+        reads = host_reads(monkeypatch, job)
+    for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
+        assert torch.equal(dense, dense0) and torch.equal(idx, idx0)
+        assert torch.equal(val, val0)
+    return reads
 
 
 def test_an_announced_frame_length_is_bounded_before_anything_is_allocated():

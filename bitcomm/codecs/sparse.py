@@ -418,20 +418,30 @@ def _qsgd_rows(bufs: list[torch.Tensor], ks: list[int | None], n: int, expected:
     return [(idx[i], values[i]) for i in range(len(bufs))]
 
 
+def _indices_flagged(b: torch.Tensor, n: int, k: int, code: int, flags: list[torch.Tensor]
+                     ) -> tuple[torch.Tensor, int]:
+    """Return a frame's k indices (int64) and the offset where they end.
+
+    The header's and the indices' rules go to ``flags`` as device flags (no host read).
+    """
+    head = _frame.from_bytes(b[:16], torch.int64)
+    flags += [head[0] != n, head[1] != k, b[16] != code]
+    end = HEADER.size + k * _index_dtype(n).itemsize
+    idx = _frame.from_bytes(b[HEADER.size:end], _index_dtype(n)).to(torch.int64)
+    if k:
+        flags.append(_frame.broken_order(idx, 0, n))
+    return idx, end
+
+
 def _qsgd_each(bufs: list[torch.Tensor], ks: list[int], n: int, form: Qsgd, code: int,
                dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Frames of qsgd values of any sizes: each one's checks as device flags, read with every
     # qsgd block's in one host read, made before any index is returned.
-    itype = _index_dtype(n)
-    flags, entries = [], []
+    flags: list[torch.Tensor] = []
+    entries = []
     with _frame.deferred():
         for b, k in zip(bufs, ks, strict=True):
-            head = _frame.from_bytes(b[:16], torch.int64)
-            flags += [head[0] != n, head[1] != k, b[16] != code]
-            end = HEADER.size + k * itype.itemsize
-            idx = _frame.from_bytes(b[HEADER.size:end], itype).to(torch.int64)
-            if k:
-                flags.append(_frame.broken_order(idx, 0, n))
+            idx, end = _indices_flagged(b, n, k, code, flags)
             entries.append((idx, b[end:]))
         _frame.check_later(torch.stack(flags).any(),
                            lambda: _one_by_one(bufs, ks, n, None, code, dtype))
@@ -444,15 +454,10 @@ def _qsgd_each(bufs: list[torch.Tensor], ks: list[int], n: int, form: Qsgd, code
 def _each(bufs: list[torch.Tensor], ks: list[int], n: int, form: str, code: int,
           dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     # Frames of any sizes: each one's checks as device flags, one host read for all.
-    itype = _index_dtype(n)
-    flags, out = [], []
+    flags: list[torch.Tensor] = []
+    out = []
     for b, k in zip(bufs, ks, strict=True):
-        head = _frame.from_bytes(b[:16], torch.int64)
-        flags += [head[0] != n, head[1] != k, b[16] != code]
-        end = HEADER.size + k * itype.itemsize
-        idx = _frame.from_bytes(b[HEADER.size:end], itype).to(torch.int64)
-        if k:
-            flags.append(_frame.broken_order(idx, 0, n))
+        idx, end = _indices_flagged(b, n, k, code, flags)
         if form == "mean":
             mean = _frame.from_bytes(b[end:end + 4], torch.float32)
             # finite; 0 when there are no entries; a zero mean is +0 (the encoder's)
