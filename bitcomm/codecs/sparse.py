@@ -426,8 +426,9 @@ def _indices_flagged(b: torch.Tensor, n: int, k: int, code: int, flags: list[tor
     """
     head = _frame.from_bytes(b[:16], torch.int64)
     flags += [head[0] != n, head[1] != k, b[16] != code]
-    end = HEADER.size + k * _index_dtype(n).itemsize
-    idx = _frame.from_bytes(b[HEADER.size:end], _index_dtype(n)).to(torch.int64)
+    itype = _index_dtype(n)
+    end = HEADER.size + k * itype.itemsize
+    idx = _frame.from_bytes(b[HEADER.size:end], itype).to(torch.int64)
     if k:
         flags.append(_frame.broken_order(idx, 0, n))
     return idx, end

@@ -326,38 +326,27 @@ def _pack(idx: torch.Tensor, val: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _unpack(buf: torch.Tensor, count: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return a received piece's indices and values, unchecked (see :func:`_flags`)."""
+    """Return a received piece's indices and values, unchecked (see :func:`_checks`)."""
     iw = stream.index_width(n)
     itype = torch.int32 if iw == 4 else torch.int64
     return buf[: iw * count].view(itype).to(torch.int64), buf[iw * count:].view(torch.float32)
 
 
-def _flags(pieces: list[tuple[int, torch.Tensor, int, int]], device: torch.device
-           ) -> torch.Tensor:
-    """Return whether each ``(peer, indices, lo, hi)`` breaks a rule, as int64 on ``device``.
+def _checks(pieces: list[tuple[int, torch.Tensor, int, int]]) -> list:
+    """Return the checks of received ``(peer, indices, lo, hi)`` pieces, unread.
 
-    The indices must increase within ``[lo, hi)``; an empty piece breaks none.
+    ``(flag, fallback)`` pairs for :func:`bitcomm.codecs._frame.read_checked`: the indices
+    must increase within ``[lo, hi)`` (an empty piece breaks nothing). The pieces come in rank
+    order, so the first one flagged names the lowest peer that sent a broken piece.
     """
-    if not pieces:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    return torch.stack([_frame.broken_order(idx, lo, hi) if idx.numel()
-                        else torch.zeros((), dtype=torch.bool, device=device)
-                        for _, idx, lo, hi in pieces]).to(torch.int64)
+    def refuse(peer: int, lo: int, hi: int):  # noqa: ANN202 - a fallback that raises
+        def fallback() -> None:
+            raise ValueError(f"oktopk_allreduce: rank {peer} sent indices outside [{lo}, {hi}) "
+                             "or out of order")
+        return fallback
 
-
-def _raise_broken(pieces: list[tuple[int, torch.Tensor, int, int]], bad: list[int]) -> None:
-    """Raise ``ValueError`` naming the lowest peer whose piece was flagged in ``bad``."""
-    if any(bad):
-        peer, _, lo, hi = min((p for p, b in zip(pieces, bad, strict=True) if b),
-                              key=lambda p: p[0])
-        raise ValueError(f"oktopk_allreduce: rank {peer} sent indices outside [{lo}, {hi}) or "
-                         "out of order")
-
-
-def _check_pieces(pieces: list[tuple[int, torch.Tensor, int, int]]) -> None:
-    """Raise ``ValueError`` unless each piece increases within its range: one host read."""
-    if pieces:
-        _raise_broken(pieces, _flags(pieces, pieces[0][1].device).tolist())
+    return [(_frame.broken_order(idx, lo, hi), refuse(peer, lo, hi))
+            for peer, idx, lo, hi in pieces if idx.numel()]
 
 
 def _counts(comm: Comm, mine: list[int]) -> list[int]:
@@ -422,10 +411,8 @@ def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: 
             slot = (got[r][0] - lo).clamp_(0, hi - lo - 1)
             dense.index_add_(0, slot, got[r][1])
             present[slot] = True
-    read = torch.cat([_flags(received, val.device),
-                      torch.count_nonzero(present).reshape(1)]).tolist()
-    _raise_broken(received, read[:-1])
-    where = _frame.indices_of(present, read[-1])
+    (count,) = _frame.read_checked(_checks(received), torch.count_nonzero(present).reshape(1))
+    where = _frame.indices_of(present, count)
     pieces = sum(p[0].numel() for j, p in enumerate(parts) if j != rank)
     return where + lo, dense[where], pieces, sum(c for r, c in enumerate(counts) if r != rank)
 
@@ -465,7 +452,7 @@ def _balance(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts: list[int]
             out_i.append(i)
             out_v.append(v)
     Request.wait_all(sends)
-    _check_pieces(received)
+    _frame.read_checked(_checks(received))
     if not out_i:
         return idx[:0], val[:0], moved
     return torch.cat(out_i), torch.cat(out_v), moved
@@ -476,8 +463,8 @@ def _allgatherv_entries(comm: Comm, idx: torch.Tensor, val: torch.Tensor, counts
                                          list[tuple[int, torch.Tensor, int, int]]]:
     """Return every rank's entries, in rank order, and the received pieces to check.
 
-    The pieces are not checked here: the caller reads their flags (:func:`_flags`) with its
-    own count. Until then the indices are clamped into ``[0, n)``, so a broken piece addresses
+    The pieces are not checked here: the caller reads their checks (:func:`_checks`) with
+    its own count. Until then the indices are clamped into ``[0, n)``, so a broken piece addresses
     no memory outside the result.
     """
     w = _entry_bytes(n)
@@ -593,10 +580,8 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
     chosen = torch.zeros(n, dtype=torch.bool, device=v.device)
     chosen[all_idx] = True
     mine = chosen[local]
-    read = torch.cat([_flags(gathered, v.device),
-                      torch.count_nonzero(mine).reshape(1)]).tolist()
-    _raise_broken(gathered, read[:-1])
-    indexes = local[_frame.indices_of(mine, read[-1])]
+    (count,) = _frame.read_checked(_checks(gathered), torch.count_nonzero(mine).reshape(1))
+    indexes = local[_frame.indices_of(mine, count)]
 
     if state.feedback:
         m = local.numel()
