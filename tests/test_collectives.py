@@ -424,6 +424,25 @@ def test_unchecked_input_skips_the_agreement():
     assert out[0][1] == ring_majority_bytes(8, 3, 0, check=False)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_agreement_reads_the_host_twice_at_any_number_of_ranks(size, monkeypatch):
+    """On a device the agreement waits for its input's finiteness check, then for the
+    records every rank sent: one read of all of them, not one per rank."""
+    xs = inputs(size, 1001, seed=3)
+
+    def job():
+        return run_local(lambda c: allreduce(c, xs[c.rank]), size)
+
+    with forced("torch"):
+        got = job()
+        reads = host_reads(monkeypatch, job)
+        unchecked = run_local(lambda c: allreduce(c, xs[c.rank], check=False), size)
+        assert not host_reads(monkeypatch, lambda: run_local(
+            lambda c: allreduce(c, xs[c.rank], check=False), size))
+    assert len(reads) == 2 * size, reads
+    assert identical(got) and all(torch.equal(g, u) for g, u in zip(got, unchecked, strict=True))
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="tie in"):
         run_local(lambda c: ring_majority(c, torch.ones(3), tie="up"), 1)

@@ -77,6 +77,17 @@ def test_allgather_floats_returns_every_rank_in_order():
     assert all(got == expected for got in out)
 
 
+def test_allgather_ints_returns_every_rank_in_order_beyond_floats_exact_range():
+    big = (1 << 63) - 1  # float64 would round it to 2**63
+    out = run_local(lambda c: (c.allgather_ints([c.rank, -(1 << 62) - 1, big]), c.counters), 3)
+    expected = [[r, -(1 << 62) - 1, big] for r in range(3)]
+    assert all(got == expected for got, _ in out)
+    assert all(sum(counters.sent) == 2 * 24 for _, counters in out)
+    assert run_local(lambda c: c.allgather_ints([]), 2) == [[[], []], [[], []]]
+    with pytest.raises(OverflowError, match="int64 holds, got 9223372036854775808"):
+        run_local(lambda c: c.allgather_ints([1 << 63]), 1)
+
+
 def test_combine_takes_the_slowest_rank_per_call_and_sums_cpu():
     def rank(c):
         wall = [0.1 * (c.rank + 1), 0.5 if c.rank == 0 else 0.2]

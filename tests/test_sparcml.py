@@ -369,6 +369,11 @@ def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path, monkeyp
     # rank's frame with their sum
     per_rank = {"ssar_recursive_double": 1 + rounds, "ssar_split_allgather": 3 + rounds,
                 "dsar_split_allgather": 3, "stream_allgather": 2}
+    # besides the agreement's two (the input's finiteness, every rank's record), the frame
+    # lengths, in host memory here (over NCCL each is a wait): one per frame received from one
+    # peer, one for all of an allgather's
+    lengths = {"ssar_recursive_double": rounds, "ssar_split_allgather": size - 1 + rounds,
+               "dsar_split_allgather": size - 1, "stream_allgather": 1}
     for name, want in per_rank.items():
         with forced("numpy"):
             expect = run(name, sets, values, n)
@@ -378,6 +383,8 @@ def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path, monkeyp
         in_codec = [r for r in reads if r[1].endswith("stream.py")
                     or r[1].endswith("_frame.py") and r[2] in shared]
         assert len(in_codec) == size * want, (name, in_codec)
+        rest = [r for r in reads if r not in in_codec]
+        assert len(rest) == size * (2 + lengths[name]), (name, rest)
         for (a, _), (b, _) in zip(got, expect, strict=True):
             assert frame_bytes(a) == frame_bytes(b)
 

@@ -192,7 +192,9 @@ def _agree(comm: Comm, x: object, check: bool, name: str, float32: bool,
     mine = torch.frombuffer(bytearray(_RECORD.pack(n, word, fingerprint(name, options))),
                             dtype=torch.uint8)
     records = comm.allgatherv(mine, [CONTROL_BYTES] * comm.size) if comm.size > 1 else [mine]
-    table = [_RECORD.unpack(bytes(r.cpu().tolist())) for r in records]
+    # One read for every rank's record (over NCCL they come back from the GPU together).
+    raw = bytes(torch.cat([r.reshape(-1) for r in records]).tolist())
+    table = [_RECORD.unpack(raw[i:i + CONTROL_BYTES]) for i in range(0, len(raw), CONTROL_BYTES)]
     lengths = [w >> _STATUS_BITS for _, w, _ in table]
     table = [(c, w & ((1 << _STATUS_BITS) - 1), f) for c, w, f in table]
     bad = [r for r, (_, s, _) in enumerate(table) if s == _NOT_FLOAT]

@@ -134,9 +134,12 @@ def _recv_stream(comm: Comm, peer: int, n: int, device: torch.device,
 
 
 def _read_length(buf: torch.Tensor, peer: int, n: int) -> int:
+    return _bounded(_LEN.unpack(bytes(buf.tolist()))[0], peer, n)
+
+
+def _bounded(size: int, peer: int, n: int) -> int:
     # Bounded before anything is allocated: a stream of length n takes at most its dense form
     # (a sparse one is smaller by the switch rule).
-    (size,) = _LEN.unpack(bytes(buf.tolist()))
     if not stream.HEADER.size <= size <= stream.HEADER.size + 4 * n:
         raise ValueError(f"rank {peer} announced a stream frame of {size} bytes, beyond "
                          f"{stream.HEADER.size}..{stream.HEADER.size + 4 * n} for a stream of "
@@ -526,9 +529,8 @@ def stream_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n:
     s = _prepare(comm, "stream_allgather", indices, values, n, check)
     if comm.size == 1:
         return s
-    length, frame = _frame_message(s)
-    lengths = comm.allgatherv(length, [_LEN.size] * comm.size)
-    sizes = [_read_length(t, r, n) for r, t in enumerate(torch.cat(lengths).cpu().split(_LEN.size))]
+    frame = stream.encode(s)
+    sizes = [_bounded(c, r, n) for r, (c,) in enumerate(comm.allgather_ints([frame.numel()]))]
     frames = comm.allgatherv(frame, sizes)
     checks: list = []  # the frames' check, read with their sum's sizes
     return stream.add_all(stream.decode_all(frames, n, checks=checks), checks=checks)
@@ -658,7 +660,7 @@ def sparse_allreduce(comm: Comm, indices: torch.Tensor, values: torch.Tensor, n:
     choice = None
     if algorithm == "auto":
         count = indices.numel() if isinstance(indices, torch.Tensor) else 0
-        k = int(max(c[0] for c in comm.allgather_floats([count]))) if comm.size > 1 else count
+        k = max(c for (c,) in comm.allgather_ints([count])) if comm.size > 1 else count
         choice = choose(n if isinstance(n, int) else 0, k, comm.size, alpha=alpha, beta=beta,
                         bits=bits)
         algorithm = choice.algorithm

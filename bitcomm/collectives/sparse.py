@@ -116,9 +116,7 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
                                    f"{method!r}, built {frame.numel()} bytes")
             lengths = [fixed] * comm.size
         elif lengths is None:
-            mine = torch.frombuffer(bytearray(_LEN.pack(frame.numel())), dtype=torch.uint8)
-            every = torch.cat(comm.allgatherv(mine, [_LEN.size] * comm.size)).cpu()
-            lengths = [c for (c,) in _LEN.iter_unpack(every.numpy().tobytes())]
+            lengths = [c for (c,) in comm.allgather_ints([frame.numel()])]
         # Bounded before anything is allocated: no frame of n entries is longer, nor any
         # shorter than its header (the same lengths, and the same error, on every rank).
         most = sparse.encoded_size(n, n, fmt)

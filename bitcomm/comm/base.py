@@ -244,14 +244,28 @@ class Comm:
         For small bookkeeping (timings, counts, digests) between ranks: one :meth:`allgatherv`
         of ``8 * len(values)`` bytes, counted like any other exchange.
         """
-        mine = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        return self._allgather_words([float(v) for v in values], torch.float64)
+
+    def allgather_ints(self, values: list[int] | tuple[int, ...]) -> list[list[int]]:
+        """Return every rank's ``values`` (the same count on every rank), as int64.
+
+        As :meth:`allgather_floats`, for sizes and counts beyond float64's exact integers: each
+        value travels as 8 little-endian bytes. ``OverflowError`` if one does not fit.
+        """
+        ints = [int(v) for v in values]
+        bad = [v for v in ints if not -(1 << 63) <= v < 1 << 63]
+        if bad:
+            raise OverflowError(f"expected values that int64 holds, got {bad[0]}")
+        return self._allgather_words(ints, torch.int64)
+
+    def _allgather_words(self, values: list, dtype: torch.dtype) -> list[list]:
+        mine = torch.tensor(values, dtype=dtype).reshape(-1)
         nbytes = 8 * mine.numel()
         got = self.allgatherv(mine.view(torch.uint8), [nbytes] * self.size)
         if not nbytes:
             return [[] for _ in got]
-        # one copy to the host for every rank's values (on a GPU transport, one wait)
-        every = torch.cat(got).cpu().view(torch.float64).reshape(self.size, -1)
-        return every.tolist()
+        # one read of every rank's values (on a GPU transport, one wait)
+        return torch.cat(got).view(dtype).reshape(self.size, -1).tolist()
 
     def allreduce(self, x: torch.Tensor) -> torch.Tensor:
         """Return the elementwise sum of ``x`` over ranks through the transport's native op.
