@@ -273,6 +273,38 @@ def test_deferred_checks_read_once_and_raise_the_first_broken_rule(monkeypatch):
                 raise KeyError("boom")
 
 
+def test_collect_takes_only_an_outermost_handover_blocks_flags():
+    """Inside _frame.collect a handover block's flags go unread to the collector, for the
+    caller's own read; a block without handover, or one inside another block, reads at its
+    end as ever."""
+    from bitcomm.codecs import _frame
+
+    from conftest import forced
+
+    q = qsgd.encode(torch.randn(13), 4, 8, seed=0)  # 13 * 4 bits: 4 padding bits
+    q[-1] |= 1
+    with forced("torch"):
+        checks = []
+        with _frame.collect(checks):
+            with _frame.deferred(handover=True):
+                qsgd.decode_all([q], 13, 4, 8)  # flagged, not raised
+        assert len(checks) == 1
+        with pytest.raises(ValueError, match="codes padding bits"):
+            _frame.read_checked(checks)
+        for outer, inner in ((False, True), (True, False)):
+            kept = []
+            with pytest.raises(ValueError, match="codes padding bits"):
+                with _frame.collect(kept):
+                    with _frame.deferred(handover=outer):
+                        with _frame.deferred(handover=inner):
+                            qsgd.decode_all([q], 13, 4, 8)
+            assert kept == []
+        with _frame.deferred(handover=True):  # no collector: read at the end
+            with pytest.raises(ValueError, match="codes padding bits"):
+                with _frame.deferred(handover=True):
+                    qsgd.decode_all([q], 13, 4, 8)
+
+
 def test_a_deferred_qsgd_frame_is_decoded_quietly_then_refused():
     """On the numpy path a frame with broken rules is decoded (without numpy's warnings) and
     refused at the end of the block: both rules, each alone."""

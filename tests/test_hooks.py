@@ -5,13 +5,15 @@ objects with GradBucket's interface, so layouts, rebuilds, checkpoints and pickl
 driven exactly.
 """
 
+import inspect
 import pickle
+import struct
 
 import pytest
 import torch
 
+from bitcomm.codecs import _frame, qsgd
 from bitcomm.comm import run_local
-from bitcomm.train import hooks
 from bitcomm.train.hooks import (
     OneBitHookState,
     ParamBuffers,
@@ -448,7 +450,107 @@ def test_off_the_numpy_path_a_step_reads_its_overflow_once(path, monkeypatch):
 
     one, six = reads(1), reads(6)
     assert len(six) == len(one), six
-    assert [name for name, file, _ in six if file == hooks.__file__] == ["__bool__"]
+    # the step's read: its overflow flags, with any checks its exchanges left (none here)
+    lines, first = inspect.getsourcelines(_frame.read_checked)
+    assert [name for name, file, line in six if file == _frame.__file__
+            and first <= line < first + len(lines)] == ["tolist"], six
+
+
+@pytest.mark.parametrize("kind", ["qsgd", "ring"])
+def test_off_the_numpy_path_the_exchanges_checks_ride_on_the_steps_read(kind, monkeypatch):
+    """qsgd_allgather and the unfused majorities check what they received with one read at
+    the end of a call. Under check=True a step's futures wait for its agreement anyway, so
+    those checks are read there, with the overflow flags: a step reads the host as often with
+    six buckets as with one (3 ranks, 1001 elements a bucket: the ring's payloads are padded)."""
+    make = {"qsgd": (qsgd_hook, lambda c: QsgdState(c, bits=4, bucket_size=64, overlap=False)),
+            "ring": (sign_majority_hook,
+                     lambda c: SignState(c, collective="ring", overlap=False))}[kind]
+
+    def reads(buckets):
+        def rank_fn(comm):
+            hook, state = make[0], make[1](comm)
+            params = [torch.zeros(1001) for _ in range(buckets)]
+
+            def step(k):
+                grads = [torch.randn(1001, generator=torch.Generator().manual_seed(
+                    100 * k + 10 * i + comm.rank)) for i in range(buckets)]
+                futures = [hook(state, Bucket(i, [p], [g], last=i == buckets - 1))
+                           for i, (p, g) in enumerate(zip(params, grads, strict=True))]
+                return [f.wait() for f in futures]
+
+            step(0)  # the layout's own agreements
+            return state, step
+
+        with forced("torch"):
+            ranks = run_local(rank_fn, 3)
+            got = []
+            seen = host_reads(monkeypatch, lambda: got.extend(
+                run_local(lambda c: ranks[c.rank][1](1), 3)))
+        for state, _ in ranks:
+            state.close()
+        assert all(torch.equal(a, b) for a, b in zip(got[0], got[1], strict=True))
+        assert all(bool(torch.isfinite(t).all()) for t in got[0])
+        return seen
+
+    one, six = reads(1), reads(6)
+    assert len(six) == len(one), six
+
+
+def test_a_corrupt_frame_in_a_held_step_fails_it_on_every_rank_with_its_error():
+    """Rank 1 sends a qsgd frame with a NaN scale in the second step's first bucket: its
+    check is read at the step's agreement, so every rank fails every bucket of the step (the
+    receiving rank with the decoder's error, the sender naming that rank), no residual
+    changes, and the next step goes on in step on every rank."""
+    def rank_fn(comm):
+        state = QsgdState(comm, bits=4, bucket_size=8, overlap=False)
+        params = [torch.zeros(40), torch.zeros(24)]
+        honest = comm.allgatherv
+        bad = {"on": False}
+
+        def allgatherv(buf, sizes):
+            if bad["on"] and comm.rank == 1 and buf.numel() == qsgd.encoded_size(40, 4, 8):
+                buf = buf.clone()
+                buf[qsgd.HEADER.size:qsgd.HEADER.size + 4] = torch.tensor(
+                    list(struct.pack("<f", float("nan"))), dtype=torch.uint8)
+                bad["on"] = False
+            return honest(buf, sizes)
+
+        comm.allgatherv = allgatherv
+
+        def step(k):
+            grads = [torch.randn(p.numel(), generator=torch.Generator().manual_seed(
+                10 * k + comm.rank)) for p in params]
+            futures = [qsgd_hook(state, Bucket(i, [p], [g], last=i == 1))
+                       for i, (p, g) in enumerate(zip(params, grads, strict=True))]
+            out = []
+            for f in futures:
+                try:
+                    out.append(f.wait())
+                except ValueError as e:
+                    out.append(e)
+            return out
+
+        step(0)
+        before = state.state_dict()["residuals"]
+        bad["on"] = True
+        failed = step(1)
+        after = state.state_dict()["residuals"]
+        then = step(2)
+        state.close()
+        return failed, before, after, then
+
+    with forced("torch"):
+        out = run_local(rank_fn, 2)
+    for rank, (failed, before, after, then) in enumerate(out):
+        assert all(isinstance(e, ValueError) for e in failed), failed
+        assert all("invalid arguments on rank(s) [0]" in str(e) for e in failed), failed
+        if rank == 0:
+            assert all("corrupt qsgd frame: expected a finite scale >= 0 in bucket 0" in str(e)
+                       for e in failed), failed
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert all(isinstance(t, torch.Tensor) and bool(torch.isfinite(t).all()) for t in then)
+    assert all(torch.equal(a, b) for a, b in zip(out[0][3], out[1][3], strict=True))
 
 
 def test_a_step_that_never_reaches_its_last_bucket_is_dropped():

@@ -170,9 +170,16 @@ class deferred:  # noqa: N801 - used as a function: `with _frame.deferred():`
     (and task): blocks in other threads do not see each other's flags. A class rather than a
     generator-based context manager: it wraps every small collective call on the CPU, and
     the generator form measurably slowed those calls with ranks as threads.
+
+    ``handover``: the block ends its call's use of what it checked (the call returns values
+    only), so a caller that waits anyway may take the flags: inside :class:`collect` they go to
+    the collector's list instead of being read here.
     """
 
-    __slots__ = ("_token",)
+    __slots__ = ("_token", "_handover")
+
+    def __init__(self, *, handover: bool = False) -> None:
+        self._handover = handover
 
     def __enter__(self) -> None:
         self._token = _PENDING.set([])
@@ -182,6 +189,11 @@ class deferred:  # noqa: N801 - used as a function: `with _frame.deferred():`
         _PENDING.reset(self._token)
         if kind is not None or not pending:
             return  # an error inside the block is not masked by the checks
+        # Only the outermost block hands over: an enclosing one reads what it holds.
+        into = _COLLECTED.get() if self._handover and _PENDING.get() is None else None
+        if into is not None:
+            into.extend(pending)
+            return
         bad = torch.stack([f.reshape(()).to(torch.bool) for f, _ in pending])
         if bool(bad.any()):  # the block's one host read
             # The precise check runs at once even inside an enclosing block: it must raise.
@@ -191,6 +203,32 @@ class deferred:  # noqa: N801 - used as a function: `with _frame.deferred():`
             finally:
                 _PENDING.reset(inner)
             raise AssertionError("a payload was flagged that the precise check accepted")
+
+
+_COLLECTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("bitcomm_collected",
+                                                                         default=None)
+
+
+class collect:  # noqa: N801 - used as a function: `with _frame.collect(checks):`
+    """Take the flags of the ``deferred(handover=True)`` blocks inside into ``checks``.
+
+    ``checks`` gets ``(flag, fallback)`` pairs, unread, for the caller's :func:`read_checked`.
+    For a caller that holds the calls' results until a later read anyway (a DDP hook's step
+    waits for its agreement): their checks ride on that read. Blocks without ``handover``
+    (a decoder whose indices address memory next) still read at their end. Per thread.
+    """
+
+    __slots__ = ("_checks", "_token")
+
+    def __init__(self, checks: list) -> None:
+        self._checks = checks
+
+    def __enter__(self) -> list:
+        self._token = _COLLECTED.set(self._checks)
+        return self._checks
+
+    def __exit__(self, kind, value, traceback) -> None:
+        _COLLECTED.reset(self._token)
 
 
 def broken_order(idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -171,7 +171,7 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
     # the end.
     # The received payloads' checks are flags until the end: counts are only added, compared
     # and repacked, so one host read per call checks every step (not one or two per step).
-    with _frame.deferred():
+    with _frame.deferred(handover=True):
         sends: list[Request] = []
         running = votes(rank)  # step 1 sends this rank's own votes: counts over 1 rank
         for i in range(1, size):
@@ -316,7 +316,7 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check:
             _frame.kernels().sign_unpack(p, hi - lo, out.dtype, out=out[lo:hi])
         return _frame.kernels().sign_pack(out) if packed else out.reshape(x.shape)
     # Off the numpy path every payload's padding check is a flag, read once at the end.
-    with _frame.deferred():
+    with _frame.deferred(handover=True):
         decision = sign.pack_mask(_majority(got, lengths[rank], v.device, size, tie,
                                             chunks[rank][0], phase))
         every = comm.allgatherv(decision, every_size)
@@ -356,7 +356,7 @@ def _allgather_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check
             return decision
         out, _ = _frame.kernels().sign_unpack(decision, n, x.dtype)  # our own padding: zero
         return out.reshape(x.shape)
-    with _frame.deferred():  # the payloads' padding checks: one read at the end
+    with _frame.deferred(handover=True):  # the payloads' padding checks: one read at the end
         decided = _majority(every, n, v.device, size, tie, 0, phase)
     return _finish(x, decided, packed)
 

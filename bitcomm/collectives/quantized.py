@@ -54,7 +54,7 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
     # The encoder's scale check and the frames' checks are read once, together, at the end (on
     # a device, one wait per call): values are only added. A rank whose scales are not finite
     # sends its frame anyway, so every rank raises instead of waiting for it.
-    with _frame.deferred():
+    with _frame.deferred(handover=True):
         frame = qsgd.encode(v, bits, bucket, seed=None if seed is None else seed + comm.rank)
         frames = (comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1
                   else [frame])

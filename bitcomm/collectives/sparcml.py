@@ -346,7 +346,7 @@ def dsar_split_allgather(comm: Comm, indices: torch.Tensor, values: torch.Tensor
     # (values are only decoded, never used as positions): one host read, not one per range
     # length and one for the encoder; and an owner whose sum overflowed still sends its frame,
     # so every rank raises rather than waits. The streams of the split check theirs at once.
-    with _frame.deferred():
+    with _frame.deferred(handover=True):
         payload = None
         if mine is not None:
             v = fold.vrank

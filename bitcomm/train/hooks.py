@@ -52,7 +52,11 @@ futures and buffer updates are held, and the last bucket's exchange is followed 
 options and the step's bucket lengths. If any rank overflowed, every bucket of the step becomes
 all-NaN on every rank and every buffer stays as it was; that is what DDP's own allreduce hands
 a ``torch.amp.GradScaler``, which then skips the step everywhere and backs off. Otherwise the
-buffers take their updates and the futures complete. A bucket layout the state has not seen
+buffers take their updates and the futures complete. On a GPU the step's overflow flags are one
+host read, and the checks the exchanges make of what they received (qsgd's frames, an unfused
+majority's payloads) come back in it rather than in a read per bucket; a corrupt payload fails
+every bucket of the step on every rank (the receiving rank with the decoder's error, through
+the agreement), and the buffers stay as they were. A bucket layout the state has not seen
 before (the first step, DDP's rebuild) is exchanged with the collective's own agreement as
 well, so ranks with different options or lengths raise on every rank before its bytes move.
 DDP calls a step's hooks before it waits for any of their futures; code that calls a hook by
@@ -83,7 +87,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from bitcomm.codecs import qsgd
+from bitcomm.codecs import _frame, qsgd
 from bitcomm.codecs._frame import all_finite, use_numpy
 from bitcomm.collectives import (
     NonFiniteError,
@@ -190,7 +194,7 @@ Work = Callable[[torch.Tensor, bool], tuple[torch.Tensor, Settle | None]]
 class _Step:
     """The buckets of the step in progress: held until the agreement after its last bucket."""
 
-    __slots__ = ("held", "overflow", "finite")
+    __slots__ = ("held", "overflow", "finite", "checks")
 
     def __init__(self) -> None:
         # (future, result or None where the collective found an overflow, settle, gradient)
@@ -198,6 +202,8 @@ class _Step:
         self.overflow = False
         # off the numpy path: whether every bucket so far was finite, a 0-dim bool on the device
         self.finite: torch.Tensor | None = None
+        # the exchanges' unread checks of what they received (see _frame.collect)
+        self.checks: list = []
 
     def screen(self, g: torch.Tensor) -> torch.Tensor:
         """Return ``g``, or zeros if it holds a NaN or inf, noting the overflow.
@@ -217,8 +223,14 @@ class _Step:
         return torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
 
     def overflowed(self) -> bool:
-        """Say whether a bucket of this step held a NaN or inf (one host read off numpy)."""
-        return self.overflow or (self.finite is not None and not bool(self.finite))
+        """Say whether a bucket of this step held a NaN or inf (one host read off numpy).
+
+        The exchanges' held checks come back in the same read; a broken one raises its
+        precise error.
+        """
+        infinite = None if self.finite is None else (~self.finite).reshape(1)
+        got = _frame.read_checked(self.checks, infinite)
+        return self.overflow or bool(got and got[0])
 
     def drop(self, error: BaseException | None = None) -> None:
         """Leave every held bucket's buffers as they were; fail the futures with ``error``."""
@@ -360,7 +372,10 @@ class _HookState:
                 self._layouts[index] = layout
             else:
                 g = step.screen(g)
-                out, settle = work(g, False)
+                # The futures wait for the step's agreement anyway: what the exchange would
+                # check with a read of its own rides on the agreement's.
+                with _frame.collect(step.checks):
+                    out, settle = work(g, False)
         except BaseException as e:  # noqa: BLE001 - handed to the waiters, as DDP expects
             self._step = _Step()
             step.drop(e)
@@ -374,11 +389,22 @@ class _HookState:
     def _agree_step(self, step: _Step) -> None:
         # Every rank learns whether any rank's bucket overflowed in this step; the ranks also
         # agree on the hook, its options and the step's bucket lengths.
-        flag = torch.full((1,), float("nan") if step.overflowed() else 0.0)
+        error: BaseException | None = None
+        try:
+            overflowed = step.overflowed()
+        except (ValueError, TypeError, OverflowError) as e:  # a corrupt payload received
+            error, overflowed = e, False
+
+        def refuse(_: torch.Tensor) -> None:  # tells every rank, through the agreement
+            if error is not None:
+                raise error
+
+        flag = torch.full((1,), float("nan") if overflowed else 0.0)
         options = {"options": self._options(),
                    "buckets": tuple(g.numel() for _, _, _, g in step.held)}
         try:
-            prepare(self.comm, flag, True, f"{type(self).__name__} step", options=options)
+            prepare(self.comm, flag, True, f"{type(self).__name__} step", options=options,
+                    validate=refuse)
             keep = True
         except NonFiniteError:
             keep = False
