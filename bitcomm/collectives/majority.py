@@ -159,10 +159,15 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
     part = _ring_chunks(n, size)
     nxt, prv = (rank + 1) % size, (rank - 1) % size
 
+    scratch = torch.empty(-(-n // size), dtype=torch.bool, device=v.device)  # the largest chunk
+
     def votes(c: int) -> torch.Tensor:
         # One chunk at a time, when its step comes: the first message leaves after 1/N of the
-        # vote work, and the rest overlaps with waiting for the ring.
-        return (part(v, c) >= 0).to(torch.int32)
+        # vote work, and the rest overlaps with waiting for the ring. uint8, added into the
+        # int32 counts received, in one buffer for every step: fresh memory's first writes cost
+        # more than the comparison on a CPU.
+        chunk = part(v, c)
+        return torch.ge(chunk, 0, out=scratch[: chunk.numel()]).view(torch.uint8)
 
     # Each step is a Comm.shift, which waits only for what it receives where the transport
     # sends point to point: the send of step i is still in flight while step i + 1 is received
@@ -181,14 +186,20 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
             got = torch.empty(counts.packed_size(length, i, packing), dtype=torch.uint8,
                               device=v.device)
             sends.append(comm.shift(counts.pack(running, i, packing, check=False), nxt, got, prv))
-            running = counts.unpack(got, length, i, packing, dtype=torch.int32) + votes(c)
+            running = counts.unpack(got, length, i, packing, dtype=torch.int32).add_(votes(c))
         # Then the ring allgather of the 1-bit decisions (_ring_allgather).
         decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
         out = None if packed else torch.empty(n, dtype=x.dtype, device=v.device)
+        cpu_float = out is not None and x.dtype == torch.float32 and _frame.use_numpy(out)
 
         def keep(c: int, chunk: torch.Tensor) -> None:
             if decided is not None:
                 part(decided, c).copy_(chunk)
+            elif cpu_float:  # numpy's passes: several times torch's speed on a CPU chunk
+                o = part(out, c).numpy()
+                np.copyto(o, chunk.numpy())
+                o *= 2
+                o -= 1
             else:
                 part(out, c).copy_(chunk).mul_(2).sub_(1)
 
