@@ -392,10 +392,12 @@ class _HookState:
         error: BaseException | None = None
         try:
             overflowed = step.overflowed()
-        except (ValueError, TypeError, OverflowError) as e:  # a corrupt payload received
+        except Exception as e:  # noqa: BLE001 - a corrupt payload received, raised below
             error, overflowed = e, False
 
-        def refuse(_: torch.Tensor) -> None:  # tells every rank, through the agreement
+        def refuse(_: torch.Tensor) -> None:
+            # A ValueError, TypeError or OverflowError reaches every rank through the
+            # agreement; anything else fails this rank's futures below.
             if error is not None:
                 raise error
 
