@@ -13,14 +13,16 @@ def brute_topk(s: torch.Tensor, k: int) -> list[int]:
 
 @pytest.mark.parametrize("method", ["topk", "trimmed"])
 def test_exact_selectors_match_brute_force_with_ties(method, path):
-    """On every path (CPU, and the sync-free form a CUDA tensor takes) the same set."""
+    """On every path (CPU, and the sync-free form a CUDA tensor takes) the same set, for every
+    float dtype (the CPU selects float16, float32 and float64 scores in numpy)."""
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 9, 100, 1000):
         s = torch.randint(0, 6, (n,), generator=g).float()  # many ties
-        for k in (0, 1, n // 3, n - 1, n, n + 5):
-            got = select.select(s, k, method)
-            assert got.dtype == torch.int64
-            assert got.tolist() == brute_topk(s, min(k, n)), (n, k)
+        for dtype in (torch.float32, torch.float16, torch.float64, torch.bfloat16):
+            for k in (0, 1, n // 3, n - 1, n, n + 5):
+                got = select.select(s.to(dtype), k, method)
+                assert got.dtype == torch.int64
+                assert got.tolist() == brute_topk(s, min(k, n)), (n, k, dtype)
 
 
 @pytest.mark.parametrize("path", ["torch", pytest.param(
