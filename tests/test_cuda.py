@@ -363,6 +363,40 @@ def test_the_sync_count_of_each_collective_on_the_gpu():
     assert got["oktopk"] <= 5, got
 
 
+def test_a_hook_step_waits_as_often_with_six_buckets_as_with_one():
+    """Under check=True qsgd_hook's exchanges hand their checks to the step's one read: a step
+    of six CUDA buckets synchronises as often as a step of one (3 ranks as threads)."""
+    from test_hooks import Bucket
+
+    from bitcomm.comm import run_local
+    from bitcomm.train.hooks import QsgdState, qsgd_hook
+
+    def syncs(buckets):
+        def rank_fn(comm):
+            state = QsgdState(comm, bits=4, bucket_size=64, overlap=False)
+            params = [torch.zeros(1001, device="cuda") for _ in range(buckets)]
+
+            def step(k):
+                grads = [torch.randn(1001, generator=torch.Generator().manual_seed(
+                    100 * k + 10 * i + comm.rank)).cuda() for i in range(buckets)]
+                futures = [qsgd_hook(state, Bucket(i, [p], [g], last=i == buckets - 1))
+                           for i, (p, g) in enumerate(zip(params, grads, strict=True))]
+                return [f.wait() for f in futures]
+
+            step(0)  # the layout's own agreements
+            return step
+
+        steps = run_local(rank_fn, 3)
+        got = []
+        count = count_syncs(lambda: got.extend(run_local(lambda c: steps[c.rank](1), 3)))
+        assert all(t.is_cuda and bool(torch.isfinite(t).all()) for t in got[0])
+        assert all(torch.equal(a, b) for a, b in zip(got[0], got[1], strict=True))
+        return count
+
+    one, six = syncs(1), syncs(6)
+    assert six == one, (one, six)
+
+
 def test_bench_hooks_over_nccl_runs_the_hooks_cuda_path(tmp_path):
     """One NCCL rank per GPU (NCCL refuses two on one device): DDP on the GPU with every
     bitcomm hook, overlapped (its CUDA stream) and blocking, against allreduce_hook."""
