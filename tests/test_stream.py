@@ -109,6 +109,33 @@ def test_add_with_a_dense_stream_is_dense_and_symmetric_in_bits():
         stream.add(d, stream.empty(49))
 
 
+def test_add_of_sparse_streams_matches_a_reference_to_the_bit():
+    """Two sparse streams' sum on the numpy path: the union of their indices, each slot 0 plus
+    the first stream's value plus the second's in float32 (so a lone -0.0 becomes +0.0, and a
+    cancellation stays as +0.0), against a dict written here; empty operands too."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(7)
+    for n, na, nb in ((1000, 40, 60), (1000, 0, 30), (1000, 30, 0), (1000, 0, 0),
+                      (100_000, 5000, 3000), (50, 1, 1)):
+        a_idx = torch.randperm(n, generator=g)[:na].sort().values
+        b_idx = torch.cat([a_idx[: na // 2], torch.randperm(n, generator=g)[:nb - na // 2]])
+        b_idx = torch.unique(b_idx)[:nb]
+        a_val = torch.randint(-2, 3, (a_idx.numel(),), generator=g).float() / 4
+        b_val = torch.randint(-2, 3, (b_idx.numel(),), generator=g).float() / 4
+        a_val[a_val == 0] = -0.0
+        a, b = stream.from_entries(a_idx, a_val, n), stream.from_entries(b_idx, b_val, n)
+        want: dict[int, np.float32] = {}
+        for idx, val in ((a_idx, a_val), (b_idx, b_val)):
+            for i, v in zip(idx.tolist(), val.numpy(), strict=True):
+                want[i] = np.float32(want.get(i, np.float32(0.0)) + v)
+        s = stream.add(a, b)
+        assert not s.dense
+        assert s.indices.tolist() == sorted(want)
+        expected = np.array([want[i] for i in sorted(want)], dtype=np.float32)
+        assert s.values.numpy().view(np.int32).tolist() == expected.view(np.int32).tolist()
+
+
 def test_add_all_sums_left_to_right():
     parts = [_sparse(100, {i: i + 1, 50: 1}) for i in range(5)]
     s = stream.add_all(parts)
