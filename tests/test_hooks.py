@@ -547,6 +547,7 @@ def test_a_corrupt_frame_in_a_held_step_fails_it_on_every_rank_with_its_error():
         if rank == 0:
             assert all("corrupt qsgd frame: expected a finite scale >= 0 in bucket 0" in str(e)
                        for e in failed), failed
+        assert len(before) == 2 and all(bool(v.any()) for v in before.values())  # step 0's
         assert before.keys() == after.keys()
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert all(isinstance(t, torch.Tensor) and bool(torch.isfinite(t).all()) for t in then)
