@@ -60,6 +60,16 @@ def _copy_into(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return out.copy_(src)
 
 
+def _joined(bufs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Return ``bufs`` concatenated on ``device``: one copy where they share a device.
+
+    From a GPU to the host that is one wait rather than one a buffer.
+    """
+    if len({b.device for b in bufs}) == 1:
+        return _moved(torch.cat(bufs), device)
+    return torch.cat([_moved(b, device) for b in bufs])
+
+
 def _parts(recv: torch.Tensor, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
     """Return ``recv`` split into ``sizes`` on ``device``: one copy for all the parts.
 

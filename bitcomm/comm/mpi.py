@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bitcomm.comm.base import Comm, Request, _copy_into, _moved, _parts
+from bitcomm.comm.base import Comm, Request, _copy_into, _joined, _moved, _parts
 
 __all__ = ["MPIComm"]
 
@@ -131,11 +131,7 @@ class MPIComm(Comm):
         return out if host is None else _copy_into(out, host)
 
     def _alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
-        # one copy to the host for all the buffers (from a GPU, one wait, not one a rank)
-        if len({b.device for b in bufs}) == 1:
-            send = torch.cat(bufs).cpu()
-        else:
-            send = torch.cat([b.cpu() for b in bufs]) if bufs else torch.empty(0, dtype=torch.uint8)
+        send = _joined(bufs, torch.device("cpu"))
         scounts = [b.numel() for b in bufs]
         recv = torch.empty(sum(sizes), dtype=torch.uint8)
         self.mpi.Alltoallv([send.numpy(), (scounts, _displs(scounts)), self._MPI.BYTE],

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bitcomm.comm.base import Comm, Request, _copy_into, _moved, _parts
+from bitcomm.comm.base import Comm, Request, _copy_into, _joined, _moved, _parts
 
 __all__ = ["TorchComm"]
 
@@ -108,9 +108,7 @@ class TorchComm(Comm):
 
     def _alltoallv(self, bufs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
         device = bufs[self.rank].device
-        same = all(b.device == device for b in bufs)
-        send = (_moved(torch.cat(bufs), self.wire) if same
-                else torch.cat([_moved(b, self.wire) for b in bufs]))
+        send = _joined(bufs, self.wire)
         recv = torch.empty(sum(sizes), dtype=torch.uint8, device=self.wire)
         dist.all_to_all_single(recv, send, output_split_sizes=sizes,
                                input_split_sizes=[b.numel() for b in bufs], group=self.group)
