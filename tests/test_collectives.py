@@ -96,6 +96,43 @@ def test_alternate_tie_is_unbiased(fn):
     assert torch.equal(first + second, torch.zeros(n))
 
 
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32])
+def test_decide_takes_counts_of_a_byte_of_ranks_without_wrapping(path, dtype):
+    """The ring adds the votes of up to 255 ranks in uint8: counts of 128 or more must still
+    compare against N/2 (doubling them in uint8 would wrap 128 to 0)."""
+    from bitcomm.collectives.majority import _decide
+
+    total = torch.tensor([0, 127, 128, 200, 255, 126, 127], dtype=dtype)
+    cases = {  # (size, tie, phase): the decisions expected
+        (255, "negative", 0): [0, 0, 1, 1, 1, 0, 0],
+        (254, "negative", 0): [0, 0, 1, 1, 1, 0, 0],
+        (254, "positive", 0): [0, 1, 1, 1, 1, 0, 1],
+        # start 5, phase 2: elements 0..6 at global index + phase 7..13; ties at 8 and 13
+        (254, "alternate", 2): [0, 1, 1, 1, 1, 0, 0],
+        (255, "positive", 0): [0, 0, 1, 1, 1, 0, 0],  # no ties with an odd number of ranks
+    }
+    with forced(path):
+        for (size, tie, phase), expect in cases.items():
+            got = _decide(total, size, tie, start=5, phase=phase)
+            assert got.tolist() == [bool(e) for e in expect], (size, tie, phase)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_the_ring_tallies_in_int32_beyond_a_byte_of_ranks(size, monkeypatch):
+    """Beyond 255 ranks the ring's counts are int32; run that branch at a few ranks."""
+    from bitcomm.collectives import majority
+
+    monkeypatch.setattr(majority, "_BYTE_RANKS", 1)
+    for n in (1, 1000):
+        xs = inputs(size, n, seed=n + size)
+        for packing in counts.PACKINGS:
+            out = run_local(lambda c, p=packing: ring_majority(
+                c, xs[c.rank], packing=p, tie="alternate", phase=1), size)
+            assert identical(out)
+            assert torch.equal(out[0], brute_majority(xs, "alternate", 1)), (n, packing)
+
+
 def test_majority_keeps_shape_dtype_and_packs():
     xs = [x.reshape(3, 4).double() for x in inputs(3, 12, seed=1)]
     out = run_local(lambda c: ring_majority(c, xs[c.rank]), 3)

@@ -88,13 +88,18 @@ def use_triton(t: torch.Tensor) -> bool:
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
+def numpy_float(t: torch.Tensor) -> bool:
+    """Say whether ``t`` takes the numpy path as floats numpy can view (not bfloat16)."""
+    return use_numpy(t) and t.dtype in _NUMPY_FLOATS
+
+
 def all_finite(t: torch.Tensor, *, as_float32: bool = False) -> bool:
     """Say whether every element of ``t`` is finite (with ``as_float32``: once cast to float32).
 
     On the numpy path this costs about a microsecond where torch's ``isfinite`` dispatches
     several operations (~20 us): most of a small tensor's checks. One host read either way.
     """
-    if use_numpy(t) and t.dtype in _NUMPY_FLOATS:
+    if numpy_float(t):
         a = t.detach().numpy()
         if as_float32 and a.dtype == np.float64:
             with np.errstate(over="ignore"):  # beyond float32's range becomes inf: the point

@@ -58,6 +58,9 @@ from bitcomm.codecs import _frame, bits, counts, sign
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm, Request
 
+_BYTE_RANKS = 0xFF
+"""The most ranks whose vote counts the ring adds in uint8 (more take int32)."""
+
 __all__ = ["ring_majority", "ring_majority_packed", "alltoall_majority",
            "alltoall_majority_packed", "allgather_majority", "allgather_majority_packed",
            "ring_majority_bytes", "alltoall_majority_bytes", "allgather_majority_bytes", "TIES",
@@ -90,15 +93,32 @@ def _check_options(tie: object, phase: object, packing: object = "fixed") -> Non
 def _decide(total: torch.Tensor, size: int, tie: str, start: int = 0, phase: int = 0
             ) -> torch.Tensor:
     # All-Reducible signSGD, Section 3: +1 when the count exceeds N/2, else -1. ``total``
-    # counts the elements from global index ``start`` on (for the alternating tie).
-    twice = total * 2
-    plus = twice > size
-    if tie == "positive":
-        plus |= twice == size
-    elif tie == "alternate" and size % 2 == 0:
+    # counts the elements from global index ``start`` on (for the alternating tie). Counts are
+    # compared with N // 2 rather than doubled, so uint8 counts of up to 255 ranks never wrap.
+    if total.numel() and total.device.type == "cpu" and _frame.use_numpy(total):
+        return torch.from_numpy(_decide_numpy(total.numpy(), size, tie, start, phase))
+    half = size // 2
+    plus = total > half
+    if size % 2 == 0 and tie == "positive":
+        plus |= total == half
+    elif size % 2 == 0 and tie == "alternate":
         base = start + phase
         even = torch.arange(base, base + total.numel(), device=total.device) % 2 == 0
-        plus |= (twice == size) & even
+        plus |= (total == half) & even
+    return plus
+
+
+def _decide_numpy(total: np.ndarray, size: int, tie: str, start: int, phase: int
+                  ) -> np.ndarray:
+    # _decide in numpy calls: on a DDP bucket's few thousand elements torch's per-operation
+    # dispatch costs more than the work, and on millions numpy's passes are faster.
+    half = size // 2
+    plus = total > half
+    if size % 2 == 0 and tie == "positive":
+        plus |= total == half
+    elif size % 2 == 0 and tie == "alternate":
+        first = (start + phase) % 2  # the elements at even global index + phase
+        plus[first::2] |= total[first::2] == half
     return plus
 
 
@@ -160,14 +180,22 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
     nxt, prv = (rank + 1) % size, (rank - 1) % size
 
     scratch = torch.empty(-(-n // size), dtype=torch.bool, device=v.device)  # the largest chunk
+    numpy_votes = _frame.numpy_float(v)
+    # Counts over at most 255 ranks fit uint8: the received counts unpack to, add and repack
+    # from bytes, with no widening pass or mixed-type addition.
+    tally = torch.uint8 if size <= _BYTE_RANKS else torch.int32
 
     def votes(c: int) -> torch.Tensor:
         # One chunk at a time, when its step comes: the first message leaves after 1/N of the
         # vote work, and the rest overlaps with waiting for the ring. uint8, added into the
-        # int32 counts received, in one buffer for every step: fresh memory's first writes cost
-        # more than the comparison on a CPU.
-        chunk = part(v, c)
-        return torch.ge(chunk, 0, out=scratch[: chunk.numel()]).view(torch.uint8)
+        # counts received, in one buffer for every step: fresh memory's first writes cost
+        # more than the comparison on a CPU, and numpy's comparison is about 2.5x torch's.
+        chunk, out = part(v, c), scratch[: part(v, c).numel()]
+        if numpy_votes:
+            np.greater_equal(chunk.numpy(), 0, out=out.numpy())
+        else:
+            torch.ge(chunk, 0, out=out)
+        return out.view(torch.uint8)
 
     # Each step is a Comm.shift, which waits only for what it receives where the transport
     # sends point to point: the send of step i is still in flight while step i + 1 is received
@@ -186,7 +214,7 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
             got = torch.empty(counts.packed_size(length, i, packing), dtype=torch.uint8,
                               device=v.device)
             sends.append(comm.shift(counts.pack(running, i, packing, check=False), nxt, got, prv))
-            running = counts.unpack(got, length, i, packing, dtype=torch.int32).add_(votes(c))
+            running = counts.unpack(got, length, i, packing, dtype=tally).add_(votes(c))
         # Then the ring allgather of the 1-bit decisions (_ring_allgather).
         decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
         out = None if packed else torch.empty(n, dtype=x.dtype, device=v.device)
@@ -384,18 +412,11 @@ def _majority(payloads: list[torch.Tensor], n: int, device: torch.device, size: 
     # The decisions (bool, True = +1) from every rank's packed signs of the same n elements.
     if not (n and _frame.use_numpy(payloads[0]) and device.type == "cpu"):
         return _decide(_count_votes(payloads, n, device), size, tie, start, phase)
-    # _count_votes and _decide in a few numpy calls: on a DDP bucket's few thousand elements
-    # torch's per-operation dispatch costs more than the work.
+    # _count_votes and _decide in a few numpy calls (see _decide_numpy).
     rows = torch.stack(payloads)
     _frame.check_padding(rows, n, "bits", "plane")
-    twice = np.unpackbits(rows.numpy(), axis=1, count=n).sum(0, dtype=np.int32) * 2
-    plus = twice > size
-    if tie == "positive":
-        plus |= twice == size
-    elif tie == "alternate" and size % 2 == 0:
-        first = (start + phase) % 2  # the elements at even global index + phase
-        plus[first::2] |= twice[first::2] == size
-    return torch.from_numpy(plus)
+    total = np.unpackbits(rows.numpy(), axis=1, count=n).sum(0, dtype=np.int32)
+    return torch.from_numpy(_decide_numpy(total, size, tie, start, phase))
 
 
 def _count_votes(payloads: list[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
