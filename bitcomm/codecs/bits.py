@@ -109,16 +109,20 @@ def pack(x: torch.Tensor, width: int, *, check: bool = True) -> torch.Tensor:
         if width == 1:  # one plane, one pass: packbits maps non-zero to 1
             return torch.from_numpy(np.packbits(a))
         out = np.empty((width, nb), dtype=np.uint8)
-        tmp = np.empty(min(n, _CHUNK), dtype=a.dtype)
+        tmp = np.empty(min(n, _CHUNK), dtype=np.uint8)
         # Chunk by chunk, every plane of a chunk while it is in cache: the values are read
         # from memory once, not once per plane.
         for start in range(0, n, _CHUNK):
             stop = min(n, start + _CHUNK)
             part, t = a[start:stop], tmp[: stop - start]
+            # Wider values split into their low and high bytes first: packbits of 16-bit
+            # values is about 50x slower than of bytes.
+            octets = (part,) if width <= 8 else (part.astype(np.uint8),
+                                                 (part >> 8).astype(np.uint8))
             lo, hi = start // 8, (stop + 7) // 8
             for row, p in enumerate(range(width - 1, -1, -1)):
-                # packbits maps non-zero to 1, so one-bit values need no masking.
-                plane = part if width == 1 else np.bitwise_and(part, a.dtype.type(1 << p), out=t)
+                # packbits maps non-zero to 1: each plane is the values' bit p, masked.
+                plane = np.bitwise_and(octets[p >> 3], np.uint8(1 << (p & 7)), out=t)
                 out[row, lo:hi] = np.packbits(plane)
         return torch.from_numpy(out.reshape(-1))
     shifts = torch.arange(width - 1, -1, -1, device=v.device, dtype=torch.int64)

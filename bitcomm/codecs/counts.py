@@ -212,7 +212,8 @@ def _unpack_torch(buf: torch.Tensor, n: int, m: int, g: int, b: int, dtype: torc
         _check_decoded(v, m)
         return v.to(dtype)
     groups = -(-n // g)
-    code = bits.unpack(buf, groups, b, dtype=torch.int32)
+    numpy = _frame.use_numpy(buf)
+    code = bits.unpack(buf, groups, b, dtype=None if numpy else torch.int32)
     limit = (m + 1) ** g
     hi = code.max()
 
@@ -222,17 +223,40 @@ def _unpack_torch(buf: torch.Tensor, n: int, m: int, g: int, b: int, dtype: torc
 
     # Flags, not reads: inside _frame.deferred a collective reads them once per call.
     _frame.check_later(hi >= limit, too_big)
-    digits = torch.empty(groups, g, dtype=torch.int32, device=buf.device)
-    for j in range(g - 1, -1, -1):
-        digits[:, j] = code % (m + 1)
-        code = code.div_(m + 1, rounding_mode="floor")
-    flat = digits.reshape(-1)
+    if numpy:
+        # Every code's g digits in one gather from a table of all 2**b codes (at most 64 Ki
+        # rows of g <= 16 bytes): 3-5x the divisions' speed on a CPU. Rows past the limit hold
+        # zeros; a code there fails the check above.
+        flat = torch.from_numpy(np.take(_digit_table(m, g, b), code.numpy(), axis=0)
+                                ).reshape(-1)
+    else:
+        digits = torch.empty(groups, g, dtype=torch.int32, device=buf.device)
+        for j in range(g - 1, -1, -1):
+            digits[:, j] = code % (m + 1)
+            code = code.div_(m + 1, rounding_mode="floor")
+        flat = digits.reshape(-1)
 
     def padded() -> None:
         raise ValueError(f"corrupt {_CODEC} payload: padding counts after n={n} must be zero")
 
     _frame.check_later(flat[n:].any(), padded)
     return flat[:n].to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _digit_table(m: int, g: int, b: int) -> np.ndarray:
+    """Return the ``(2**b, g)`` uint8 digits of every radix code, first most significant.
+
+    Groups of ``g >= 2`` exist only for ``m <= 255``: ``(m + 1)**2`` must fit 16 bits.
+    """
+    base = m + 1
+    code = np.arange(base**g, dtype=np.int64)
+    table = np.zeros((1 << b, g), dtype=np.uint8)
+    for j in range(g - 1, -1, -1):
+        table[: base**g, j] = code % base
+        code //= base
+    table.setflags(write=False)
+    return table
 
 
 def _check_decoded(v: torch.Tensor, m: int) -> None:
