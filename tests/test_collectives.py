@@ -119,18 +119,19 @@ def test_decide_takes_counts_of_a_byte_of_ranks_without_wrapping(path, dtype):
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
-def test_the_ring_tallies_in_int32_beyond_a_byte_of_ranks(size, monkeypatch):
-    """Beyond 255 ranks the ring's counts are int32; run that branch at a few ranks."""
+def test_the_majorities_tally_in_int32_beyond_a_byte_of_ranks(size, monkeypatch):
+    """Beyond 255 ranks the votes add up in int32; run that branch at a few ranks."""
     from bitcomm.collectives import majority
 
     monkeypatch.setattr(majority, "_BYTE_RANKS", 1)
-    for n in (1, 1000):
+    for n in (1, 1000, (1 << 17) + 5):
         xs = inputs(size, n, seed=n + size)
-        for packing in counts.PACKINGS:
-            out = run_local(lambda c, p=packing: ring_majority(
-                c, xs[c.rank], packing=p, tie="alternate", phase=1), size)
+        for fn, kw in ((ring_majority, {"packing": "fixed"}), (ring_majority, {"packing": "radix"}),
+                       (alltoall_majority, {}), (allgather_majority, {})):
+            out = run_local(lambda c, f=fn, kw=kw: f(c, xs[c.rank], tie="alternate", phase=1,
+                                                     **kw), size)
             assert identical(out)
-            assert torch.equal(out[0], brute_majority(xs, "alternate", 1)), (n, packing)
+            assert torch.equal(out[0], brute_majority(xs, "alternate", 1)), (n, fn, kw)
 
 
 def test_majority_keeps_shape_dtype_and_packs():
