@@ -358,6 +358,38 @@ def test_onebit_allgather_gives_the_alltoalls_result_bit_for_bit(size):
                                    a[j].server_error)
 
 
+@pytest.mark.parametrize("collective", ["alltoall", "allgather"])
+def test_onebit_numpy_path_gives_the_torch_paths_bits(collective):
+    """On CPU tensors the sign and error steps set the scale's sign bit instead of multiplying
+    by +-1: outputs and both errors must keep the torch path's bits over calls, with -0.0, a
+    scale of 0 with negative elements (-1e-30 squares to 0) and NaN (a NaN scale takes the
+    multiplying path)."""
+    size, n = 3, 1001
+    runs = {}
+    for path in ("numpy", "torch"):
+        states = [OneBitState(n, size, collective=collective) for _ in range(size)]
+        outs = []
+        for step in range(5):
+            xs = inputs(size, n, seed=300 + step)
+            xs[1][:3] = torch.tensor([0.0, -0.0, -1e-30])
+            if step == 0:
+                xs = [torch.zeros(n).index_fill_(0, torch.arange(r, n, 7), -1e-30)
+                      for r in range(size)]
+            if step == 4:
+                xs[2][5] = float("nan")
+            with forced(path):
+                outs.append(run_local(lambda c: onebit_allreduce(
+                    c, xs[c.rank], states[c.rank], check=False), size))
+        runs[path] = outs, states
+    (a, sa), (b, sb) = runs["numpy"], runs["torch"]
+    for step in range(5):
+        assert identical(a[step] + b[step]), step
+    assert a[0][0].eq(0).all() and a[4][0].isnan().any()  # the cases happened
+    for r in range(size):
+        assert identical([sa[r].worker_error, sb[r].worker_error])
+        assert identical([sa[r].server_error, sb[r].server_error])
+
+
 def test_onebit_collective_names():
     assert collective_for("auto", 2) == "allgather"
     assert collective_for("auto", 3) == collective_for("alltoall", 2) == "alltoall"
