@@ -69,14 +69,18 @@ def test_round_trip_and_exact_size(path, m, packing):
 
 @pytest.mark.parametrize("other", OTHER_PATHS)
 def test_every_path_gives_identical_bytes(other):
-    x = torch.randint(0, 6, (10001,), generator=torch.Generator().manual_seed(1))
-    for packing in counts.PACKINGS:
-        a = counts.encode(x, 5, packing)
-        with forced(other):
-            b = counts.encode(x, 5, packing)
-            back, _ = counts.decode(b)
-        assert torch.equal(a, b)
-        assert torch.equal(back.long(), x)
+    # radix codes of 8, 13, 16 (above 32767) and 15 bits
+    for m in (2, 5, 8, 12):
+        x = torch.randint(0, m + 1, (10001,), generator=torch.Generator().manual_seed(m))
+        x[:10] = m  # a group of the largest code
+        for packing in counts.PACKINGS:
+            a = counts.encode(x, m, packing)
+            with forced(other):
+                b = counts.encode(x, m, packing)
+                back, _ = counts.decode(b)
+            assert torch.equal(a, b), (m, packing)
+            assert torch.equal(back.long(), x)
+            assert torch.equal(counts.decode(a)[0].long(), x)
 
 
 def test_bad_input():

@@ -158,6 +158,20 @@ def pack(x: torch.Tensor, m: int, packing: str = "fixed", *, check: bool = True)
     if _frame.use_triton(v):  # groups composed inside the packing kernel
         return _frame.kernels().planes_pack(v.contiguous(), b, g, m + 1)
     groups = -(-n // g)
+    if _frame.use_numpy(v):
+        # Horner's rule in the code's own width (uint8 for b <= 8, else uint16): every partial
+        # code is below (m + 1)**g <= 2**b, so nothing wraps, and no int32 copy is made.
+        digits = np.zeros(groups * g, dtype=np.uint8 if b <= 8 else np.uint16)
+        digits[:n] = v.numpy()
+        digits = digits.reshape(groups, g)
+        code = digits[:, 0].copy()
+        for j in range(1, g):
+            code *= m + 1
+            code += digits[:, j]
+        # torch has no uint16 integer type that bits accepts; int16 holds the same 16 bits,
+        # which is all that bits' planes take.
+        return bits.pack(torch.from_numpy(code if b <= 8 else code.view(np.int16)), b,
+                         check=False)
     digits = torch.zeros(groups * g, dtype=torch.int32, device=v.device)
     digits[:n] = v
     digits = digits.reshape(groups, g)
