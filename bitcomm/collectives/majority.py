@@ -92,28 +92,16 @@ def _check_options(tie: object, phase: object, packing: object = "fixed") -> Non
         raise ValueError(f"expected packing in {counts.PACKINGS}, got {packing!r}")
 
 
-def _decide(total: torch.Tensor, size: int, tie: str, start: int = 0, phase: int = 0
-            ) -> torch.Tensor:
+def _decide(total: torch.Tensor | np.ndarray, size: int, tie: str, start: int = 0,
+            phase: int = 0) -> torch.Tensor | np.ndarray:
     # All-Reducible signSGD, Section 3: +1 when the count exceeds N/2, else -1. ``total``
     # counts the elements from global index ``start`` on (for the alternating tie). Counts are
     # compared with N // 2 rather than doubled, so uint8 counts of up to 255 ranks never wrap.
-    if total.numel() and total.device.type == "cpu" and _frame.use_numpy(total):
-        return torch.from_numpy(_decide_numpy(total.numpy(), size, tie, start, phase))
-    half = size // 2
-    plus = total > half
-    if size % 2 == 0 and tie == "positive":
-        plus |= total == half
-    elif size % 2 == 0 and tie == "alternate":
-        base = start + phase
-        even = torch.arange(base, base + total.numel(), device=total.device) % 2 == 0
-        plus |= (total == half) & even
-    return plus
-
-
-def _decide_numpy(total: np.ndarray, size: int, tie: str, start: int, phase: int
-                  ) -> np.ndarray:
-    # _decide in numpy calls: on a DDP bucket's few thousand elements torch's per-operation
-    # dispatch costs more than the work, and on millions numpy's passes are faster.
+    # A numpy array gives a numpy array; a CPU tensor is decided by numpy too: on a DDP
+    # bucket's few thousand elements torch's per-operation dispatch costs more than the work,
+    # and on millions numpy's passes are faster.
+    if isinstance(total, torch.Tensor) and total.numel() and _frame.use_numpy(total):
+        return torch.from_numpy(_decide(total.numpy(), size, tie, start, phase))
     half = size // 2
     plus = total > half
     if size % 2 == 0 and tie == "positive":
@@ -414,11 +402,10 @@ def _majority(payloads: list[torch.Tensor], n: int, device: torch.device, size: 
     # The decisions (bool, True = +1) from every rank's packed signs of the same n elements.
     if not (n and _frame.use_numpy(payloads[0]) and device.type == "cpu"):
         return _decide(_count_votes(payloads, n, device), size, tie, start, phase)
-    # _count_votes and _decide in a few numpy calls (see _decide_numpy).
+    # _count_votes and _decide in a few numpy calls.
     rows = torch.stack(payloads)
     _frame.check_padding(rows, n, "bits", "plane")
-    return torch.from_numpy(_decide_numpy(_vote_totals(rows.numpy(), n), size, tie, start,
-                                          phase))
+    return torch.from_numpy(_decide(_vote_totals(rows.numpy(), n), size, tie, start, phase))
 
 
 def _vote_totals(rows: np.ndarray, n: int) -> np.ndarray:
