@@ -25,6 +25,50 @@ def test_exact_selectors_match_brute_force_with_ties(method, path):
                 assert got.tolist() == brute_topk(s, min(k, n)), (n, k, dtype)
 
 
+def fast_brute_topk(a, k):
+    """brute_topk for large vectors without NaN: by score descending, then index."""
+    import numpy as np
+
+    order = np.lexsort((np.arange(a.size), -a.astype(np.float64)))
+    return sorted(order[:k].tolist())
+
+
+def test_the_sampled_bracket_gives_the_exact_set_or_steps_aside(monkeypatch):
+    """Above 2**18 scores the numpy path takes the top k from the scores above a bound read
+    off a strided sample: the exact set with ties and in every numpy dtype, and the
+    partitioning path's set when the sample misleads or NaN ranks on top."""
+    import numpy as np
+
+    results = []
+    real = select._bracketed
+    monkeypatch.setattr(select, "_bracketed", lambda a, k: results.append(real(a, k)) or
+                        results[-1])
+    n = (1 << 18) + 7
+    g = torch.Generator().manual_seed(5)
+    for scores in (torch.randn(n, generator=g).abs(),
+                   torch.randint(0, 1000, (n,), generator=g).float()):  # ties at the k-th
+        for dtype in (torch.float32, torch.float16, torch.float64):
+            v = scores.to(dtype)
+            for k in (1, 262, 2621, n // 8):
+                got = select.topk(v, k, check=False)
+                assert results[-1] is not None
+                assert got.tolist() == fast_brute_topk(v.numpy(), k), (dtype, k)
+    # A sample that sees only the period's peaks: fewer than k scores reach its bound.
+    stride = n // select._SAMPLE
+    periodic = torch.ones(n)
+    periodic[::stride] = 5.0
+    got = select.topk(periodic, 20000, check=False)
+    assert results[-1] is None
+    assert got.tolist() == fast_brute_topk(periodic.numpy(), 20000)
+    # NaN ranks on top, as in the partitioning path.
+    nan = torch.randn(n, generator=g).abs()
+    nan[np.arange(3, n, 997)] = float("nan")
+    with_bracket = select.topk(nan, 2621, check=False)
+    assert results[-1] is not None
+    monkeypatch.setattr(select, "_SAMPLED", n + 1)
+    assert torch.equal(with_bracket, select.topk(nan, 2621, check=False))
+
+
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
 def test_exact_topk_reads_nothing_back_off_the_numpy_path(path, monkeypatch):

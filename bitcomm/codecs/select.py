@@ -236,10 +236,14 @@ def _exact(s: torch.Tensor, k: int) -> torch.Tensor:
     if _frame.use_triton(s):  # radix selection: no sort, no host read
         return _frame.kernels().top_indices(s, k)
     if _frame.numpy_float(s):
+        a = s.numpy()
+        if n >= _SAMPLED and k <= n // 8:
+            chosen = _bracketed(a, k)
+            if chosen is not None:
+                return torch.from_numpy(chosen)
         # numpy's introselect finds the k-th value about 10x faster than torch.topk on a CPU
         # (8M scores, k = 1%: 14 against 139 ms), and its index scans 7x faster than nonzero.
         # The minimum of the top slice is torch's kth, NaN included (both put NaN on top).
-        a = s.numpy()
         kth = np.partition(a, n - k)[n - k:].min()
         above = np.flatnonzero(a > kth)
         equal = np.flatnonzero(a == kth)[: k - above.size]
@@ -257,6 +261,45 @@ def _exact(s: torch.Tensor, k: int) -> torch.Tensor:
     slot = torch.where(chosen, torch.cumsum(chosen, 0) - 1, k)
     out = torch.zeros(k + 1, dtype=torch.int64, device=s.device)
     return out.scatter_(0, slot, torch.arange(n, device=s.device))[:k]
+
+
+_SAMPLED = 1 << 18
+"""The fewest scores whose exact top-k on the numpy path starts from a sampled bracket."""
+_SAMPLE = 1 << 14
+"""About how many scores the bracket is estimated from."""
+
+
+def _bracketed(a: np.ndarray, k: int) -> np.ndarray | None:
+    """Return :func:`_exact`'s indices of ``a`` from the scores above a sampled bound.
+
+    A strided sample's ``r``-th largest score, ``r`` six standard deviations above the count
+    that the sample's share of ``k`` predicts, bounds from below a few more than the top k
+    (8M scores, k = 1%: about 1.5k). The top k of those candidates and of NaN, which ranks
+    above every score as in ``np.partition``, is the top k of ``a``: one comparison and one
+    index scan of ``a``, where partitioning it copies and reorders every score (8M, k = 1%:
+    18 -> 6.5 ms). ``None`` when the sample misjudged (fewer than k candidates) or is mostly
+    NaN: the caller then partitions ``a``.
+    """
+    n = a.size
+    sample = a[:: n // _SAMPLE]
+    m = sample.size
+    expect = k * m / n
+    r = min(m, int(expect + 6 * math.sqrt(expect)) + 8)
+    bound = np.partition(sample, m - r)[m - r]
+    if np.isnan(bound):
+        return None
+    keep = np.less(a, bound)
+    np.logical_not(keep, out=keep)  # at or above the bound, or NaN
+    idx = np.flatnonzero(keep)
+    if idx.size < k:
+        return None
+    cand = a[idx]
+    kth = np.partition(cand, idx.size - k)[idx.size - k :].min()
+    above = cand > kth
+    ties = cand == kth
+    # the ties that fit, lowest indices first; idx is ascending, so the result is too
+    chosen = above | (ties & (np.cumsum(ties) <= k - np.count_nonzero(above)))
+    return idx[chosen]
 
 
 def topk(scores: torch.Tensor, k: int, *, check: bool = True) -> torch.Tensor:
