@@ -307,8 +307,9 @@ def test_a_call_reads_the_host_as_often_at_any_number_of_ranks(size, path, monke
 
 
 def test_indices_of_a_mask_whose_count_is_known(monkeypatch):
-    """``_frame.indices_of`` gives torch.nonzero's indices without reading the count back; a
-    torch without ``nonzero_static`` for the device takes torch.nonzero, the same indices."""
+    """``_frame.indices_of`` gives torch.nonzero's indices (numpy's on the CPU) without
+    reading the count back off the numpy path; a torch without ``nonzero_static`` for the
+    device takes torch.nonzero, the same indices."""
     from bitcomm.codecs import _frame
 
     g = torch.Generator().manual_seed(3)
@@ -316,9 +317,12 @@ def test_indices_of_a_mask_whose_count_is_known(monkeypatch):
              torch.ones(9, dtype=torch.bool), torch.rand(1001, generator=g) > 0.9]
     for mask in masks:
         want = torch.nonzero(mask).reshape(-1)
-        got = _frame.indices_of(mask, int(mask.sum()))
-        assert got.dtype == torch.int64 and torch.equal(got, want)
-        assert host_reads(monkeypatch, lambda m=mask: _frame.indices_of(m, 0)) == []
+        for path in ("numpy", "torch"):
+            with forced(path):
+                got = _frame.indices_of(mask, int(mask.sum()))
+            assert got.dtype == torch.int64 and torch.equal(got, want), path
+        with forced("torch"):
+            assert host_reads(monkeypatch, lambda m=mask: _frame.indices_of(m, 0)) == []
 
     def missing(*args, **kwargs):
         raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from "

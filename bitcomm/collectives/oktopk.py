@@ -67,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from bitcomm.codecs import _frame, sidco, stream
@@ -268,11 +269,14 @@ def _local(mag: torch.Tensor, k: int, state: OkTopkState, recompute: bool,
     region come back together, and the count sizes the indices without another read.
     """
     n = mag.numel()
-    nonzero = mag > 0
+    # On the numpy path a threshold on the host selects in one comparison: mag >= th > 0, or
+    # mag > 0 when th <= 0 (torch's and numpy's scalars both round to mag's dtype).
+    host = _frame.numpy_float(mag)
+    nonzero = None if host else mag > 0
     computed = None
     if recompute or state.local_th is None or math.isinf(state.local_th):
         if state.local_fit is None or k == 0:
-            computed = _local_threshold(mag, nonzero, k)
+            computed = _local_threshold(mag, mag > 0 if nonzero is None else nonzero, k)
         else:
             state.local_th = sidco.threshold(mag, min(1.0, k / n), state.local_fit,
                                              state.local_stages, check=False)
@@ -280,7 +284,13 @@ def _local(mag: torch.Tensor, k: int, state: OkTopkState, recompute: bool,
         else [(0, n)]
     tries = state.raise_tries if state.feedback and not recompute else 0
     while True:
-        mask = nonzero & (mag >= (state.local_th if computed is None else computed))
+        if computed is None and host:
+            a, th = mag.numpy(), state.local_th
+            mask = torch.from_numpy(np.greater(a, 0) if th <= 0 else
+                                    np.greater_equal(a, a.dtype.type(th)))
+        else:
+            nonzero = mag > 0 if nonzero is None else nonzero
+            mask = nonzero & (mag >= (state.local_th if computed is None else computed))
         # count_nonzero: a bool sum promotes through int64, several times slower on a CPU
         counts = torch.stack([torch.count_nonzero(mask[a:b]) for a, b in regions]).to(
             torch.float64)
