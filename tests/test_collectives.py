@@ -99,8 +99,8 @@ def test_alternate_tie_is_unbiased(fn):
 @pytest.mark.parametrize("path", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32])
 def test_decide_takes_counts_of_a_byte_of_ranks_without_wrapping(path, dtype):
-    """The ring adds the votes of up to 255 ranks in uint8: counts of 128 or more must still
-    compare against N/2 (doubling them in uint8 would wrap 128 to 0)."""
+    """The majorities add the votes of up to 255 ranks in uint8: counts of 128 or more must
+    still compare against N/2 (doubling them in uint8 would wrap 128 to 0)."""
     from bitcomm.collectives.majority import _decide
 
     total = torch.tensor([0, 127, 128, 200, 255, 126, 127], dtype=dtype)

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -27,8 +28,6 @@ def test_exact_selectors_match_brute_force_with_ties(method, path):
 
 def fast_brute_topk(a, k):
     """brute_topk for large vectors without NaN: by score descending, then index."""
-    import numpy as np
-
     order = np.lexsort((np.arange(a.size), -a.astype(np.float64)))
     return sorted(order[:k].tolist())
 
@@ -37,8 +36,6 @@ def test_the_sampled_bracket_gives_the_exact_set_or_steps_aside(monkeypatch):
     """Above 2**18 scores the numpy path takes the top k from the scores above a bound read
     off a strided sample: the exact set with ties and in every numpy dtype, and the
     partitioning path's set when the sample misleads or NaN ranks on top."""
-    import numpy as np
-
     results = []
     real = select._bracketed
     monkeypatch.setattr(select, "_bracketed", lambda a, k: results.append(real(a, k)) or

@@ -180,7 +180,8 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
         # vote work, and the rest overlaps with waiting for the ring. uint8, added into the
         # counts received, in one buffer for every step: fresh memory's first writes cost
         # more than the comparison on a CPU, and numpy's comparison is about 2.5x torch's.
-        chunk, out = part(v, c), scratch[: part(v, c).numel()]
+        chunk = part(v, c)
+        out = scratch[: chunk.numel()]
         if numpy_votes:
             np.greater_equal(chunk.numpy(), 0, out=out.numpy())
         else:
