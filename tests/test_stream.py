@@ -2,6 +2,7 @@
 
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,8 +114,6 @@ def test_add_of_sparse_streams_matches_a_reference_to_the_bit():
     """Two sparse streams' sum on the numpy path: the union of their indices, each slot 0 plus
     the first stream's value plus the second's in float32 (so a lone -0.0 becomes +0.0, and a
     cancellation stays as +0.0), against a dict written here; empty operands too."""
-    import numpy as np
-
     g = torch.Generator().manual_seed(7)
     for n, na, nb in ((1000, 40, 60), (1000, 0, 30), (1000, 30, 0), (1000, 0, 0),
                       (100_000, 5000, 3000), (50, 1, 1)):

@@ -272,11 +272,13 @@ def _local(mag: torch.Tensor, k: int, state: OkTopkState, recompute: bool,
     # On the numpy path a threshold on the host selects in one comparison: mag >= th > 0, or
     # mag > 0 when th <= 0 (torch's and numpy's scalars both round to mag's dtype).
     host = _frame.numpy_float(mag)
-    nonzero = None if host else mag > 0
+    fit = recompute or state.local_th is None or math.isinf(state.local_th)
+    exact = fit and (state.local_fit is None or k == 0)  # a threshold computed on the device
+    nonzero = mag > 0 if exact or not host else None  # for every mask but the host's
     computed = None
-    if recompute or state.local_th is None or math.isinf(state.local_th):
-        if state.local_fit is None or k == 0:
-            computed = _local_threshold(mag, mag > 0 if nonzero is None else nonzero, k)
+    if fit:
+        if exact:
+            computed = _local_threshold(mag, nonzero, k)
         else:
             state.local_th = sidco.threshold(mag, min(1.0, k / n), state.local_fit,
                                              state.local_stages, check=False)
@@ -290,7 +292,6 @@ def _local(mag: torch.Tensor, k: int, state: OkTopkState, recompute: bool,
                 mask = torch.from_numpy(np.greater(a, 0) if th <= 0 else
                                         np.greater_equal(a, a.dtype.type(th)))
         else:
-            nonzero = mag > 0 if nonzero is None else nonzero
             mask = nonzero & (mag >= (state.local_th if computed is None else computed))
         # count_nonzero: a bool sum promotes through int64, several times slower on a CPU
         counts = torch.stack([torch.count_nonzero(mask[a:b]) for a, b in regions]).to(
