@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from bitcomm.codecs import select
+from bitcomm.codecs import _bracket, select
 
 from conftest import OTHER_PATHS, forced, host_reads, needs_interpreter
 
@@ -34,7 +34,7 @@ def fast_brute_topk(a, k):
 
 def test_the_sampled_bracket_gives_the_exact_set_or_steps_aside(monkeypatch):
     """Above 2**18 scores the numpy path takes the top k from the scores above a bound read
-    off a strided sample: the exact set with ties and in every numpy dtype, and the
+    off a stratified sample: the exact set with ties and in every numpy dtype, and the
     partitioning path's set when the sample misleads or NaN ranks on top."""
     results = []
     real = select._bracketed
@@ -50,20 +50,53 @@ def test_the_sampled_bracket_gives_the_exact_set_or_steps_aside(monkeypatch):
                 got = select.topk(v, k, check=False)
                 assert results[-1] is not None
                 assert got.tolist() == fast_brute_topk(v.numpy(), k), (dtype, k)
-    # A sample that sees only the period's peaks: fewer than k scores reach its bound.
-    stride = n // select._SAMPLE
-    periodic = torch.ones(n)
-    periodic[::stride] = 5.0
-    got = select.topk(periodic, 20000, check=False)
+    # A sample that sees only the peaks: fewer than k scores reach its bound.
+    peaks = torch.ones(n)
+    peaks[_bracket.positions(n)] = 5.0
+    got = select.topk(peaks, 20000, check=False)
     assert results[-1] is None
-    assert got.tolist() == fast_brute_topk(periodic.numpy(), 20000)
+    assert got.tolist() == fast_brute_topk(peaks.numpy(), 20000)
     # NaN ranks on top, as in the partitioning path.
     nan = torch.randn(n, generator=g).abs()
     nan[np.arange(3, n, 997)] = float("nan")
     with_bracket = select.topk(nan, 2621, check=False)
     assert results[-1] is not None
-    monkeypatch.setattr(select, "_SAMPLED", n + 1)
+    monkeypatch.setattr(_bracket, "MIN_N", n + 1)
     assert torch.equal(with_bracket, select.topk(nan, 2621, check=False))
+
+
+def test_the_sample_takes_one_score_of_each_run_at_varying_offsets():
+    """positions(n): one position in each of SAMPLE runs of n // SAMPLE scores, ascending, at
+    offsets that cover the columns of a row-major matrix whose rows divide the run."""
+    for n in (_bracket.SAMPLE, (1 << 18) + 7, 1 << 24, 10**9 + 7):
+        step = n // _bracket.SAMPLE
+        pos = _bracket.positions(n)
+        assert pos.dtype == np.int64 and pos.size == _bracket.SAMPLE
+        assert np.array_equal(pos // step, np.arange(_bracket.SAMPLE))  # one in each run
+    pos = _bracket.positions(1 << 24)  # runs of 1024: rows of 1024, 512, ..., 32 columns
+    for row in (32, 256, 1024):
+        assert np.unique(pos % row).size > row * 0.9, row
+
+
+def test_the_bracket_holds_on_a_matrix_whose_columns_differ_in_scale(monkeypatch):
+    """A gradient of 2**19 scores as rows of 32 whose first column is 100x the others: a
+    strided sample (offset 0 in every run of 32) sees that column only, and its bound leaves
+    fewer than k scores; the stratified sample's bound brackets the top k."""
+    results = []
+    real = select._bracketed
+    monkeypatch.setattr(select, "_bracketed", lambda a, k: results.append(real(a, k)) or
+                        results[-1])
+    rows, cols = 1 << 14, 32
+    g = torch.Generator().manual_seed(8)
+    grad = torch.randn(rows, cols, generator=g).abs()
+    grad[:, 0] *= 100
+    a, k = grad.reshape(-1).numpy(), 5000
+    strided = a[:: a.size // _bracket.SAMPLE]
+    r = _bracket.rank(a.size, k)
+    assert (a >= np.sort(strided)[-r]).sum() < k  # the premise: a strided sample misleads
+    got = select.topk(grad.reshape(-1), k, check=False)
+    assert results[-1] is not None
+    assert got.tolist() == fast_brute_topk(a, k)
 
 
 @pytest.mark.parametrize("path", ["torch", pytest.param(

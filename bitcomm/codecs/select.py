@@ -44,7 +44,7 @@ import math
 import numpy as np
 import torch
 
-from bitcomm.codecs import _frame, sidco
+from bitcomm.codecs import _bracket, _frame, sidco
 
 __all__ = ["topk", "trimmed_topk", "threshold_search", "select", "select_side", "select_abs",
            "METHODS", "SIDCO", "MIN_EPS"]
@@ -237,7 +237,7 @@ def _exact(s: torch.Tensor, k: int) -> torch.Tensor:
         return _frame.kernels().top_indices(s, k)
     if _frame.numpy_float(s):
         a = s.numpy()
-        if n >= _SAMPLED and k <= n // 8:
+        if n >= _bracket.MIN_N and k <= n // 8:
             chosen = _bracketed(a, k)
             if chosen is not None:
                 return torch.from_numpy(chosen)
@@ -257,29 +257,20 @@ def _exact(s: torch.Tensor, k: int) -> torch.Tensor:
     return out.scatter_(0, slot, torch.arange(n, device=s.device))[:k]
 
 
-_SAMPLED = 1 << 18
-"""The fewest scores whose exact top-k on the numpy path starts from a sampled bracket."""
-_SAMPLE = 1 << 14
-"""About how many scores the bracket is estimated from."""
-
-
 def _bracketed(a: np.ndarray, k: int) -> np.ndarray | None:
-    """Return :func:`_exact`'s indices of ``a`` from the scores above a sampled bound.
+    """Return :func:`_exact`'s indices of ``a`` from the scores at or above a sampled bound.
 
-    A strided sample's ``r``-th largest score, ``r`` six standard deviations above the count
-    that the sample's share of ``k`` predicts, bounds from below a few more than the top k
-    (8M scores, k = 1%: about 1.5k). The top k of those candidates and of NaN, which ranks
-    above every score as in ``np.partition``, is the top k of ``a``: one comparison and one
-    index scan of ``a``, where partitioning it copies and reorders every score (8M, k = 1%:
-    18 -> 6.5 ms). ``None`` when the sample misjudged (fewer than k candidates) or is mostly
-    NaN: the caller then partitions ``a``.
+    The bound is :mod:`~bitcomm.codecs._bracket`'s: the ``rank(n, k)``-th largest score of its
+    stratified sample (8M scores, k = 1%: about 1.5k candidates). The top k of those candidates
+    and of NaN, which ranks above every score as in ``np.partition``, is the top k of ``a``: one
+    comparison and one index scan of ``a``, where partitioning it copies and reorders every
+    score (8M, k = 1%: 18 -> 6.5 ms). ``None`` when the sample misjudged (fewer than k
+    candidates) or is mostly NaN: the caller then partitions ``a``.
     """
     n = a.size
-    sample = a[:: n // _SAMPLE]
-    m = sample.size
-    expect = k * m / n
-    r = min(m, int(expect + 6 * math.sqrt(expect)) + 8)
-    bound = np.partition(sample, m - r)[m - r]
+    sample = a[_bracket.positions(n)]
+    r = _bracket.rank(n, k)
+    bound = np.partition(sample, sample.size - r)[sample.size - r]
     if np.isnan(bound):
         return None
     keep = np.less(a, bound)
