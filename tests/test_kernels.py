@@ -6,11 +6,13 @@ numpy operations, about a second per million elements. On a GPU machine, tests/t
 them on CUDA tensors.
 """
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
-from bitcomm.codecs import _rng, bits, counts, qsgd, sign
+from bitcomm.codecs import _bracket, _rng, bits, counts, qsgd, sign
 
 from conftest import AWKWARD, forced, host_reads, needs_interpreter
 
@@ -585,6 +587,60 @@ def test_radix_selection_gathers_its_candidates_in_index_order(programs, monkeyp
         assert _kernels.top_indices(w, k, 2).tolist() == _brute_top(w.abs(), k)
 
 
+def _keys(s: torch.Tensor) -> np.ndarray:
+    # the order keys of the scores as the selection ranks them: float64's own, the float32
+    # values' for every narrower float
+    if s.dtype != torch.float64:
+        return _float32_keys(s.float())
+    a = s.numpy()
+    b = np.where(a == 0, 0.0, a).view(np.int64)
+    return b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
+
+
+@pytest.mark.parametrize("programs", [4096, 2])
+def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch):
+    """From _bracket.MIN_N scores the selection first gathers every key at or above the
+    sampled bound (the rank(n, k)-th largest key at the numpy path's sample positions), with
+    its index, in index order, and every pass reads those: the sort's result, for every float
+    dtype and side, negative bounds included. When the sample misleads (fewer than k keys
+    reach its bound) or too many keys tie at it, nothing is gathered, and the passes read x
+    with the same result. (A smaller sample and more room than the defaults, for the
+    interpreter.)"""
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+    monkeypatch.setattr(_bracket, "SAMPLE", 256)
+    monkeypatch.setattr(_bracket, "MIN_N", 4096)
+    monkeypatch.setattr(_kernels, "SLACK", 4)
+    g = torch.Generator().manual_seed(22)
+    n, k = 5003, 50
+    pos = _bracket.positions(n)
+    v = torch.randn(n, generator=g)
+    v[:3] = torch.tensor([0.0, -0.0, float("inf")])
+    cases = [(side, 0.0) for side in (0, 1, -1, 2)] + [(0, -3.0)]  # -3: a negative bound
+    dtypes = (torch.float32, torch.float64) + (
+        (torch.float16, torch.bfloat16) if programs == 2 else ())
+    for dtype, (side, shift) in itertools.product(dtypes, cases):
+        w = (v + shift).to(dtype)
+        s = {0: w, 1: w.clamp(min=0), -1: w.neg().clamp(min=0), 2: w.abs()}[side]
+        keys = _keys(s)
+        bound = np.sort(keys[pos])[-_bracket.rank(n, k)]
+        want = np.flatnonzero(keys >= bound)
+        assert k <= want.size <= k + n // 4, (dtype, side)  # the premise: they fit
+        sel = _kernels._radix_select(w, k, side)
+        assert int(sel.bound) == bound, (dtype, side, shift)
+        m = int(sel.m)
+        assert m == want.size
+        assert sel.idx[:m].tolist() == want.tolist()
+        assert sel.keys[:m].tolist() == keys[want].tolist()
+        assert _kernels.top_indices(w, k, side).tolist() == _brute_top(s, k)
+    peaks = torch.ones(n)
+    peaks[pos] = 5.0  # the sample sees only these: 256 scores reach its bound, k = 300
+    flat = torch.full((n,), 2.0)  # every key ties at the bound: more than the room
+    for x, k in ((peaks, 300), (flat, 50)):
+        assert int(_kernels._radix_select(x, k, 0).m) == 0
+        assert _kernels.top_indices(x, k).tolist() == _brute_top(x, k)
+        assert _kernels.kth_largest(x, k).item() == x.sort(descending=True).values[k - 1]
+
+
 def _launches(fn) -> list[str]:
     # The kernels fn launches on meta tensors: its Triton launches (recorded, not run) and
     # the torch ops that launch one on a device (not views, not allocations).
@@ -623,6 +679,12 @@ def test_radix_selection_launches_few_kernels():
     wide = torch.empty(10_000, device="meta", dtype=torch.float64)
     assert len(_launches(lambda: _kernels.top_indices(wide, 100))) == 16
     assert len(_launches(lambda: _kernels.kth_largest(x, 100))) == 10
+    # from a sampled bound: the bound, a count and the gathering, then four passes
+    big = torch.empty(1 << 18, device="meta")
+    got = _launches(lambda: _kernels.top_indices(big, 1 << 11, 2))
+    assert sorted(got) == sorted(["zeros", "fill_", "sample_bound", "count_at_least", "cumsum",
+                                  "gather", "key_digits", "key_digits", "key_digits",
+                                  "key_digits", "chosen_counts", "cumsum", "chosen_write"])
 
 
 @pytest.mark.parametrize("programs", [4096, 2])

@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bitcomm.codecs import _bracket
+
 __all__ = ["launch", "launch_tiles", "sign_pack", "sign_unpack", "partial_sums", "planes_pack",
            "planes_unpack", "qsgd_codes", "qsgd_values", "score_stats", "count_above",
            "kth_largest", "top_indices", "indices_above", "MAX_FUSED_BUCKET", "DIGIT",
@@ -792,17 +794,39 @@ def _gathered_counts_kernel(hist_ptr, state_ptr, rows_ptr, counts_ptr, SHIFT: tl
 
 
 @triton.jit
-def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, n, room,
+def _sample_bound_kernel(x_ptr, bound_ptr, step, r, SIDE: tl.constexpr, WIDE: tl.constexpr,
+                         M: tl.constexpr, HASH: tl.constexpr):
+    # One program: the r-th largest key of the stratified sample of _bracket.positions (the
+    # same positions, computed here), found bit by bit from the top: the largest key that at
+    # least r sampled keys reach. Each step adds the next bit to the bound when that many keys
+    # still reach it; the bound stays inside the key's range, so nothing overflows.
+    s = tl.arange(0, M).to(tl.int64)
+    pos = s * step + ((((s * HASH) & 0xFFFFFFFF) >> 16) * step >> 16)
+    key = _order_key(tl.load(x_ptr + pos), SIDE, WIDE)
+    if WIDE:
+        lowest = -9223372036854775808
+    else:
+        lowest = -2147483648
+    bound = tl.where(tl.sum((key >= 0).to(tl.int32), 0) >= r, 0, lowest).to(key.dtype)
+    for bit in tl.static_range(62 if WIDE else 30, -1, -1):
+        t = bound + (1 << bit)
+        bound = tl.where(tl.sum((key >= t).to(tl.int32), 0) >= r, t, bound)
+    tl.store(bound_ptr, bound.to(tl.int64))
+
+
+@triton.jit
+def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, n, need, room,
                    SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
                    KEYS: tl.constexpr, BLOCK: tl.constexpr):
     # The candidates: every key whose digits from SHIFT up are at least those of the key in
-    # state_ptr (the k-th largest's prefix: a superset of the top k), with its index (and,
-    # with KEYS, the key), each program's run at the end of the runs before it (ends: the
-    # running sum of the programs' counts), so in index order; their number goes to m_ptr.
-    # Nothing when they would not fit in `room`: m stays 0 and the passes go on reading x.
+    # state_ptr (the k-th largest's prefix, or a sampled bound: a superset of the top k when
+    # there are at least `need` of them), with its index (and, with KEYS, the key), each
+    # program's run at the end of the runs before it (ends: the running sum of the programs'
+    # counts), so in index order; their number goes to m_ptr. Nothing when they are fewer
+    # than `need` or would not fit in `room`: m stays 0 and the passes go on reading x.
     pid = tl.program_id(0)
     total = tl.load(ends_ptr + tl.num_programs(0) - 1)
-    if total <= room:
+    if (total >= need) & (total <= room):
         floor = tl.load(state_ptr) >> SHIFT
         at = tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0)
         lo, hi = _span(n, BLOCK)
@@ -882,8 +906,9 @@ class _Selection:
     ``hist[p]``: pass ``p``'s histogram. ``state[p]``: the prefix of the k-th largest key once
     ``p`` digits are settled, and its rank among the keys that share that prefix (the ties at
     the k-th largest still to take once every digit is). ``m``: how many candidates were
-    gathered into ``keys`` and ``idx`` (0: none; room for ``k + n // SLACK``). All zeros but
-    ``state[0]``'s rank, ``k``, in one buffer: two launches.
+    gathered into ``keys`` and ``idx`` (0: none; room for ``k + n // SLACK``). ``bound``: the
+    key of the sampled bound, when the selection starts from one. All zeros but ``state[0]``'s
+    rank, ``k``, in one buffer: two launches.
     """
 
     def __init__(self, x: torch.Tensor, k: int):
@@ -891,9 +916,10 @@ class _Selection:
         wide = x.dtype == torch.float64
         self.digits = (64 if wide else 32) // DIGIT
         d = self.digits
-        work = torch.zeros(d * 256 + 2 * (d + 1) + 1, dtype=torch.int64, device=x.device)
+        work = torch.zeros(d * 256 + 2 * (d + 1) + 2, dtype=torch.int64, device=x.device)
         self.hist = work[: d * 256].view(d, 256)
-        self.state = work[d * 256 : -1].view(d + 1, 2)
+        self.state = work[d * 256 : -2].view(d + 1, 2)
+        self.bound = work[-2:-1]
         self.m = work[-1:]
         self.state[0, 1:].fill_(k)  # one fill kernel on the device, no copy from the host
         room = min(n, k + n // SLACK)
@@ -904,11 +930,35 @@ class _Selection:
                                device=x.device)
 
 
+def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, counts: torch.Tensor,
+             block: int, opts: dict) -> bool:
+    # Gathers the keys at or above the sampled bound of _bracket (their number to sel.m when
+    # they are k or more and fit), if the expected number of them leaves half the slack of the
+    # room for the sample's error; says whether it tried. One program of the passes a count.
+    n = x.numel()
+    if n < _bracket.MIN_N:
+        return False
+    step, r = n // _bracket.SAMPLE, _bracket.rank(n, k)
+    if r * step > k + n // (2 * SLACK):
+        return False
+    wide = x.dtype == torch.float64
+    launch(_sample_bound_kernel, (1,), x, sel.bound, step, r, SIDE=side, WIDE=wide,
+           M=_bracket.SAMPLE, HASH=_bracket.HASH, num_warps=16)
+    grid = (counts.numel(),)
+    launch(_count_at_least_kernel, grid, x, sel.bound, counts, n, SIDE=side, WIDE=wide,
+           BLOCK=block, **opts)
+    launch(_gather_kernel, grid, x, sel.bound, sel.m, counts.cumsum(0), sel.keys, sel.idx, n,
+           k, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=0, KEYS=True, BLOCK=block, **opts)
+    return True
+
+
 def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
     # Every digit of the k-th largest key but the last, settled on the device; the last pass's
-    # histogram is left for the caller's next kernel to settle. The first two passes read x;
-    # the keys at or above the k-th's first two digits are then gathered (about k of them for
-    # the usual scores) and the later passes read those instead.
+    # histogram is left for the caller's next kernel to settle. From 2**18 scores the keys at or
+    # above a sampled bound are gathered first (two reads of x; a few more than k of them),
+    # and every pass reads those. Otherwise, or when the sample misled, the first two passes
+    # read x; the keys at or above the k-th's first two digits are then gathered (about k of
+    # them for the usual scores) and the later passes read those instead.
     n = x.numel()
     if not 0 < k <= n:  # outside, the rank would run off the counts and the writes off `out`
         raise ValueError(f"expected 0 < k <= {n}, got k={k}")
@@ -917,21 +967,24 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
     block, opts = _config("key_digits")
     grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
     rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
-    counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)
+    counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)  # each program's
+    sampled = _sampled(x, k, side, sel, counts, block, opts)
     shifts = range((sel.digits - 1) * DIGIT, -1, -DIGIT)
     for p, shift in enumerate(shifts):
-        # pass p settles digit p - 1 first, except after the gathering pass, which did
-        settle = p not in (0, 2)
+        # pass p settles digit p - 1 first, except after the two-digit gathering, which did
+        settle = p > 0 if sampled else p not in (0, 2)
+        two_digits = not sampled and p == 1
         launch(_key_digits_kernel, grid, x, sel.keys, sel.hist[p],
-               sel.state[p - 1 if settle else p], sel.m, rows, n, SIDE=side, WIDE=wide,
-               SHIFT=shift, TOP=p == 0, ROWS=p == 1, FIRST=p < 2, SETTLE=settle,
-               SETTLE_TOP=p == 1, BLOCK=block, **opts)
-        if p == 1:
+               sel.state[p - 1 if settle else p], sel.m, rows, n,
+               SIDE=side, WIDE=wide, SHIFT=shift, TOP=p == 0, ROWS=two_digits,
+               FIRST=not sampled and p < 2, SETTLE=settle, SETTLE_TOP=p == 1, BLOCK=block,
+               **opts)
+        if two_digits:
             launch(_gathered_counts_kernel, grid, sel.hist[1], sel.state[1], rows, counts,
                    SHIFT=shift, TOP=False, WIDE=wide, num_warps=1)
             launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
-                   sel.idx, n, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=shift, KEYS=True,
-                   BLOCK=block, **opts)
+                   sel.idx, n, 0, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=shift,
+                   KEYS=True, BLOCK=block, **opts)
     return sel
 
 
@@ -1034,6 +1087,6 @@ def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0) 
     counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)
     launch(_count_at_least_kernel, grid, x, aux, counts, n, SIDE=side, WIDE=wide, BLOCK=block,
            **opts)
-    launch(_gather_kernel, grid, x, aux, aux[1:], counts.cumsum(0), out, out, n, count,
+    launch(_gather_kernel, grid, x, aux, aux[1:], counts.cumsum(0), out, out, n, count, count,
            SIDE=side, WIDE=wide, SHIFT=0, KEYS=False, BLOCK=block, **opts)
     return out
