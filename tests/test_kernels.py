@@ -600,7 +600,8 @@ def _keys(s: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("programs", [4096, 2])
 def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch):
     """From _bracket.MIN_N scores the selection first gathers every key at or above the
-    sampled bound (the rank(n, k)-th largest key at the numpy path's sample positions), with
+    sampled bound (the rank(n, k)-th largest key at the numpy path's sample positions,
+    rounded down to its first 16 bits, 20 for float64), with
     its index, in index order, and every pass reads those: the sort's result, for every float
     dtype and side, negative bounds included. When the sample misleads (fewer than k keys
     reach its bound) or too many keys tie at it, nothing is gathered, and the passes read x
@@ -622,7 +623,8 @@ def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch):
         w = (v + shift).to(dtype)
         s = {0: w, 1: w.clamp(min=0), -1: w.neg().clamp(min=0), 2: w.abs()}[side]
         keys = _keys(s)
-        bound = np.sort(keys[pos])[-_bracket.rank(n, k)]
+        low = (1 << 44 if dtype == torch.float64 else 1 << 16) - 1  # below the bound's bits
+        bound = np.sort(keys[pos])[-_bracket.rank(n, k)] & ~low
         want = np.flatnonzero(keys >= bound)
         assert k <= want.size <= k + n // 4, (dtype, side)  # the premise: they fit
         sel = _kernels._radix_select(w, k, side)

@@ -797,9 +797,11 @@ def _gathered_counts_kernel(hist_ptr, state_ptr, rows_ptr, counts_ptr, SHIFT: tl
 def _sample_bound_kernel(x_ptr, bound_ptr, step, r, SIDE: tl.constexpr, WIDE: tl.constexpr,
                          M: tl.constexpr, HASH: tl.constexpr):
     # One program: the r-th largest key of the stratified sample of _bracket.positions (the
-    # same positions, computed here), found bit by bit from the top: the largest key that at
-    # least r sampled keys reach. Each step adds the next bit to the bound when that many keys
-    # still reach it; the bound stays inside the key's range, so nothing overflows.
+    # same positions, computed here), rounded down to its sign, exponent and first 7 (float32)
+    # or 8 (float64) mantissa bits: a bound a few more keys reach, for half the search. The
+    # search goes bit by bit from the top: the largest such key that at least r sampled keys
+    # reach, each step adding the next bit when that many still reach it. The bound stays
+    # inside the key's range, so nothing overflows.
     s = tl.arange(0, M).to(tl.int64)
     pos = s * step + ((((s * HASH) & 0xFFFFFFFF) >> 16) * step >> 16)
     key = _order_key(tl.load(x_ptr + pos), SIDE, WIDE)
@@ -808,7 +810,7 @@ def _sample_bound_kernel(x_ptr, bound_ptr, step, r, SIDE: tl.constexpr, WIDE: tl
     else:
         lowest = -2147483648
     bound = tl.where(tl.sum((key >= 0).to(tl.int32), 0) >= r, 0, lowest).to(key.dtype)
-    for bit in tl.static_range(62 if WIDE else 30, -1, -1):
+    for bit in tl.static_range(62 if WIDE else 30, 43 if WIDE else 15, -1):
         t = bound + (1 << bit)
         bound = tl.where(tl.sum((key >= t).to(tl.int32), 0) >= r, t, bound)
     tl.store(bound_ptr, bound.to(tl.int64))
