@@ -54,7 +54,13 @@ def test_no_kernel_spills_registers_on_an_h100(every_case):
     names = {r["case"] for r in rows}
     assert {"sign decode", "counts-radix-m2 decode", "counts-w16 decode (m=65535)",
             "qsgd-8 encode, bucket 512", "ring last step (decide)",
-            "redsync-1% counts of 63 bounds", "top-k 1% fp32", "top-k 1% fp64"} <= names
+            "redsync-1% counts of 63 bounds", "top-k 1% fp32", "top-k 1% fp64",
+            "top-k 10% fp32"} <= names
+    # the top-k of 1% from the sampled bound, of 10% from two digits
+    assert {r["kernel"] for r in rows if r["case"] == "top-k 1% fp32"} == {
+        "sample_bound", "count_at_least", "gather", "key_digits", "chosen_counts",
+        "chosen_write"}
+    assert "gathered_counts" in {r["kernel"] for r in rows if r["case"] == "top-k 10% fp32"}
     edges = {r["kernel"] for r in rows if "EDGE=True" in r["config"]}
     assert edges == {"sign_unpack", "planes_unpack", "radix_unpack", "qsgd_values",
                      "count_step", "vote_count", "sign_error", "weighted_votes",
@@ -70,9 +76,9 @@ def test_rows_are_printed_and_saved(every_case):
     assert [r["case"] for r in saved] == [r["case"] for r in rows]
     for r in rows:
         assert r["case"] in result.stdout
-        if r["programs"] == 1:  # a last tile, the one that checks the end: no figure per
-            # element
-            assert "EDGE=True" in r["config"], r
+        if r["programs"] == 1:  # a last tile, the one that checks the end, or the top-k's
+            # sampled bound: no figure per element
+            assert "EDGE=True" in r["config"] or r["kernel"] == "sample_bound", r
             continue
         if r["kernel"] == "gathered_counts":  # one row of 257 counts a program, not the vector
             assert r["per_element"] < 1 and r["loads"] > 0, r

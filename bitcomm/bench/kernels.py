@@ -173,7 +173,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
             ("top-k 1% fp32, top side", n, lambda: k.top_indices(x, max(1, n // 100), 1)),
             ("top-k 1% fp32, magnitude", n, lambda: k.top_indices(x, max(1, n // 100), 2)),
             ("top-k 1% fp64", n, lambda: k.top_indices(meta(n, torch.float64),
-                                                       max(1, n // 100)))]
+                                                       max(1, n // 100))),
+            # beyond the sampled bound's reach: the two-digit gathering
+            ("top-k 10% fp32", n, lambda: k.top_indices(x, max(1, n // 10), 2))]
     ranks = 8
     chunk = -(-n // ranks)  # the first ranks' chunks: a partial last tile when n is odd
     cb = (chunk + 7) // 8

@@ -22,10 +22,11 @@ launch never waits for the device.
   number the counts gave, written without a host read), computing RedSync's one-sided scores
   ``max(+-x, 0)`` as they read ``x``.
 * :func:`top_indices`: the exact top-k by radix selection on the scores' order-preserving
-  integer keys (one 256-bin histogram pass per key byte, the digit chosen on the device); after
-  two bytes, the keys that could still be chosen (about k) are gathered in index order and the
-  remaining passes and the writing of the chosen indices read only them: three reads of ``x``,
-  no sort and no host read.
+  integer keys (one 256-bin histogram pass per key byte, the digit chosen on the device), over
+  candidates gathered in index order: from 2**18 scores the keys at or above a bound read off a
+  sample (:mod:`~bitcomm.codecs._bracket`), else, after two bytes, the keys that share or beat
+  the k-th largest's. The passes and the writing of the chosen indices read only those: two or
+  three reads of ``x``, no sort and no host read.
 
 Decoders also set a one-element flag when the payload breaks a rule (non-zero padding, a count
 above ``m``, a radix code out of range): one reduction per program, one store if it is set. The
@@ -1012,15 +1013,25 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     dtype. No sort and no host read: radix selection finds the k-th largest score's key one
     8-bit digit a pass (4 passes for 32-bit and 16-bit floats, 8 for float64), each pass one
     histogram of a key digit among the keys that share the digits settled before it; the
-    next kernel settles each digit on the device. After two digits a pass over ``x`` gathers,
-    in index order, the keys that share or beat them with their indices: a superset of the
-    top k, about ``k`` keys for the usual scores (all within a factor ``1 + 2**-7`` of the
-    k-th largest score or above it, for float32). The later passes, and the two that write
-    the chosen indices in order (the counts per tile above and at the k-th key, then each
-    tile's indices at its offset), read those candidates instead of ``x``: three reads of
-    ``x`` in all, and 12 launches for 32-bit scores. If the candidates outnumber
-    ``k + n // SLACK`` (many keys alike in their first 16 bits), none are gathered and every
-    pass reads ``x``.
+    next kernel settles each digit on the device. The passes read candidates, a superset of
+    the top k gathered in index order with their indices:
+
+    * from :data:`~bitcomm.codecs._bracket.MIN_N` scores, when the sample's error fits the
+      room (``k`` up to about 2% of ``n``), the keys at or above a bound that one program
+      reads off :mod:`~bitcomm.codecs._bracket`'s sample of 16K scores (its ``rank(n, k)``-th
+      largest key, rounded down to the key's first 16 bits, 20 for float64): a count and a
+      gathering pass over ``x``, about ``1.5 k`` candidates at ``k = 1%``, two reads of ``x``
+      in all and 13 launches for 32-bit scores;
+    * otherwise (fewer scores, a larger ``k``) the first two passes read ``x`` and a third
+      gathers the keys that share or beat the k-th largest's first two digits: about ``k``
+      for the usual scores (all within a factor ``1 + 2**-7`` of the k-th largest score or
+      above it, for float32), three reads of ``x`` and 12 launches.
+
+    Then the counts per tile above and at the k-th key, and each tile's indices at its
+    offset, read the candidates too. When no candidates are gathered, every pass reads
+    ``x``: when fewer than ``k`` keys reach the sampled bound (the sample misled), or when
+    the candidates would outnumber ``k + n // SLACK`` (many keys tied at the bound, or alike
+    in their first 16 bits).
     """
     n = x.numel()
     sel = _radix_select(x, k, side)
