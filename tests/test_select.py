@@ -99,6 +99,28 @@ def test_the_bracket_holds_on_a_matrix_whose_columns_differ_in_scale(monkeypatch
     assert got.tolist() == fast_brute_topk(a, k)
 
 
+def test_the_bracket_never_partitions_a_mass_of_ties(monkeypatch):
+    """numpy's introselect slows down about 12x on a vector whose scores are mostly one value
+    (ReLU gradients: most exactly 0), even when the k-th largest is elsewhere. The bracket
+    partitions only candidates strictly above its bound, and none when at most k lie there
+    (the k-th largest is then the bound): the exact set, ties to lower indices, found a
+    slice at a time (small slices here, so that the search spans several)."""
+    monkeypatch.setattr(select, "_TIE_SLICE", 4099)
+    sizes = []
+    real = select._top_positions
+    monkeypatch.setattr(select, "_top_positions",
+                        lambda a, k: sizes.append(a.size) or real(a, k))
+    n = 1 << 19
+    g = torch.Generator().manual_seed(9)
+    for zeros, k in ((0.9, n // 100), (0.995, n // 100), (0.995, n // 8)):
+        x = torch.randn(n, generator=g).abs()
+        x[torch.rand(n, generator=g) < zeros] = 0
+        sizes.clear()
+        got = select.topk(x, k, check=False)
+        assert got.tolist() == fast_brute_topk(x.numpy(), k), (zeros, k)
+        assert all(size < n // 20 for size in sizes), (zeros, k, sizes)
+
+
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
 def test_exact_topk_reads_nothing_back_off_the_numpy_path(path, monkeypatch):

@@ -261,11 +261,16 @@ def _bracketed(a: np.ndarray, k: int) -> np.ndarray | None:
     """Return :func:`_exact`'s indices of ``a`` from the scores at or above a sampled bound.
 
     The bound is :mod:`~bitcomm.codecs._bracket`'s: the ``rank(n, k)``-th largest score of its
-    stratified sample (8M scores, k = 1%: about 1.5k candidates). The top k of those candidates
-    and of NaN, which ranks above every score as in ``np.partition``, is the top k of ``a``: one
-    comparison and one index scan of ``a``, where partitioning it copies and reorders every
-    score (8M, k = 1%: 18 -> 6.5 ms). ``None`` when the sample misjudged (fewer than k
-    candidates) or is mostly NaN: the caller then partitions ``a``.
+    stratified sample (8M scores, k = 1%: about 1.5k scores at or above it). When k or more
+    scores lie strictly above the bound (NaN, which ranks above every score as in
+    ``np.partition``, among them), their top k is the top k of ``a``: one comparison and one
+    index scan of ``a``, where partitioning it copies and reorders every score (8M, k = 1%:
+    18 -> 6.5 ms). When fewer do but k reach it, the k-th largest is the bound itself: every
+    score above it, then the first ties at it in index order, and nothing is partitioned.
+    numpy's introselect slows down about 12x on a mass of equal scores, such as the exact
+    zeros of a ReLU network's gradient, wherever the k-th largest lies, and the mass then
+    sits at or below the bound. ``None`` when the sample misjudged (fewer than k scores reach
+    the bound) or is mostly NaN: the caller then partitions ``a``.
     """
     n = a.size
     sample = a[_bracket.positions(n)]
@@ -273,12 +278,35 @@ def _bracketed(a: np.ndarray, k: int) -> np.ndarray | None:
     bound = np.partition(sample, sample.size - r)[sample.size - r]
     if np.isnan(bound):
         return None
-    keep = np.less(a, bound)
-    np.logical_not(keep, out=keep)  # at or above the bound, or NaN
-    idx = np.flatnonzero(keep)
-    if idx.size < k:
+    over = np.less_equal(a, bound)
+    np.logical_not(over, out=over)  # above the bound, or NaN
+    above = np.flatnonzero(over)
+    if above.size >= k:  # above is ascending, so the result is too
+        return above[_top_positions(a[above], k)]
+    ties = _first_equal(a, bound, k - above.size)
+    if ties is None:
         return None
-    return idx[_top_positions(a[idx], k)]  # idx is ascending, so the result is too
+    return np.sort(np.concatenate([above, ties]))
+
+
+_TIE_SLICE = 1 << 20
+"""Scores a search for the first ties compares at a time."""
+
+
+def _first_equal(a: np.ndarray, value: float, count: int) -> np.ndarray | None:
+    """Return the first ``count`` positions of ``a`` equal to ``value``, or ``None`` if fewer.
+
+    A slice at a time, so that a mass of ties (most of ``a``) costs a slice, not an index of
+    every one of them.
+    """
+    found, got = [], 0
+    for start in range(0, a.size, _TIE_SLICE):
+        pos = np.flatnonzero(a[start : start + _TIE_SLICE] == value)[: count - got]
+        found.append(pos + start)
+        got += pos.size
+        if got == count:
+            return np.concatenate(found)
+    return None
 
 
 def _top_positions(a: np.ndarray, k: int) -> np.ndarray:
