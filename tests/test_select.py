@@ -100,7 +100,7 @@ def test_the_bracket_holds_on_a_matrix_whose_columns_differ_in_scale(monkeypatch
 
 
 def test_the_bracket_never_partitions_a_mass_of_ties(monkeypatch):
-    """numpy's introselect slows down about 12x on a vector whose scores are mostly one value
+    """numpy's introselect slows down more than 10x on a vector whose scores are mostly one value
     (ReLU gradients: most exactly 0), even when the k-th largest is elsewhere. The bracket
     partitions only candidates strictly above its bound, and none when at most k lie there
     (the k-th largest is then the bound): the exact set, ties to lower indices, found a

@@ -267,7 +267,7 @@ def _bracketed(a: np.ndarray, k: int) -> np.ndarray | None:
     index scan of ``a``, where partitioning it copies and reorders every score (8M, k = 1%:
     18 -> 6.5 ms). When fewer do but k reach it, the k-th largest is the bound itself: every
     score above it, then the first ties at it in index order, and nothing is partitioned.
-    numpy's introselect slows down about 12x on a mass of equal scores, such as the exact
+    numpy's introselect slows down more than 10x on a mass of equal scores, such as the exact
     zeros of a ReLU network's gradient, wherever the k-th largest lies, and the mass then
     sits at or below the bound. ``None`` when the sample misjudged (fewer than k scores reach
     the bound) or is mostly NaN: the caller then partitions ``a``.
