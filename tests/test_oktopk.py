@@ -330,3 +330,22 @@ def test_indices_of_a_mask_whose_count_is_known(monkeypatch):
 
     monkeypatch.setattr(torch, "nonzero_static", missing)
     assert torch.equal(_frame.indices_of(masks[-1], 7), torch.nonzero(masks[-1]).reshape(-1))
+
+
+def test_the_kth_largest_on_the_numpy_path_is_the_sorted_kth():
+    """The exact thresholds on a CPU come from select's numpy top-k (its sampled bracket above
+    2**18 values): the k-th of the values sorted in descending order, with ties, zeros and
+    every numpy float dtype."""
+    from bitcomm.collectives.oktopk import _kth_largest
+
+    g = torch.Generator().manual_seed(31)
+    n = (1 << 18) + 5
+    mags = [torch.randn(n, generator=g).abs(), torch.randint(0, 40, (n,), generator=g) / 8.0]
+    mags[0][torch.rand(n, generator=g) < 0.995] = 0  # the k-th largest ties among zeros
+    for a in mags:
+        for dtype in (torch.float32, torch.float16, torch.float64):
+            v = a.to(dtype)
+            ranked = v.sort(descending=True).values
+            for k in (1, 2621, n // 100 * 3, n - 1):
+                got = _kth_largest(v, k)
+                assert got.dtype == dtype and got.item() == ranked[k - 1].item(), (dtype, k)

@@ -70,7 +70,7 @@ import math
 import numpy as np
 import torch
 
-from bitcomm.codecs import _frame, sidco, stream
+from bitcomm.codecs import _frame, select, sidco, stream
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm, Request
 
@@ -243,6 +243,8 @@ def _kth_largest(a: torch.Tensor, k: int) -> torch.Tensor:
         return a.min()
     if _frame.use_triton(a):  # radix selection: torch.topk sorts a long vector on a GPU
         return _frame.kernels().kth_largest(a, k)
+    if _frame.numpy_float(a):  # select's numpy path: 8M values, k = 1%: 8 ms, topk 134 ms
+        return a[select.topk(a, k, check=False)].min()
     return torch.topk(a, k, sorted=False).values.min()
 
 
