@@ -703,6 +703,34 @@ def test_bucket_topk_by_hand():
     assert bucket_topk(torch.zeros(0), 2, 4).numel() == 0
 
 
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_bucket_topk_breaks_ties_towards_the_lower_position(path):
+    """Ties at a bucket's k-th largest |acc| go to its lowest positions, in full buckets and
+    the tail, whatever order torch.topk returns them in (it breaks ties its own way, and
+    differently on CPU and CUDA); NaN ranks as inf. On the numpy path buckets without ties
+    take a shortcut (each one's values at or above its k-th largest)."""
+    import numpy as np
+
+    from conftest import forced
+
+    g = torch.Generator().manual_seed(4)
+    ties = torch.randint(-3, 4, (512 * 9 + 300,), generator=g) / 2.0
+    ties[[5, 700, 701]] = torch.tensor([float("nan"), float("inf"), float("nan")])
+    spread = torch.randn(512 * 9 + 300, generator=g)
+    # a bucket whose top 2 hold NaN, and one of four ties: unless NaN ranks as inf, the
+    # first has none at or above its 2nd largest (NaN) and the second four, k each in all
+    nan_rows = torch.tensor([float("nan"), 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0])
+    for acc, k, bucket in ((ties, 100, 512), (spread, 100, 512), (spread, 1, 7),
+                           (nan_rows, 2, 4)):
+        a = acc.abs().nan_to_num(nan=float("inf")).numpy()
+        want = []
+        for start in range(0, a.size, bucket):
+            row = a[start:start + bucket]
+            want += sorted((np.lexsort((np.arange(row.size), -row))[:k] + start).tolist())
+        with forced(path):
+            assert bucket_topk(acc, k, bucket).tolist() == want, (path, k, bucket)
+
+
 def test_sparcml_sgd_two_workers_by_hand():
     """Two workers, 6 elements in buckets of 3, k = 1: each sends its largest |acc| per bucket,
     keeps the rest as residual, and both apply the same mean of the sums."""

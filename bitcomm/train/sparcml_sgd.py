@@ -22,11 +22,13 @@ raise ``ValueError`` on every rank with ``check=True``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
-from bitcomm.codecs import qsgd
+from bitcomm.codecs import _frame, qsgd
 from bitcomm.collectives import agree_on
 from bitcomm.collectives.sparcml import ALGORITHMS, Choice, sparse_allreduce
 from bitcomm.comm.base import Comm
@@ -47,22 +49,51 @@ __all__ = ["SparCMLSGD", "bucket_topk"]
 def bucket_topk(acc: torch.Tensor, k: int, bucket: int) -> torch.Tensor:
     """Return the sorted positions of the ``k`` largest ``|acc|`` of every ``bucket`` elements.
 
-    The last, shorter bucket gives ``min(k, its length)``; ties go to the lower position.
+    The last, shorter bucket gives ``min(k, its length)``; ties go to the lower position, on
+    every device (``torch.topk`` breaks them its own way, and differently on CPU and CUDA), and
+    NaN ranks as inf. Their number is known, so no host read.
     """
     n = acc.numel()
     if n == 0 or k == 0:
         return torch.empty(0, dtype=torch.int64, device=acc.device)
     full = n // bucket * bucket
-    parts = []
-    if full:
-        rows = acc[:full].abs().view(-1, bucket)
-        top = torch.topk(rows, min(k, bucket), dim=1, sorted=False).indices
-        parts.append((top + torch.arange(0, full, bucket, device=acc.device)[:, None])
-                     .reshape(-1))
-    if full < n:
-        tail = acc[full:].abs()
-        parts.append(torch.topk(tail, min(k, tail.numel()), sorted=False).indices + full)
-    return torch.cat(parts).sort().values
+    spans = ([(0, full, bucket)] if full else []) + ([(full, n, n - full)] if full < n else [])
+    count = sum((hi - lo) // width * min(k, width) for lo, hi, width in spans)
+    if _frame.numpy_float(acc):
+        # Each bucket's elements at or above its k-th largest: its top k, unless it has ties
+        # there (then more than k in all), which the general path sorts out.
+        a = np.abs(acc.numpy())
+        nan = np.isnan(a)
+        if nan.any():
+            a[nan] = np.inf
+        ge = np.concatenate([_at_or_above(a[lo:hi].reshape(-1, width), min(k, width))
+                             for lo, hi, width in spans])
+        found = np.flatnonzero(ge)
+        if found.size == count:
+            return torch.from_numpy(found)
+    mags = acc.abs().nan_to_num_(nan=math.inf)
+    masks = [_row_top(mags[lo:hi].view(-1, width), min(k, width)).reshape(-1)
+             for lo, hi, width in spans]
+    return _frame.indices_of(torch.cat(masks) if len(masks) > 1 else masks[0], count)
+
+
+def _kth(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Return each row's k-th largest value, as a column."""
+    return torch.topk(rows, k, dim=1, sorted=False).values.amin(1, keepdim=True)
+
+
+def _at_or_above(rows: np.ndarray, k: int) -> np.ndarray:
+    """Return the flat mask of each row's values at or above its k-th largest."""
+    return (rows >= _kth(torch.from_numpy(rows), k).numpy()).reshape(-1)
+
+
+def _row_top(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Return the mask of each row's ``k`` largest values, ties to the lower position."""
+    kth = _kth(rows, k)
+    above = rows > kth
+    tie = rows == kth
+    need = k - torch.count_nonzero(above, dim=1).unsqueeze(1)
+    return above | (tie & (tie.cumsum(1, dtype=torch.int32) <= need))
 
 
 class SparCMLSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
