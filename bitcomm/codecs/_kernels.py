@@ -937,7 +937,8 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, counts: torch.
              block: int, opts: dict) -> bool:
     # Gathers the keys at or above the sampled bound of _bracket (their number to sel.m when
     # they are k or more and fit), if the expected number of them leaves half the slack of the
-    # room for the sample's error; says whether it tried. One program of the passes a count.
+    # room for the sample's error; says whether it tried. `counts` has a slot for each
+    # program of the passes.
     n = x.numel()
     if n < _bracket.MIN_N:
         return False
@@ -959,9 +960,10 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
     # Every digit of the k-th largest key but the last, settled on the device; the last pass's
     # histogram is left for the caller's next kernel to settle. From 2**18 scores the keys at or
     # above a sampled bound are gathered first (two reads of x; a few more than k of them),
-    # and every pass reads those. Otherwise, or when the sample misled, the first two passes
-    # read x; the keys at or above the k-th's first two digits are then gathered (about k of
-    # them for the usual scores) and the later passes read those instead.
+    # and every pass reads those, or x when the sample misled (fewer than k keys reach its
+    # bound, or more than fit). Otherwise the first two passes read x; the keys at or above
+    # the k-th's first two digits are then gathered (about k of them for the usual scores)
+    # and the later passes read those instead.
     n = x.numel()
     if not 0 < k <= n:  # outside, the rank would run off the counts and the writes off `out`
         raise ValueError(f"expected 0 < k <= {n}, got k={k}")
