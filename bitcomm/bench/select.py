@@ -3,10 +3,10 @@
 For each distribution, size and target ratio ``delta = k / n`` the scores are ``|x|`` of one
 vector, and every selector picks from them:
 
-* ``topk``: bitcomm's exact top-k (:func:`bitcomm.codecs.select.topk`: ``torch.topk`` on the
-  CPU, a radix selection on a GPU with triton); its time is the anchor of the ``vs_topk``
-  column. ``torch-topk``: ``torch.topk`` itself, unsorted, for comparison (on a GPU it sorts
-  a vector of 100000 or more elements).
+* ``topk``: bitcomm's exact top-k (:func:`bitcomm.codecs.select.topk`: numpy's introselect
+  over the scores above a sampled bound on the CPU, a radix selection on a GPU with triton);
+  its time is the anchor of the ``vs_topk`` column. ``torch-topk``: ``torch.topk`` itself,
+  unsorted, for comparison (on a GPU it sorts a vector of 100000 or more elements).
 * ``trimmed``, ``threshold``: RedSync's trimmed top-k and threshold binary search.
 * ``sidco-e``, ``sidco-p``, ``sidco-gp``: SIDCo's fits, at one stage (``stages=1``), and after
   the stage adaptation has run on the same vector for 25 calls (``stages`` is where it ended,
