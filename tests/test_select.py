@@ -61,8 +61,26 @@ def test_the_sampled_bracket_gives_the_exact_set_or_steps_aside(monkeypatch):
     nan[np.arange(3, n, 997)] = float("nan")
     with_bracket = select.topk(nan, 2621, check=False)
     assert results[-1] is not None
+    assert with_bracket.tolist() == fast_brute_topk(nan.nan_to_num(nan=9.0).numpy(), 2621)
     monkeypatch.setattr(_bracket, "MIN_N", n + 1)
     assert torch.equal(with_bracket, select.topk(nan, 2621, check=False))
+
+
+@pytest.mark.parametrize("p", ["numpy", "torch"])
+def test_unchecked_nan_ranks_above_every_score(p):
+    """With check=False a NaN score ranks above every other (as np.partition and torch.topk
+    put it), NaN ties going to the lower index: exactly k indices, whether the top k hold a
+    few NaN or only NaN, on the numpy path (its sampled bracket too) and the torch path."""
+    g = torch.Generator().manual_seed(13)
+    for n, k in ((1000, 10), (1000, 100), ((1 << 18) + 1, 2621)):
+        s = torch.rand(n, generator=g)
+        s[torch.randperm(n, generator=g)[:40]] = float("nan")  # 40 NaN: k=10 takes only NaN
+        for dtype in (torch.float32, torch.bfloat16):
+            v = s.to(dtype)
+            want = fast_brute_topk(v.float().nan_to_num(nan=2.0).numpy(), k)
+            with forced(p):
+                got = select.topk(v, k, check=False)
+            assert got.tolist() == want, (p, n, k, dtype)
 
 
 def test_the_sample_takes_one_score_of_each_run_at_varying_offsets():
@@ -119,6 +137,35 @@ def test_the_bracket_never_partitions_a_mass_of_ties(monkeypatch):
         got = select.topk(x, k, check=False)
         assert got.tolist() == fast_brute_topk(x.numpy(), k), (zeros, k)
         assert all(size < n // 20 for size in sizes), (zeros, k, sizes)
+
+
+def test_a_sides_bracket_compares_the_values_without_writing_their_scores(monkeypatch):
+    """select_side and select_abs above 2**18 values on the numpy path: the top k of
+    max(+-v, 0) or |v| with ties (-0.0 among them) and NaN (check=False), the scores of the
+    candidates alone written; when the bound is a zero score (fewer positive scores than the
+    sample's margin) the scores are written and ranked whole, with the same result."""
+    sizes = []
+    real = select._Scores._of
+    monkeypatch.setattr(select._Scores, "_of",
+                        lambda self, v: sizes.append(v.numel()) or real(self, v))
+    n = (1 << 18) + 3
+    g = torch.Generator().manual_seed(12)
+    ties = torch.randint(-60, 61, (n,), generator=g) / 4.0
+    ties[torch.rand(n, generator=g) < 0.3] = -0.0
+    spread = torch.randn(n, generator=g)
+    spread[::100003] = float("nan")  # too few for the sample's bound, among the candidates
+    negative = -torch.rand(n, generator=g)  # 100 positive values: top side bound 0
+    negative[torch.randperm(n, generator=g)[:100]] = 1.0
+    for v in (ties, spread, negative):
+        for side in (1, -1, "abs"):
+            scores = {1: v.clamp(min=0), -1: v.neg().clamp(min=0), "abs": v.abs()}[side]
+            a = scores.nan_to_num(nan=float("inf")).double().numpy()
+            for k in (1, 2621, n // 8):
+                sizes.clear()
+                got = _select_side(v, k, side, "topk", check=False)
+                assert got.tolist() == fast_brute_topk(a, k), (side, k)
+                bound_zero = v is negative and side == 1
+                assert (max(sizes, default=0) == n) == bound_zero, (side, k, sizes)
 
 
 @pytest.mark.parametrize("path", ["torch", pytest.param(

@@ -137,9 +137,18 @@ class _Scores:
         return torch.nonzero(self.tensor > threshold).reshape(-1)
 
     def top(self, k: int) -> torch.Tensor:
-        """Return :func:`topk`'s indices of the scores (no check)."""
+        """Return :func:`topk`'s indices of the scores (no check).
+
+        A side's scores are not written where a kernel (Triton) or the sampled bracket (the
+        numpy path) compares ``v`` itself.
+        """
         if self.side and _frame.use_triton(self.v) and 0 < k < self.numel():
             return _frame.kernels().top_indices(self.v, k, self.side)
+        if self.side and self._s is None and _frame.numpy_float(self.v) \
+                and _bracketable(self.numel(), k):
+            chosen = _bracketed(self.v.numpy(), k, self.side)
+            if chosen is not None:
+                return torch.from_numpy(chosen)
         return _exact(self.tensor, k)
 
     def at(self, idx: torch.Tensor) -> torch.Tensor:
@@ -237,53 +246,84 @@ def _exact(s: torch.Tensor, k: int) -> torch.Tensor:
         return _frame.kernels().top_indices(s, k)
     if _frame.numpy_float(s):
         a = s.numpy()
-        if n >= _bracket.MIN_N and k <= n // 8:
+        if _bracketable(n, k):
             chosen = _bracketed(a, k)
             if chosen is not None:
                 return torch.from_numpy(chosen)
         return torch.from_numpy(_top_positions(a, k).astype(np.int64))
-    kth = torch.topk(s, k, sorted=False).values.min()
-    if _frame.use_numpy(s):
-        above = torch.nonzero(s > kth).reshape(-1)
-        equal = torch.nonzero(s == kth).reshape(-1)[: k - above.numel()]
-        return torch.cat([above, equal]).sort().values
-    # On a device each nonzero's size is a host read, which waits for the device. The same
-    # set without one: the ties that fit, counted in index order, and every chosen index
-    # written to its rank among the chosen (the others to a spare slot past k).
+    # NaN ranks above every score (torch.topk puts it first), NaN ties to the lower index:
+    # the first k NaN, then the scores above the k-th value of the rest (the least of the
+    # top k that is not NaN; inf when they all are), then the ties at it that fit, in index
+    # order.
+    top = torch.topk(s, k, sorted=False).values
+    kth = torch.where(torch.isnan(top), math.inf, top).min()
+    nan = torch.isnan(s)
     above, equal = s > kth, s == kth
-    chosen = above | (equal & (torch.cumsum(equal, 0) <= k - above.sum()))
+    need = k - nan.sum().clamp(max=k) - above.sum()
+    chosen = (nan & (torch.cumsum(nan, 0) <= k)) | above | (
+        equal & (torch.cumsum(equal, 0) <= need))
+    if _frame.use_numpy(s):
+        return torch.nonzero(chosen).reshape(-1)
+    # On a device nonzero's size is a host read, which waits for the device. The same set
+    # without one: every chosen index written to its rank among the chosen (the others to a
+    # spare slot past k).
     slot = torch.where(chosen, torch.cumsum(chosen, 0) - 1, k)
     out = torch.zeros(k + 1, dtype=torch.int64, device=s.device)
     return out.scatter_(0, slot, torch.arange(n, device=s.device))[:k]
 
 
-def _bracketed(a: np.ndarray, k: int) -> np.ndarray | None:
-    """Return :func:`_exact`'s indices of ``a`` from the scores at or above a sampled bound.
+def _bracketable(n: int, k: int) -> bool:
+    """Whether the numpy path's top-k of ``n`` scores starts from a sampled bound."""
+    return n >= _bracket.MIN_N and 0 < k <= n // 8
 
-    The bound is :mod:`~bitcomm.codecs._bracket`'s: the ``rank(n, k)``-th largest score of its
-    stratified sample (8M scores, k = 1%: about 1.5k scores at or above it). When k or more
-    scores lie strictly above the bound (NaN, which ranks above every score as in
-    ``np.partition``, among them), their top k is the top k of ``a``: one comparison and one
-    index scan of ``a``, where partitioning it copies and reorders every score (8M, k = 1%:
-    18 -> 6.5 ms). When fewer do but k reach it, the k-th largest is the bound itself: every
-    score above it, then the first ties at it in index order, and nothing is partitioned.
-    numpy's introselect slows down more than 10x on a mass of equal scores, such as the exact
-    zeros of a ReLU network's gradient, wherever the k-th largest lies, and the mass then
-    sits at or below the bound. ``None`` when the sample misjudged (fewer than k scores reach
-    the bound) or is mostly NaN: the caller then partitions ``a``.
+
+def _numpy_scores(a: np.ndarray, side: int) -> np.ndarray:
+    """Return the scores of ``a`` on a side (:class:`_Scores`), as numpy computes them."""
+    if side == 0:
+        return a
+    if side == _ABS:
+        return np.abs(a)
+    return np.maximum(a if side > 0 else np.negative(a), a.dtype.type(0))
+
+
+def _bracketed(a: np.ndarray, k: int, side: int = 0) -> np.ndarray | None:
+    """Return :func:`_exact`'s indices of ``a``'s scores from those at or above a sampled bound.
+
+    Scores as :class:`_Scores` makes them of ``a`` on ``side``. The bound is
+    :mod:`~bitcomm.codecs._bracket`'s: the ``rank(n, k)``-th largest score of its stratified
+    sample (8M scores, k = 1%: about 1.5k scores at or above it). When k or more scores lie
+    strictly above the bound (NaN, which ranks above every score as in ``np.partition``, among
+    them), their top k is the top k of ``a``: one comparison and one index scan of ``a``,
+    where partitioning it copies and reorders every score (8M, k = 1%: 18 -> 6.5 ms). When
+    fewer do but k reach it, the k-th largest is the bound itself: every score above it, then
+    the first ties at it in index order, and nothing is partitioned. numpy's introselect slows
+    down more than 10x on a mass of equal scores, such as the exact zeros of a ReLU network's
+    gradient, wherever the k-th largest lies, and the mass then sits at or below the bound. A
+    side's scores are compared through ``a`` (above ``b > 0``: ``a > b``, ``a < -b`` or
+    either) and only the candidates' are written. ``None`` when the sample misjudged (fewer
+    than k scores reach the bound), its bound is NaN (it holds that many NaN) or, on a side,
+    its bound is a zero score (whose ties are most of the vector): the caller then ranks the
+    scores whole.
     """
     n = a.size
-    sample = a[_bracket.positions(n)]
+    sample = _numpy_scores(a[_bracket.positions(n)], side)
     r = _bracket.rank(n, k)
     bound = np.partition(sample, sample.size - r)[sample.size - r]
-    if np.isnan(bound):
+    if np.isnan(bound) or (side and not bound > 0):
         return None
-    over = np.less_equal(a, bound)
+    # at most the bound, so that NaN counts above it
+    if side == _ABS:
+        over = np.less_equal(a, bound)
+        np.logical_and(over, np.greater_equal(a, -bound), out=over)
+    elif side < 0:
+        over = np.greater_equal(a, -bound)
+    else:
+        over = np.less_equal(a, bound)
     np.logical_not(over, out=over)  # above the bound, or NaN
     above = np.flatnonzero(over)
     if above.size >= k:  # above is ascending, so the result is too
-        return above[_top_positions(a[above], k)]
-    ties = _first_equal(a, bound, k - above.size)
+        return above[_top_positions(_numpy_scores(a[above], side), k)]
+    ties = _first_equal(a, bound, k - above.size, side)
     if ties is None:
         return None
     return np.sort(np.concatenate([above, ties]))
@@ -293,15 +333,21 @@ _TIE_SLICE = 1 << 20
 """Scores a search for the first ties compares at a time."""
 
 
-def _first_equal(a: np.ndarray, value: float, count: int) -> np.ndarray | None:
-    """Return the first ``count`` positions of ``a`` equal to ``value``, or ``None`` if fewer.
+def _first_equal(a: np.ndarray, value: float, count: int, side: int = 0) -> np.ndarray | None:
+    """Return the first ``count`` positions whose score equals ``value``, or ``None``.
 
-    A slice at a time, so that a mass of ties (most of ``a``) costs a slice, not an index of
+    ``None`` if fewer do; scores as ``side`` of ``a`` makes them (``value > 0`` on a side). A
+    slice at a time, so that a mass of ties (most of ``a``) costs a slice, not an index of
     every one of them.
     """
     found, got = [], 0
     for start in range(0, a.size, _TIE_SLICE):
-        pos = np.flatnonzero(a[start : start + _TIE_SLICE] == value)[: count - got]
+        part = a[start : start + _TIE_SLICE]
+        if side == _ABS:
+            equal = (part == value) | (part == -value)
+        else:
+            equal = part == (-value if side < 0 else value)
+        pos = np.flatnonzero(equal)[: count - got]
         found.append(pos + start)
         got += pos.size
         if got == count:
@@ -313,14 +359,24 @@ def _top_positions(a: np.ndarray, k: int) -> np.ndarray:
     """Return the positions (ascending) of the ``0 < k <= a.size`` largest of ``a``.
 
     numpy's introselect finds the k-th value about 10x faster than torch.topk on a CPU (8M
-    scores, k = 1%: 14 against 139 ms), and its index scans 7x faster than nonzero. The minimum
-    of the top slice is torch's kth, NaN included (both put NaN on top); ties at it go to the
-    lowest positions.
+    scores, k = 1%: 14 against 139 ms), and its index scans 7x faster than nonzero. Ties at the
+    k-th value go to the lowest positions. NaN ranks above every score (``np.partition`` puts
+    it last, torch.topk first), NaN ties to the lowest positions too; the top slice then holds
+    every NaN, and its least other value is the k-th value of the rest.
     """
-    kth = np.partition(a, a.size - k)[a.size - k :].min()
+    top = np.partition(a, a.size - k)[a.size - k :]
+    kth = top.min()
+    if np.isnan(kth):
+        nan = np.flatnonzero(np.isnan(a))
+        if nan.size >= k:
+            return nan[:k]
+        kth = np.nanmin(top)
+        k -= nan.size
+    else:
+        nan = np.empty(0, dtype=np.int64)
     above = np.flatnonzero(a > kth)
     equal = np.flatnonzero(a == kth)[: k - above.size]
-    return np.sort(np.concatenate([above, equal]))
+    return np.sort(np.concatenate([nan, above, equal]))
 
 
 def topk(scores: torch.Tensor, k: int, *, check: bool = True) -> torch.Tensor:
