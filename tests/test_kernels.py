@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bitcomm.codecs import _bracket, _rng, bits, counts, qsgd, sign
+from bitcomm.codecs import _bracket, _rng, bits, counts, qsgd, select, sign
 
 from conftest import AWKWARD, forced, host_reads, needs_interpreter
 
@@ -707,6 +707,29 @@ def test_indices_above_a_threshold_without_a_host_read(programs, monkeypatch):
                 assert got.dtype == torch.int64
                 assert got.tolist() == torch.nonzero(s > t).reshape(-1).tolist(), (side, t)
     assert _kernels.indices_above(v, 1e39, 0).numel() == 0
+
+
+def test_unchecked_nan_is_above_every_score_in_a_top_k_and_above_no_threshold():
+    """NaN of either sign (x86 makes negative ones: inf - inf) ranks above every score in the
+    exact top-k, ties to the lower index, as on the numpy and torch paths; and is above no
+    threshold in indices_above, as count_above counts it, so that the count it is given is
+    the number it writes (not uninitialised memory)."""
+    g = torch.Generator().manual_seed(17)
+    v = torch.randn(5000, generator=g)
+    nan = torch.tensor(float("nan"))
+    v[[7, 300, 4000]] = torch.stack([nan, -nan, nan])
+    assert torch.signbit(v[300]) and not torch.signbit(v[7])
+    for side in (0, 1, -1, 2):
+        s = {0: v, 1: v.clamp(min=0), -1: v.neg().clamp(min=0), 2: v.abs()}[side]
+        for k in (2, 3, 50):
+            with forced("numpy"):
+                want = select.select_side(v, k, side, check=False) if side in (1, -1) \
+                    else select.topk(s, k, check=False)
+            assert _kernels.top_indices(v, k, side).tolist() == want.tolist(), (side, k)
+        count = int(_kernels.count_above(v, torch.tensor([1.25]), side)[0])
+        assert count == int((s > 1.25).sum())
+        got = _kernels.indices_above(v, 1.25, count, side)
+        assert got.tolist() == torch.nonzero(s > 1.25).reshape(-1).tolist(), side
 
 
 def test_kth_largest_is_the_sorted_scores_kth():

@@ -544,11 +544,11 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
 def _side_scores(x, SIDE: tl.constexpr):
     # The scores a selector ranks: x itself (SIDE 0), max(x, 0) / max(-x, 0) of a signed
     # vector (RedSync's top and bottom sides) or |x| (SIDE 2, top-k by magnitude), so the
-    # scores are never written to memory.
+    # scores are never written to memory. NaN stays NaN, as torch's clamp keeps it.
     if SIDE == 1:
-        return tl.maximum(x, 0.0)
+        return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     if SIDE == -1:
-        return tl.maximum(-x, 0.0)
+        return tl.maximum(-x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     if SIDE == 2:
         return tl.abs(x)
     return x
@@ -651,19 +651,30 @@ SLACK = 64
 def _order_key(x, SIDE: tl.constexpr, WIDE: tl.constexpr):
     # A signed integer whose order is the order of the score: the float's bits with the
     # magnitude bits of negative scores flipped. -0.0 becomes +0.0 first, since the two compare
-    # equal; 16-bit floats widen to float32, which keeps their order. NaN gets a key too
-    # (positive NaN above +inf), so a count never loses an element.
+    # equal; 16-bit floats widen to float32, which keeps their order. Every NaN, of either
+    # sign, gets the largest key, above +inf's, as the numpy and torch paths rank NaN.
     if WIDE:  # one return of one type: the compiler refuses a return in each branch
         s = _side_scores(x.to(tl.float64), SIDE)
         b = tl.where(s == 0, 0.0, s).to(tl.int64, bitcast=True)
-        key = b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
+        key = tl.where(s != s, 0x7FFFFFFFFFFFFFFF, b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF))
     else:  # widened before any comparison: the interpreter compares bfloat16 wrongly
         if x.dtype == tl.bfloat16:  # by its bits: the interpreter's cast flushes subnormals
             x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         s = _side_scores(x.to(tl.float32), SIDE)
         b = tl.where(s == 0, 0.0, s).to(tl.int32, bitcast=True)
-        key = b ^ ((b >> 31) & 0x7FFFFFFF)
+        key = tl.where(s != s, 0x7FFFFFFF, b ^ ((b >> 31) & 0x7FFFFFFF))
     return key
+
+
+@triton.jit
+def _counted(key, NAN: tl.constexpr):
+    # Whether a key takes part: with NAN every key; without, not NaN's (the largest key),
+    # for indices_above, whose count (count_above's) holds no NaN.
+    if NAN:
+        return key == key
+    if key.dtype == tl.int64:
+        return key != 0x7FFFFFFFFFFFFFFF
+    return key != 0x7FFFFFFF
 
 
 @triton.jit
@@ -820,13 +831,14 @@ def _sample_bound_kernel(x_ptr, bound_ptr, step, r, SIDE: tl.constexpr, WIDE: tl
 @triton.jit
 def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, n, need, room,
                    SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
-                   KEYS: tl.constexpr, BLOCK: tl.constexpr):
+                   KEYS: tl.constexpr, NAN: tl.constexpr, BLOCK: tl.constexpr):
     # The candidates: every key whose digits from SHIFT up are at least those of the key in
     # state_ptr (the k-th largest's prefix, or a sampled bound: a superset of the top k when
     # there are at least `need` of them), with its index (and, with KEYS, the key), each
     # program's run at the end of the runs before it (ends: the running sum of the programs'
     # counts), so in index order; their number goes to m_ptr. Nothing when they are fewer
-    # than `need` or would not fit in `room`: m stays 0 and the passes go on reading x.
+    # than `need` or would not fit in `room`: m stays 0 and the passes go on reading x. NaN
+    # as _counted says.
     pid = tl.program_id(0)
     total = tl.load(ends_ptr + tl.num_programs(0) - 1)
     if (total >= need) & (total <= room):
@@ -835,7 +847,7 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, n, need
         lo, hi = _span(n, BLOCK)
         for start in range(lo, hi, BLOCK):
             i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
-            take = live & ((key >> SHIFT) >= floor.to(key.dtype))
+            take = live & ((key >> SHIFT) >= floor.to(key.dtype)) & _counted(key, NAN)
             slot = tl.cumsum(take.to(tl.int32), 0) - 1  # int32 offsets from the run's end
             if KEYS:
                 tl.store(keys_ptr + at + slot, key, mask=take)
@@ -950,9 +962,10 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, counts: torch.
            M=_bracket.SAMPLE, HASH=_bracket.HASH, num_warps=16)
     grid = (counts.numel(),)
     launch(_count_at_least_kernel, grid, x, sel.bound, counts, n, SIDE=side, WIDE=wide,
-           BLOCK=block, **opts)
+           NAN=True, BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, sel.bound, sel.m, counts.cumsum(0), sel.keys, sel.idx, n,
-           k, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=0, KEYS=True, BLOCK=block, **opts)
+           k, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=0, KEYS=True, NAN=True,
+           BLOCK=block, **opts)
     return True
 
 
@@ -989,7 +1002,7 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
                    SHIFT=shift, TOP=False, WIDE=wide, num_warps=1)
             launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
                    sel.idx, n, 0, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=shift,
-                   KEYS=True, BLOCK=block, **opts)
+                   KEYS=True, NAN=True, BLOCK=block, **opts)
     return sel
 
 
@@ -1057,14 +1070,15 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
 
 @triton.jit
 def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, n, SIDE: tl.constexpr,
-                           WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's.
+                           WIDE: tl.constexpr, NAN: tl.constexpr, BLOCK: tl.constexpr):
+    # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
+    # (NaN as _counted says).
     floor = tl.load(floor_ptr)
     lo, hi = _span(n, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
         _, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
-        acc += (live & (key >= floor.to(key.dtype))).to(tl.int32)
+        acc += (live & (key >= floor.to(key.dtype)) & _counted(key, NAN)).to(tl.int32)
     tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
 
 
@@ -1100,8 +1114,8 @@ def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0) 
     block, opts = _config("key_digits")
     grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
     counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)
-    launch(_count_at_least_kernel, grid, x, aux, counts, n, SIDE=side, WIDE=wide, BLOCK=block,
-           **opts)
+    launch(_count_at_least_kernel, grid, x, aux, counts, n, SIDE=side, WIDE=wide, NAN=False,
+           BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, aux, aux[1:], counts.cumsum(0), out, out, n, count, count,
-           SIDE=side, WIDE=wide, SHIFT=0, KEYS=False, BLOCK=block, **opts)
+           SIDE=side, WIDE=wide, SHIFT=0, KEYS=False, NAN=False, BLOCK=block, **opts)
     return out
