@@ -361,8 +361,8 @@ def _top_positions(a: np.ndarray, k: int) -> np.ndarray:
     numpy's introselect finds the k-th value about 10x faster than torch.topk on a CPU (8M
     scores, k = 1%: 14 against 139 ms), and its index scans 7x faster than nonzero. Ties at the
     k-th value go to the lowest positions. NaN ranks above every score (``np.partition`` puts
-    it last, torch.topk first), NaN ties to the lowest positions too; the top slice then holds
-    every NaN, and its least other value is the k-th value of the rest.
+    it last, torch.topk first), NaN ties to the lowest positions too; when fewer than k are
+    NaN the top slice holds them all, and its least other value is the k-th of the rest.
     """
     top = np.partition(a, a.size - k)[a.size - k :]
     kth = top.min()
