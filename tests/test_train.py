@@ -729,6 +729,9 @@ def test_bucket_topk_breaks_ties_towards_the_lower_position(path):
             want += sorted((np.lexsort((np.arange(row.size), -row))[:k] + start).tolist())
         with forced(path):
             assert bucket_topk(acc, k, bucket).tolist() == want, (path, k, bucket)
+    with forced(path):  # a leaf that asks for gradients, of any shape, as torch.topk took it
+        grad = spread[:4096].clone().view(64, 64).requires_grad_()
+        assert bucket_topk(grad, 3, 100).tolist() == bucket_topk(spread[:4096], 3, 100).tolist()
 
 
 def test_sparcml_sgd_two_workers_by_hand():

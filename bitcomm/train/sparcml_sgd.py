@@ -56,6 +56,7 @@ def bucket_topk(acc: torch.Tensor, k: int, bucket: int) -> torch.Tensor:
     n = acc.numel()
     if n == 0 or k == 0:
         return torch.empty(0, dtype=torch.int64, device=acc.device)
+    acc = acc.detach().reshape(-1)
     full = n // bucket * bucket
     spans = ([(0, full, bucket)] if full else []) + ([(full, n, n - full)] if full < n else [])
     count = sum((hi - lo) // width * min(k, width) for lo, hi, width in spans)
