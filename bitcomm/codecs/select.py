@@ -134,7 +134,10 @@ class _Scores:
         """
         if self.fused:
             return _frame.kernels().indices_above(self.v, threshold, count, self.side)
-        return torch.nonzero(self.tensor > threshold).reshape(-1)
+        above = _greater(self.tensor, threshold)
+        if isinstance(above, np.ndarray):
+            return torch.from_numpy(np.flatnonzero(above))
+        return torch.nonzero(above).reshape(-1)
 
     def top(self, k: int) -> torch.Tensor:
         """Return :func:`topk`'s indices of the scores (no check).
@@ -187,7 +190,10 @@ class _Counts:
         if threshold not in self.known:
             if not self.ahead:
                 # count_nonzero: a bool sum goes through int64, several times slower on a CPU
-                self.known[threshold] = int(torch.count_nonzero(self.scores.tensor > threshold))
+                above = _greater(self.scores.tensor, threshold)
+                self.known[threshold] = int(np.count_nonzero(above)
+                                            if isinstance(above, np.ndarray)
+                                            else torch.count_nonzero(above))
             else:
                 # 0.0 rides along the first fetch: how many scores are positive, which tells
                 # RedSync's sides how many selected values have the side's sign.
@@ -215,6 +221,20 @@ class _Counts:
         # a threshold's count is that of its first copy among the sorted (equal ones agree)
         for t, j in zip(thresholds, np.searchsorted(order, rounded), strict=True):
             self.known[t] = above[int(j)]
+
+
+def _greater(s: torch.Tensor, threshold: float) -> torch.Tensor | np.ndarray:
+    """Return the mask of the scores above ``threshold``: a numpy array on the numpy path.
+
+    numpy compares about 2.5x faster than torch on a CPU; the threshold is rounded to the
+    scores' dtype first, as torch's comparison with a Python float rounds it (beyond float16's
+    range to inf, silently as in torch).
+    """
+    if not _frame.numpy_float(s):
+        return s > threshold
+    a = s.numpy()
+    with np.errstate(over="ignore"):
+        return np.greater(a, a.dtype.type(threshold))
 
 
 def _halvings(lo, hi, mid, levels: int) -> list:
