@@ -601,12 +601,11 @@ def _keys(s: torch.Tensor) -> np.ndarray:
 def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch):
     """From _bracket.MIN_N scores the selection first gathers every key at or above the
     sampled bound (the rank(n, k)-th largest key at the numpy path's sample positions,
-    rounded down to its first 16 bits, 20 for float64), with
-    its index, in index order, and every pass reads those: the sort's result, for every float
-    dtype and side, negative bounds included. When the sample misleads (fewer than k keys
-    reach its bound) or too many keys tie at it, nothing is gathered, and the passes read x
-    with the same result. (A smaller sample and more room than the defaults, for the
-    interpreter.)"""
+    rounded down to its first 16 bits, 20 for float64), with its index, in index order, and
+    every pass reads those: the sort's result, for every float dtype and side, negative
+    bounds included. When the sample misleads (fewer than k keys reach its bound) or too many
+    keys tie at it, nothing is gathered, and the passes read x with the same result. (A
+    smaller sample and more room than the defaults, for the interpreter.)"""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
     monkeypatch.setattr(_bracket, "SAMPLE", 256)
     monkeypatch.setattr(_bracket, "MIN_N", 4096)
