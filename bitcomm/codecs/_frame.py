@@ -93,6 +93,15 @@ def numpy_float(t: torch.Tensor) -> bool:
     return use_numpy(t) and t.dtype in _NUMPY_FLOATS
 
 
+def rounded(value: float, a: np.ndarray) -> np.floating:
+    """Return ``value`` in ``a``'s float dtype, as torch rounds a Python float it compares with.
+
+    To nearest, and beyond the dtype's range to inf, without numpy's overflow warning.
+    """
+    with np.errstate(over="ignore"):
+        return a.dtype.type(value)
+
+
 def all_finite(t: torch.Tensor, *, as_float32: bool = False) -> bool:
     """Say whether every element of ``t`` is finite (with ``as_float32``: once cast to float32).
 

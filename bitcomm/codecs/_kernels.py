@@ -945,8 +945,8 @@ class _Selection:
                                device=x.device)
 
 
-def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, counts: torch.Tensor,
-             block: int, opts: dict) -> bool:
+def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, counts: torch.Tensor
+             ) -> bool:
     # Gathers the keys at or above the sampled bound of _bracket (their number to sel.m when
     # they are k or more and fit), if the expected number of them leaves half the slack of the
     # room for the sample's error; says whether it tried. `counts` has a slot for each
@@ -957,16 +957,28 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, counts: torch.
     step, r = n // _bracket.SAMPLE, _bracket.rank(n, k)
     if r * step > k + n // (2 * SLACK):
         return False
-    wide = x.dtype == torch.float64
-    launch(_sample_bound_kernel, (1,), x, sel.bound, step, r, SIDE=side, WIDE=wide,
-           M=_bracket.SAMPLE, HASH=_bracket.HASH, num_warps=16)
-    grid = (counts.numel(),)
-    launch(_count_at_least_kernel, grid, x, sel.bound, counts, n, SIDE=side, WIDE=wide,
-           NAN=True, BLOCK=block, **opts)
-    launch(_gather_kernel, grid, x, sel.bound, sel.m, counts.cumsum(0), sel.keys, sel.idx, n,
-           k, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=0, KEYS=True, NAN=True,
-           BLOCK=block, **opts)
+    launch(_sample_bound_kernel, (1,), x, sel.bound, step, r, SIDE=side,
+           WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH, num_warps=16)
+    _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
+                     keys=sel.keys, nan=True)
     return True
+
+
+def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
+                     counts: torch.Tensor, idx: torch.Tensor, need: int, room: int, side: int,
+                     *, keys: torch.Tensor | None = None, nan: bool) -> None:
+    # The indices (and, given `keys`, the keys) of every key at or above floor's, in index
+    # order, when there are `need` to `room` of them (their number to m): a count of each
+    # program's run (one slot a program in `counts`), then the gathering pass. `nan`: whether
+    # NaN's key takes part (_counted).
+    n, wide = x.numel(), x.dtype == torch.float64
+    block, opts = _config("key_digits")
+    grid = (counts.numel(),)
+    launch(_count_at_least_kernel, grid, x, floor, counts, n, SIDE=side, WIDE=wide, NAN=nan,
+           BLOCK=block, **opts)
+    launch(_gather_kernel, grid, x, floor, m, counts.cumsum(0), idx if keys is None else keys,
+           idx, n, need, room, SIDE=side, WIDE=wide, SHIFT=0, KEYS=keys is not None, NAN=nan,
+           BLOCK=block, **opts)
 
 
 def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
@@ -986,7 +998,7 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
     grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
     rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
     counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)  # each program's
-    sampled = _sampled(x, k, side, sel, counts, block, opts)
+    sampled = _sampled(x, k, side, sel, counts)
     shifts = range((sel.digits - 1) * DIGIT, -1, -DIGIT)
     for p, shift in enumerate(shifts):
         # pass p settles digit p - 1 first, except after the two-digit gathering, which did
@@ -1111,11 +1123,7 @@ def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0) 
     wide = x.dtype == torch.float64
     # [the least key above the threshold, a slot for the number written]
     aux = torch.full((2,), _key_of(threshold, wide) + 1, dtype=torch.int64, device=x.device)
-    block, opts = _config("key_digits")
-    grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
-    counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)
-    launch(_count_at_least_kernel, grid, x, aux, counts, n, SIDE=side, WIDE=wide, NAN=False,
-           BLOCK=block, **opts)
-    launch(_gather_kernel, grid, x, aux, aux[1:], counts.cumsum(0), out, out, n, count, count,
-           SIDE=side, WIDE=wide, SHIFT=0, KEYS=False, NAN=False, BLOCK=block, **opts)
+    programs = min(COUNT_PROGRAMS, _grid(n, _config("key_digits")[0])[0])
+    counts = torch.empty(programs, dtype=torch.int64, device=x.device)
+    _gather_at_least(x, aux, aux[1:], counts, out, count, count, side, nan=False)
     return out

@@ -230,14 +230,12 @@ def _greater(s: torch.Tensor, threshold: float) -> torch.Tensor | np.ndarray:
     """Return the mask of the scores above ``threshold``: a numpy array on the numpy path.
 
     numpy compares about 2.5x faster than torch on a CPU; the threshold is rounded to the
-    scores' dtype first, as torch's comparison with a Python float rounds it (beyond float16's
-    range to inf, silently as in torch).
+    scores' dtype first, as torch's comparison with a Python float rounds it.
     """
     if not _frame.numpy_float(s):
         return s > threshold
     a = s.numpy()
-    with np.errstate(over="ignore"):
-        return np.greater(a, a.dtype.type(threshold))
+    return np.greater(a, _frame.rounded(threshold, a))
 
 
 def _halvings(lo, hi, mid, levels: int) -> list:
@@ -359,18 +357,13 @@ _TIE_SLICE = 1 << 20
 def _first_equal(a: np.ndarray, value: float, count: int, side: int = 0) -> np.ndarray | None:
     """Return the first ``count`` positions whose score equals ``value``, or ``None``.
 
-    ``None`` if fewer do; scores as ``side`` of ``a`` makes them (``value > 0`` on a side). A
-    slice at a time, so that a mass of ties (most of ``a``) costs a slice, not an index of
-    every one of them.
+    ``None`` if fewer do; scores as ``side`` of ``a`` makes them. A slice at a time, so that a
+    mass of ties (most of ``a``) costs a slice, not an index of every one of them.
     """
     found, got = [], 0
     for start in range(0, a.size, _TIE_SLICE):
-        part = a[start : start + _TIE_SLICE]
-        if side == _ABS:
-            equal = (part == value) | (part == -value)
-        else:
-            equal = part == (-value if side < 0 else value)
-        pos = np.flatnonzero(equal)[: count - got]
+        part = _numpy_scores(a[start : start + _TIE_SLICE], side)
+        pos = np.flatnonzero(part == value)[: count - got]
         found.append(pos + start)
         got += pos.size
         if got == count:

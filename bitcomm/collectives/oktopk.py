@@ -290,9 +290,8 @@ def _local(mag: torch.Tensor, k: int, state: OkTopkState, recompute: bool,
     while True:
         if computed is None and host:
             a, th = mag.numpy(), state.local_th
-            with np.errstate(over="ignore"):  # beyond the dtype's range: inf, as torch casts
-                mask = torch.from_numpy(np.greater(a, 0) if th <= 0 else
-                                        np.greater_equal(a, a.dtype.type(th)))
+            mask = torch.from_numpy(np.greater(a, 0) if th <= 0 else
+                                    np.greater_equal(a, _frame.rounded(th, a)))
         else:
             mask = nonzero & (mag >= (state.local_th if computed is None else computed))
         # count_nonzero: a bool sum promotes through int64, several times slower on a CPU

@@ -62,16 +62,15 @@ def bucket_topk(acc: torch.Tensor, k: int, bucket: int) -> torch.Tensor:
     count = sum((hi - lo) // width * min(k, width) for lo, hi, width in spans)
     if _frame.numpy_float(acc):
         # Each bucket's elements at or above its k-th largest: its top k, unless it has ties
-        # there (then more than k in all), which the general path sorts out.
+        # there (then more than k in all) or NaN (torch.topk ranks it first, so its k-th is
+        # NaN), which the general path sorts out.
         a = np.abs(acc.numpy())
-        nan = np.isnan(a)
-        if nan.any():
-            a[nan] = np.inf
-        ge = np.concatenate([_at_or_above(a[lo:hi].reshape(-1, width), min(k, width))
-                             for lo, hi, width in spans])
-        found = np.flatnonzero(ge)
-        if found.size == count:
-            return torch.from_numpy(found)
+        ge = [_at_or_above(a[lo:hi].reshape(-1, width), min(k, width))
+              for lo, hi, width in spans]
+        if all(g is not None for g in ge):
+            found = np.flatnonzero(np.concatenate(ge))
+            if found.size == count:
+                return torch.from_numpy(found)
     mags = acc.abs().nan_to_num_(nan=math.inf)
     masks = [_row_top(mags[lo:hi].view(-1, width), min(k, width)).reshape(-1)
              for lo, hi, width in spans]
@@ -83,9 +82,15 @@ def _kth(rows: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(rows, k, dim=1, sorted=False).values.amin(1, keepdim=True)
 
 
-def _at_or_above(rows: np.ndarray, k: int) -> np.ndarray:
-    """Return the flat mask of each row's values at or above its k-th largest."""
-    return (rows >= _kth(torch.from_numpy(rows), k).numpy()).reshape(-1)
+def _at_or_above(rows: np.ndarray, k: int) -> np.ndarray | None:
+    """Return the flat mask of each row's values at or above its k-th largest.
+
+    ``None`` if a row's k largest hold NaN.
+    """
+    kth = _kth(torch.from_numpy(rows), k).numpy()
+    if np.isnan(kth).any():
+        return None
+    return (rows >= kth).reshape(-1)
 
 
 def _row_top(rows: torch.Tensor, k: int) -> torch.Tensor:
