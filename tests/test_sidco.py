@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,10 +161,13 @@ def test_benchmark_vectors_have_the_tails_they_are_named_for():
         sample("cauchy", 10)
 
 
+@pytest.mark.parametrize("check", [False, True])
 @pytest.mark.parametrize("dist", ["exponential", "pareto"])
 @pytest.mark.parametrize("stages, reads", [(1, 2), (3, 6)])
-def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, monkeypatch):
-    """On a device a stage's range, scale and moments come back in one read; a later stage
+def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, check,
+                                                           monkeypatch):
+    """On a device a stage's range, scale and moments come back in one read, and the range
+    checks the scores (NaN and inf reach it, and negative scores its least); a later stage
     also keeps only the exceedances (a mask: one more), and the selection is one."""
     from conftest import forced, host_reads
 
@@ -171,7 +175,109 @@ def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, 
     with forced("numpy"):
         want = sidco.sidco(s, 200, dist, stages)
     with forced("torch"):
-        seen = host_reads(monkeypatch, lambda: sidco.sidco(s, 200, dist, stages, check=False))
+        seen = host_reads(monkeypatch, lambda: sidco.sidco(s, 200, dist, stages, check=check))
         got = sidco.sidco(s, 200, dist, stages)
     assert len(seen) == reads, seen
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+@pytest.mark.parametrize("bad, problem", [(math.nan, "finite"), (math.inf, "finite"),
+                                          (-math.inf, "finite"), (-1.0, "non-negative")])
+def test_both_paths_check_the_scores(path, bad, problem):
+    from conftest import forced
+
+    s = torch.rand(1000, generator=torch.Generator().manual_seed(0))
+    s[517] = bad
+    with forced(path):
+        for dist in sidco.DISTRIBUTIONS:
+            with pytest.raises(ValueError, match=problem):
+                sidco.threshold(s, 0.01, dist)
+            with pytest.raises(ValueError, match=problem):
+                sidco.sidco(s, 10, dist, 2)
+        sidco.threshold(s, 0.01, check=False)  # unchecked: no exception
+
+
+def _vectors():
+    g = torch.Generator().manual_seed(3)
+    sparse = torch.randn(100_000, generator=g).abs() * (torch.rand(100_000, generator=g) < 0.1)
+    return {
+        "laplace": _samples("laplace", 300_001),
+        "gauss": torch.randn(200_003, generator=g).abs(),
+        "sparse": sparse,  # 90% zeros: the gamma fit's positive share
+        "ties": torch.randint(0, 5, (70_001,), generator=g).float(),
+        "float16": torch.randn(50_000, generator=g).abs().half(),
+        "float64, huge": torch.randn(50_000, generator=g, dtype=torch.float64).abs() * 1e200,
+        "gaps": torch.tensor([0.0, 0, 0, 0, 3, 0, 0, 7]),
+        "one positive value": torch.tensor([0.0, 2, 2, 0, 2]),
+    }
+
+
+def test_the_numpy_and_torch_paths_fit_alike():
+    """The numpy path sums a chunk at a time, the torch path over the whole vector: the same
+    thresholds to rounding, and the same selections, for every fit and stage count."""
+    from conftest import forced
+
+    for name, v in _vectors().items():
+        for dist in sidco.DISTRIBUTIONS:
+            for stages in (1, 2, 4):
+                for delta in (0.1, 0.01, 0.001):
+                    k = max(1, int(delta * v.numel()))
+                    got = {}
+                    for path in ("numpy", "torch"):
+                        with forced(path):
+                            got[path] = (sidco.threshold(v, delta, dist, stages),
+                                         sidco.sidco(v, k, dist, stages))
+                    case = (name, dist, stages, delta)
+                    assert got["numpy"][0] == pytest.approx(got["torch"][0], rel=1e-12), case
+                    assert torch.equal(got["numpy"][1], got["torch"][1]), case
+
+
+def test_the_pareto_variance_is_exact_to_float64():
+    """Chunks' means and squared deviations combined pairwise: the variance of scores that
+    are quarters (sums exact in float64) is the exact rational variance, rounded."""
+    from fractions import Fraction
+
+    v = _vectors()["ties"]  # 0..4: y = v / 4
+    y = [Fraction(int(a), 4) for a in v.tolist()]
+    mean = sum(y) / len(y)
+    var = sum((a - mean) ** 2 for a in y) / len(y)
+    got = sidco._moments(v.numpy(), 4.0, 0.0, "pareto")
+    assert got == [float(mean), float(var)]
+    want = 4 * sidco._pareto(float(mean), float(var), 0.01)
+    assert sidco.threshold(v, 0.01, "pareto") == want
+
+
+def test_the_numpy_path_writes_nothing_the_size_of_the_vector():
+    """A float64 copy of 2**20 float32 scores would take 8 MiB; the numpy path converts 64K
+    of them at a time."""
+    import tracemalloc
+
+    s = _samples("laplace", 1 << 20)
+    for dist in sidco.DISTRIBUTIONS:
+        tracemalloc.start()
+        try:
+            sidco.threshold(s, 0.01, dist, 1)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 2 << 20, (dist, peak)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_floor_of_a_kept_stage_is_the_least_value_whose_quotient_reaches_eta(dtype):
+    """Later stages keep src / scale >= eta by comparing src with a floor in its own dtype:
+    it must be the least value of that dtype whose float64 quotient reaches eta."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        scale = float(dtype(rng.uniform(0.1, 100)))
+        eta = float(rng.uniform(0, 1.2))
+        v = sidco._floor(eta, scale, dtype)
+        assert v.dtype == dtype
+        assert np.float64(v) / scale >= eta, (eta, scale, v)
+        below = np.nextafter(v, dtype(-np.inf))
+        assert not np.float64(below) / scale >= eta, (eta, scale, v)
+    # a value exactly at the boundary: eta = v / scale itself
+    scale, v = 3.0, dtype(1.7)
+    assert sidco._floor(float(np.float64(v) / scale), scale, dtype) == v
+    assert np.isnan(sidco._floor(math.nan, 2.0, dtype))

@@ -43,6 +43,15 @@ Choices where the paper is silent, each a guard:
 Selection keeps every score ``>= eta`` (Algorithm 1's last line); the count ``k_hat`` is near
 ``k``, not equal to it.
 
+Cost: the point of a fitted threshold is that it is cheaper than ranking the scores, so the fit
+writes nothing the size of the vector where it can help it. On a CPU (numpy's float dtypes) the
+range is one read, the first stage's moments are summed in float64 a chunk of 64K scores at a
+time (the chunks' variances combined pairwise, as exact as a two-pass variance), and a later
+stage keeps the exceedances, compared in the scores' own dtype, as scaled float64 values. On
+other devices each stage is torch ops over a scaled float64 copy, with one host read a stage
+(and one for the exceedances' mask) that also carries the range, so the checks cost no read of
+their own. The two paths' thresholds agree to rounding.
+
 Example: scores ``[4, 3, 2, 1, 0, 0, 0, 0]`` with ``k = 2`` (``delta = 0.25``), exponential
 stage: scaled scores have mean ``10 / 32 = 0.3125`` of the largest (4), ``eta = 4 * 0.3125 *
 ln 4 = 1.733``, so indices ``[0, 1, 2]`` are kept (``k_hat = 3``).
@@ -53,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from bitcomm.codecs import _frame
@@ -140,6 +150,205 @@ def _gamma(mu: float, log_mean: float, delta: float) -> float | None:
     return beta * _gamma_inverse(alpha, delta)
 
 
+_CHUNK = 1 << 16
+"""Scores the numpy path converts to float64 at a time (512 KB: the conversion stays in cache)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """What one stage's fit reads of its scores ``y`` (scaled by the largest score).
+
+    ``moments``, of ``z = y - eta`` (``eta`` the last stage's threshold): ``(mean,)`` for an
+    exponential, ``(mean, variance)`` for a Pareto, ``(how many are positive, their mean,
+    their mean log)`` of ``y`` for a gamma.
+    """
+
+    size: int
+    low: float
+    high: float
+    moments: tuple[float, ...]
+
+
+class _TorchStages:
+    """The stages' scores on the torch path (any device): one host read a stage.
+
+    The first stage reads the range with the moments (and so checks the scores without a read
+    of its own); each later one keeps the exceedances of the last threshold, a mask whose
+    size is one more read.
+    """
+
+    def __init__(self, s: torch.Tensor, check: bool):
+        self.s, self.check = s, check
+        self.y: torch.Tensor | None = None  # the stage's scores, float64, scaled
+        self.top = math.nan
+
+    def stage(self, eta: float, kind: str) -> _Stage | None:
+        """Return the next stage's reading (``None``: no exceedance of ``eta``)."""
+        if self.y is None:
+            low, top = (v.to(torch.float64) for v in torch.aminmax(self.s))
+            # scaled by a tensor: the quotient is correctly rounded on every device
+            y = self.s.to(torch.float64) / top
+            ends = [low, top]
+        else:
+            y = self.y[self.y >= eta]
+            if y.numel() == 0:
+                return None
+            ends = list(torch.aminmax(y))
+        z = y - eta if eta else y
+        if kind == "gamma":
+            pos = y > 0
+            fitted = [pos.sum(), torch.where(pos, y, 0.0).sum(),
+                      torch.where(pos, y, 1.0).log().sum()]
+        elif kind == "exponential":
+            fitted = [z.mean()]
+        else:
+            fitted = [z.mean(), z.var(correction=0)]
+        low, high, *moments = torch.stack([*ends, *(f.to(torch.float64) for f in fitted)]
+                                          ).tolist()  # the stage's one read
+        if self.y is None:
+            _check_range(low, high, self.check)
+            self.top = high
+            if not high > 0:
+                return None
+            low, high = low / high, 1.0
+        self.y = y
+        return _Stage(y.numel(), low, high, _fitted(kind, moments))
+
+    def least(self) -> float:
+        """Return the least positive score of the last stage (scaled)."""
+        return float(torch.where(self.y > 0, self.y, math.inf).min())
+
+
+class _NumpyStages:
+    """The stages' scores on the numpy path (CPU tensors of numpy's float dtypes).
+
+    Nothing the size of the vector is written: the first stage's range is numpy's, its
+    moments are summed in float64 a chunk of :data:`_CHUNK` scores at a time, and later stages
+    keep the exceedances (scaled, float64) as the torch path does.
+    """
+
+    def __init__(self, s: torch.Tensor, check: bool):
+        a = s.numpy()
+        self.low, self.top = float(a.min()), float(a.max())
+        _check_range(self.low, self.top, check)
+        # the stage's scores are src / scale: the vector and its largest score at first, the
+        # kept exceedances (scaled already) later
+        self.src, self.scale, self.first = a, self.top, True
+
+    def stage(self, eta: float, kind: str) -> _Stage | None:
+        """Return the next stage's reading (``None``: no exceedance of ``eta``)."""
+        if not self.top > 0:
+            return None
+        if self.first:
+            low, high = self.low / self.top, 1.0
+            self.first = False
+        else:
+            self.src, self.scale = _kept(self.src, self.scale, eta), 1.0
+            if self.src.size == 0:
+                return None
+            low, high = float(self.src.min()), float(self.src.max())
+        moments = _moments(self.src, self.scale, eta, kind)
+        return _Stage(self.src.size, low, high, _fitted(kind, moments))
+
+    def least(self) -> float:
+        """Return the least positive score of the last stage (scaled)."""
+        return float(self.src[self.src > 0].min()) / self.scale
+
+
+def _check_range(low: float, high: float, check: bool) -> None:
+    # The least and largest score tell both checks: NaN makes both NaN, inf is one of them.
+    if not check:
+        return
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError("expected finite scores, got NaN or inf")
+    if low < 0:
+        raise ValueError("expected non-negative scores (|g| or a clamp of it)")
+
+
+def _fitted(kind: str, sums: list[float]) -> tuple[float, ...]:
+    # A gamma stage's sums (positive count, sum and sum of logs of the positive) as the count
+    # and the two means; the other fits' moments as they are.
+    if kind != "gamma":
+        return tuple(sums)
+    positive, total, logs = sums
+    return positive, total / positive, logs / positive
+
+
+def _kept(src: np.ndarray, scale: float, eta: float) -> np.ndarray:
+    # The scores src / scale (float64) at or above eta. They are picked in src's own dtype, a
+    # chunk at a time (np.flatnonzero then a gather: a boolean index is twice as slow on a
+    # mask without pattern), and only the kept ones are divided.
+    floor = _floor(eta, scale, src.dtype.type)
+    parts = []
+    for lo in range(0, src.size, _CHUNK):
+        part = src[lo : lo + _CHUNK]
+        parts.append(part[np.flatnonzero(part >= floor)])
+    kept = np.concatenate(parts) if parts else src[:0]
+    with np.errstate(invalid="ignore"):  # unchecked inf / inf is NaN, as on torch's path
+        return np.divide(kept, scale, dtype=np.float64)
+
+
+def _floor(eta: float, scale: float, dtype: type) -> np.floating:
+    # The least value v of dtype whose quotient v / scale (in float64) reaches eta. The
+    # quotient is monotone in v, and eta * scale rounded to dtype is within an ulp of dtype of
+    # v, so a few steps from it find v. NaN stays NaN (nothing reaches it).
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = dtype(eta * scale)
+
+        def reaches(value: np.floating) -> bool:
+            return bool(np.float64(value) / scale >= eta)
+
+        for _ in range(4):
+            below = np.nextafter(v, dtype(-np.inf))
+            if not reaches(below):
+                break
+            v = below
+        for _ in range(4):
+            if reaches(v):
+                break
+            v = np.nextafter(v, dtype(np.inf))
+    return v
+
+
+def _moments(src: np.ndarray, scale: float, eta: float, kind: str) -> list[float]:
+    # What _TorchStages sums for the fit of kind, of y = src / scale in float64 (z = y - eta),
+    # a chunk at a time: the chunks' means and squared deviations combine as Chan, Golub and
+    # LeVeque's pairwise update does, which keeps the variance as exact as a two-pass one.
+    buf = np.empty(min(src.size, _CHUNK), dtype=np.float64)
+    count, total, logs, mean, m2 = 0, 0.0, 0.0, 0.0, 0.0
+    for lo in range(0, src.size, _CHUNK):
+        part = src[lo : lo + _CHUNK]
+        y = buf[: part.size]
+        with np.errstate(invalid="ignore"):  # unchecked inf / inf is NaN, as on torch's path
+            np.divide(part, scale, out=y, dtype=np.float64)
+        if kind == "gamma":
+            pos = y > 0
+            count += int(np.count_nonzero(pos))
+            np.multiply(y, pos, out=y)  # negative scores (unchecked) weigh nothing
+            total += float(y.sum())
+            np.log(y, out=y, where=pos)  # log 1 nowhere: zeros stay zero
+            logs += float(y.sum())
+            continue
+        if eta:
+            y -= eta
+        if kind == "exponential":
+            total += float(y.sum())
+            continue
+        part_mean = float(y.sum()) / y.size
+        y -= part_mean
+        part_m2 = float(y @ y)
+        grown = count + y.size
+        delta = part_mean - mean
+        mean += delta * y.size / grown
+        m2 += part_m2 + delta * delta * count * y.size / grown
+        count = grown
+    if kind == "gamma":
+        return [count, total, logs]
+    if kind == "exponential":
+        return [total / src.size]
+    return [mean, m2 / src.size]
+
+
 def threshold(scores: torch.Tensor, delta: float, dist: str = "exponential", stages: int = 1,
               *, first: float = FIRST, check: bool = True) -> float:
     """Return the threshold that a fraction ``delta`` of the scores are expected to reach.
@@ -162,56 +371,37 @@ def threshold(scores: torch.Tensor, delta: float, dist: str = "exponential", sta
         raise ValueError(f"expected dist in {DISTRIBUTIONS}, got {dist!r}")
     if not 0 < first < 1:
         raise ValueError(f"expected first in (0, 1), got {first}")
-    if check and s.numel():
-        if not _frame.all_finite(s):
-            raise ValueError("expected finite scores, got NaN or inf")
-        if bool((s < 0).any()):
-            raise ValueError("expected non-negative scores (|g| or a clamp of it)")
     if s.numel() == 0:
         return math.inf
-    # Scaled by the largest score (a tensor: the quotient is correctly rounded on every
-    # device); each stage reads what its fit needs, with the range, in one host read.
-    top = s.max().to(torch.float64)
-    y = s.to(torch.float64) / top
     if delta >= first:
         stages = 1
     ratios = [delta] if stages == 1 else \
         [first] + [(delta / first) ** (1 / (stages - 1))] * (stages - 1)
-    eta, scale = 0.0, None
+    data = _NumpyStages(s, check) if _frame.numpy_float(s) else _TorchStages(s, check)
+    eta = 0.0
     for m, ratio in enumerate(ratios):
-        if m and y.numel():
-            y = y[y >= eta]  # the exceedances, still in scaled units
-        if y.numel() == 0:
-            break
-        z = y - eta if m else y  # later stages fit the exceedances over eta
         gamma = m == 0 and dist == "gamma-pareto"
-        # the positive values (a gamma fit's data; the smallest is kept when a fit fails)
-        pos = y[y > 0] if gamma else None
-        least = torch.where(y > 0, y, math.inf).min()
-        if gamma:
-            fitted = [pos.mean(), pos.log().mean()]
-        elif dist == "exponential":
-            fitted = [z.mean()]
-        else:
-            fitted = [z.mean(), z.var(correction=0)]
-        low, high, head, scale, smallest, *moments = torch.stack(
-            [y.min(), y.max(), y[0], top, least, *fitted]).tolist()  # the stage's one read
-        if scale <= 0:
+        stage = data.stage(eta, "gamma" if gamma else "exponential" if dist == "exponential"
+                           else "pareto")
+        if data.top <= 0:
             return math.inf
-        if low == high:  # equal values: keep them all
-            eta = eta if m else head
+        if stage is None:  # no exceedance: nothing to fit
+            break
+        if stage.low == stage.high:  # equal values: keep them all
+            eta = eta if m else stage.low
             break
         if gamma:  # fitted to the positive values, for their share of the target
-            fit = _gamma(*moments, min(1.0, ratio * y.numel() / pos.numel()))
+            positive, *moments = stage.moments
+            fit = _gamma(*moments, min(1.0, ratio * stage.size / positive))
         elif dist == "exponential":
-            fit = _exponential(*moments, ratio)
+            fit = _exponential(*stage.moments, ratio)
         else:
-            fit = _pareto(*moments, ratio)
+            fit = _pareto(*stage.moments, ratio)
         if fit is None:  # the positive values are all equal: keep them all
-            eta = smallest
+            eta = data.least()
             break
         eta += fit
-    return eta * scale if scale is not None else math.inf
+    return eta * data.top
 
 
 def sidco(scores: torch.Tensor, k: int, dist: str = "exponential", stages: int = 1, *,
@@ -238,6 +428,9 @@ def sidco(scores: torch.Tensor, k: int, dist: str = "exponential", stages: int =
             raise ValueError("expected finite scores, got NaN or inf")
         return torch.arange(n if k else 0, device=s.device)
     eta = threshold(s, k / n, dist, stages, first=first, check=check)
+    if _frame.numpy_float(s):
+        a = s.numpy()
+        return torch.from_numpy(np.flatnonzero(a >= _frame.rounded(eta, a)))
     return torch.nonzero(s >= eta).reshape(-1)
 
 
