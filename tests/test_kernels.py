@@ -603,9 +603,10 @@ def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch):
     sampled bound (the rank(n, k)-th largest key at the numpy path's sample positions,
     rounded down to its first 16 bits, 20 for float64), with its index, in index order, and
     every pass reads those: the sort's result, for every float dtype and side, negative
-    bounds included. When the sample misleads (fewer than k keys reach its bound) or too many
-    keys tie at it, nothing is gathered, and the passes read x with the same result. (A
-    smaller sample and more room than the defaults, for the interpreter.)"""
+    bounds included. When the sample misleads (fewer than k keys reach its bound), nothing is
+    gathered, and the passes read x with the same result; when every key ties at it, the k-th
+    largest is the bound (test_a_mass_of_ties_at_the_sampled_bound). (A smaller sample and
+    more room than the defaults, for the interpreter.)"""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
     monkeypatch.setattr(_bracket, "SAMPLE", 256)
     monkeypatch.setattr(_bracket, "MIN_N", 4096)
@@ -636,10 +637,54 @@ def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch):
     peaks = torch.ones(n)
     peaks[pos] = 5.0  # the sample sees only these: 256 scores reach its bound, k = 300
     flat = torch.full((n,), 2.0)  # every key ties at the bound: more than the room
-    for x, k in ((peaks, 300), (flat, 50)):
-        assert int(_kernels._radix_select(x, k, 0).m) == 0
+    for x, k, m in ((peaks, 300, 0), (flat, 50, -1)):
+        assert int(_kernels._radix_select(x, k, 0).m) == m
         assert _kernels.top_indices(x, k).tolist() == _brute_top(x, k)
         assert _kernels.kth_largest(x, k).item() == x.sort(descending=True).values[k - 1]
+
+
+@pytest.mark.parametrize("programs", [4096, 2])
+def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch):
+    """Keys tied at the sampled bound can overflow the room (exact zeros of a sparse gradient:
+    the bound is 0). Then, if k or more keys lie strictly above the bound and fit, those are
+    the candidates; if fewer than k do, the k-th largest key is the bound itself: m = -1, no
+    counting pass reads anything (their histograms stay empty), and the writing passes take
+    every key above it and the first ties in index order from x. The sort's result either way.
+    (The sample and room of test_radix_selection_starts_from_a_sampled_bound.)"""
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+    monkeypatch.setattr(_bracket, "SAMPLE", 256)
+    monkeypatch.setattr(_bracket, "MIN_N", 4096)
+    monkeypatch.setattr(_kernels, "SLACK", 4)
+    g = torch.Generator().manual_seed(23)
+    n, k = 5003, 50  # room: k + n // 4 = 1300
+    spots = torch.randperm(n, generator=g)
+
+    def vector(ties: float, above: int, dtype) -> torch.Tensor:
+        # 30% of the scores tie at `ties`, `above` lie over it, the rest below it
+        x = torch.rand(n, generator=g, dtype=torch.float64) * 0.5 * ties
+        x[spots[: n * 3 // 10]] = ties
+        x[spots[n * 3 // 10 : n * 3 // 10 + above]] = ties + 1 + torch.rand(above, generator=g,
+                                                                             dtype=torch.float64)
+        return x.to(dtype)
+
+    sparse = torch.zeros(n)  # 30 nonzero magnitudes, of either sign: the bound is a zero
+    sparse[spots[:30]] = torch.randn(30, generator=g)
+    cases = [(sparse, 2, -1), (sparse.double(), 2, -1),
+             (vector(1.0, 30, torch.float32), 0, -1), (vector(1.0, 30, torch.float64), 0, -1),
+             (vector(1.0, 100, torch.float32), 0, 100), (vector(3.0, 200, torch.float64), 0, 200)]
+    for x, side, m in cases:
+        s = x.abs() if side == 2 else x
+        sel = _kernels._radix_select(x, k, side)
+        assert int(sel.m) == m, (x.dtype, side, m)
+        if m < 0:
+            assert int(sel.hist.abs().sum()) == 0  # no pass counted anything
+            kth = s.sort(descending=True).values[k - 1]
+            assert sel.state[sel.digits].tolist() == [_keys(kth.reshape(1))[0],
+                                                      k - int((s > kth).sum())]
+        else:  # the keys strictly above the bound, in index order
+            assert sel.idx[:m].tolist() == np.flatnonzero(_keys(s) > int(sel.bound)).tolist()
+        assert _kernels.top_indices(x, k, side).tolist() == _brute_top(s, k)
+        assert _kernels.kth_largest(x, k, side).item() == s.sort(descending=True).values[k - 1]
 
 
 def _launches(fn) -> list[str]:

@@ -687,13 +687,17 @@ def _span(total, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _source(m_ptr, n, BLOCK: tl.constexpr):
-    # What a pass after the gathering reads: the m gathered candidates, or the n keys of x if
-    # none were gathered (m = 0); and this program's span of it.
+def _source(m_ptr, n, BLOCK: tl.constexpr, PASS: tl.constexpr):
+    # What a kernel after the gathering reads: the m gathered candidates, or the n keys of x
+    # if none were gathered (m = 0) or the k-th largest key was settled at the sampled bound
+    # (m = -1); and this program's span of it. A counting pass (PASS) reads nothing once the
+    # key is settled.
     m = tl.load(m_ptr)
     gathered = m > 0
     total = tl.where(gathered, m, n)
     lo, hi = _span(total, BLOCK)
+    if PASS:
+        hi = tl.where(m < 0, lo, hi)
     return gathered, total, lo, hi
 
 
@@ -757,7 +761,7 @@ def _key_digits_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, rows_ptr, n,
         total = n
         lo, hi = _span(n, BLOCK)
     else:
-        gathered, total, lo, hi = _source(m_ptr, n, BLOCK)
+        gathered, total, lo, hi = _source(m_ptr, n, BLOCK, True)
     acc = tl.zeros([256], dtype=tl.int32)
     outside = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
@@ -779,10 +783,10 @@ def _key_digits_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, rows_ptr, n,
 
 
 @triton.jit
-def _kth_value_kernel(hist_ptr, state_ptr, out_ptr, WIDE: tl.constexpr):
+def _kth_value_kernel(hist_ptr, state_ptr, m_ptr, out_ptr, WIDE: tl.constexpr):
     # One program: the last digit of the k-th largest key, and the score whose key it is
     # (float64, or float32 for 32-bit and 16-bit scores).
-    key = _settle(hist_ptr, state_ptr, 0, False, WIDE)
+    key = _kth_key(hist_ptr, state_ptr, m_ptr, WIDE)
     if WIDE:
         bits = key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)
         tl.store(out_ptr, bits.to(tl.float64, bitcast=True))
@@ -790,6 +794,18 @@ def _kth_value_kernel(hist_ptr, state_ptr, out_ptr, WIDE: tl.constexpr):
         bits = key.to(tl.int32)
         bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         tl.store(out_ptr, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _kth_key(hist_ptr, state_ptr, m_ptr, WIDE: tl.constexpr):
+    # The k-th largest key: its last digit settled from the last pass (state_ptr: the row
+    # before it), or, when the gathering settled it at the sampled bound (m = -1), the next
+    # state row as the gathering wrote it.
+    if tl.load(m_ptr) < 0:
+        key = tl.load(state_ptr + 2)
+    else:
+        key = _settle(hist_ptr, state_ptr, 0, False, WIDE)
+    return key
 
 
 @triton.jit
@@ -829,9 +845,10 @@ def _sample_bound_kernel(x_ptr, bound_ptr, step, r, SIDE: tl.constexpr, WIDE: tl
 
 
 @triton.jit
-def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, n, need, room,
-                   SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
-                   KEYS: tl.constexpr, NAN: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled_ptr, n, need,
+                   room, SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
+                   KEYS: tl.constexpr, NAN: tl.constexpr, STRICT: tl.constexpr,
+                   BLOCK: tl.constexpr):
     # The candidates: every key whose digits from SHIFT up are at least those of the key in
     # state_ptr (the k-th largest's prefix, or a sampled bound: a superset of the top k when
     # there are at least `need` of them), with its index (and, with KEYS, the key), each
@@ -839,11 +856,30 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, n, need
     # counts), so in index order; their number goes to m_ptr. Nothing when they are fewer
     # than `need` or would not fit in `room`: m stays 0 and the passes go on reading x. NaN
     # as _counted says.
+    # With STRICT (a sampled bound; ends has a second column, the keys strictly above it),
+    # when the keys at the bound overflow the room: the keys above it are the candidates if
+    # `need` of them fit; if fewer than `need` lie above it, the `need`-th largest key is the
+    # bound itself, which goes with the ties still to take to settled_ptr (the last state
+    # row), m to -1, and no pass reads anything until the writing passes read x.
+    W: tl.constexpr = 2 if STRICT else 1
     pid = tl.program_id(0)
-    total = tl.load(ends_ptr + tl.num_programs(0) - 1)
-    if (total >= need) & (total <= room):
-        floor = tl.load(state_ptr) >> SHIFT
-        at = tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0)
+    last = ends_ptr + (tl.num_programs(0) - 1) * W
+    total = tl.load(last)
+    fits = (total >= need) & (total <= room)
+    if STRICT:
+        strict = tl.load(last + 1)
+        above = (total > room) & (strict >= need) & (strict <= room)
+        if (total > room) & (strict < need) & (pid == 0):
+            tl.store(settled_ptr, tl.load(state_ptr))
+            tl.store(settled_ptr + 1, need - strict)
+            tl.store(m_ptr, -1)
+        total = tl.where(above, strict, total)
+        col = above.to(tl.int32)  # which column of ends holds the runs' counts
+    else:
+        col = 0
+    if fits | (col == 1):
+        floor = (tl.load(state_ptr) >> SHIFT) + col
+        at = tl.load(ends_ptr + (pid - 1) * W + col, mask=pid > 0, other=0)
         lo, hi = _span(n, BLOCK)
         for start in range(lo, hi, BLOCK):
             i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
@@ -869,11 +905,12 @@ def _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE: tl.constexp
 @triton.jit
 def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_ptr, n,
                           SIDE: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    # Settles the last digit (from the last pass's histogram and the state before it), then
-    # per tile (of the candidates, or of x): how many keys exceed the k-th largest, and how
-    # many equal it. Rows past the last tile are left as they are: nothing reads them.
-    kth = _settle(hist_ptr, state_ptr, 0, False, WIDE)
-    gathered, total, lo, hi = _source(m_ptr, n, BLOCK)
+    # Settles the last digit (from the last pass's histogram and the state before it; or
+    # takes the key the gathering settled at the sampled bound), then per tile (of the
+    # candidates, or of x): how many keys exceed the k-th largest, and how many equal it.
+    # Rows past the last tile are left as they are: nothing reads them.
+    kth = _kth_key(hist_ptr, state_ptr, m_ptr, WIDE)
+    gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
     for start in range(lo, hi, BLOCK):
         _, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
                                      BLOCK)
@@ -890,7 +927,7 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, ends_ptr, o
     # (ends: the running sums of the per-tile counts, this tile's included).
     kth = tl.load(state_ptr)
     need = tl.load(state_ptr + 1)
-    gathered, total, lo, hi = _source(m_ptr, n, BLOCK)
+    gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
     for start in range(lo, hi, BLOCK):
         j, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
                                      BLOCK)
@@ -921,7 +958,8 @@ class _Selection:
     ``hist[p]``: pass ``p``'s histogram. ``state[p]``: the prefix of the k-th largest key once
     ``p`` digits are settled, and its rank among the keys that share that prefix (the ties at
     the k-th largest still to take once every digit is). ``m``: how many candidates were
-    gathered into ``keys`` and ``idx`` (0: none; room for ``k + n // SLACK``). ``bound``: the
+    gathered into ``keys`` and ``idx`` (0: none; room for ``k + n // SLACK``; -1: the k-th
+    largest key is the sampled bound, in ``state[digits]``, and no pass counts). ``bound``: the
     key of the sampled bound, when the selection starts from one. All zeros but ``state[0]``'s
     rank, ``k``, in one buffer: two launches.
     """
@@ -945,12 +983,13 @@ class _Selection:
                                device=x.device)
 
 
-def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, counts: torch.Tensor
-             ) -> bool:
+def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int) -> bool:
     # Gathers the keys at or above the sampled bound of _bracket (their number to sel.m when
-    # they are k or more and fit), if the expected number of them leaves half the slack of the
-    # room for the sample's error; says whether it tried. `counts` has a slot for each
-    # program of the passes.
+    # they are k or more and fit), or those strictly above it when the keys at it overflow
+    # the room, or settles the k-th largest key at the bound when fewer than k lie above it
+    # (a mass of equal scores, such as exact zeros: m = -1), if the expected number of them
+    # leaves half the slack of the room for the sample's error; says whether it tried.
+    # `programs`: those of the passes.
     n = x.numel()
     if n < _bracket.MIN_N:
         return False
@@ -959,26 +998,30 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, counts: torch.
         return False
     launch(_sample_bound_kernel, (1,), x, sel.bound, step, r, SIDE=side,
            WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH, num_warps=16)
+    counts = torch.empty((programs, 2), dtype=torch.int64, device=x.device)
     _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
-                     keys=sel.keys, nan=True)
+                     keys=sel.keys, nan=True, settled=sel.state[sel.digits])
     return True
 
 
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                      counts: torch.Tensor, idx: torch.Tensor, need: int, room: int, side: int,
-                     *, keys: torch.Tensor | None = None, nan: bool) -> None:
+                     *, keys: torch.Tensor | None = None, nan: bool,
+                     settled: torch.Tensor | None = None) -> None:
     # The indices (and, given `keys`, the keys) of every key at or above floor's, in index
     # order, when there are `need` to `room` of them (their number to m): a count of each
-    # program's run (one slot a program in `counts`), then the gathering pass. `nan`: whether
-    # NaN's key takes part (_counted).
+    # program's run (a row of `counts` a program), then the gathering pass. `nan`: whether
+    # NaN's key takes part (_counted). Given `settled` (a state row; `counts` then has two
+    # columns), the keys strictly above floor's are counted too, for _gather_kernel's STRICT.
     n, wide = x.numel(), x.dtype == torch.float64
     block, opts = _config("key_digits")
-    grid = (counts.numel(),)
+    grid = (counts.shape[0],)
+    strict = settled is not None
     launch(_count_at_least_kernel, grid, x, floor, counts, n, SIDE=side, WIDE=wide, NAN=nan,
-           BLOCK=block, **opts)
+           STRICT=strict, BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, floor, m, counts.cumsum(0), idx if keys is None else keys,
-           idx, n, need, room, SIDE=side, WIDE=wide, SHIFT=0, KEYS=keys is not None, NAN=nan,
-           BLOCK=block, **opts)
+           idx, floor if settled is None else settled, n, need, room, SIDE=side, WIDE=wide,
+           SHIFT=0, KEYS=keys is not None, NAN=nan, STRICT=strict, BLOCK=block, **opts)
 
 
 def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
@@ -986,7 +1029,9 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
     # histogram is left for the caller's next kernel to settle. From 2**18 scores the keys at or
     # above a sampled bound are gathered first (two reads of x; a few more than k of them),
     # and every pass reads those, or x when the sample misled (fewer than k keys reach its
-    # bound, or more than fit). Otherwise the first two passes read x; the keys at or above
+    # bound, or more than fit, and more than fit above it too). When the keys at the bound
+    # overflow the room and fewer than k lie above it, the k-th largest key is the bound and
+    # no pass reads anything. Otherwise the first two passes read x; the keys at or above
     # the k-th's first two digits are then gathered (about k of them for the usual scores)
     # and the later passes read those instead.
     n = x.numel()
@@ -997,8 +1042,7 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
     block, opts = _config("key_digits")
     grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
     rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
-    counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)  # each program's
-    sampled = _sampled(x, k, side, sel, counts)
+    sampled = _sampled(x, k, side, sel, grid[0])
     shifts = range((sel.digits - 1) * DIGIT, -1, -DIGIT)
     for p, shift in enumerate(shifts):
         # pass p settles digit p - 1 first, except after the two-digit gathering, which did
@@ -1010,11 +1054,12 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
                FIRST=not sampled and p < 2, SETTLE=settle, SETTLE_TOP=p == 1, BLOCK=block,
                **opts)
         if two_digits:
+            counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)  # each program's
             launch(_gathered_counts_kernel, grid, sel.hist[1], sel.state[1], rows, counts,
                    SHIFT=shift, TOP=False, WIDE=wide, num_warps=1)
             launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
-                   sel.idx, n, 0, sel.keys.numel(), SIDE=side, WIDE=wide, SHIFT=shift,
-                   KEYS=True, NAN=True, BLOCK=block, **opts)
+                   sel.idx, sel.state[2], n, 0, sel.keys.numel(), SIDE=side, WIDE=wide,
+                   SHIFT=shift, KEYS=True, NAN=True, STRICT=False, BLOCK=block, **opts)
     return sel
 
 
@@ -1028,7 +1073,7 @@ def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     d = sel.digits
     wide = x.dtype == torch.float64
     out = torch.empty((), dtype=torch.float64 if wide else torch.float32, device=x.device)
-    launch(_kth_value_kernel, (1,), sel.hist[d - 1], sel.state[d - 1], out, WIDE=wide,
+    launch(_kth_value_kernel, (1,), sel.hist[d - 1], sel.state[d - 1], sel.m, out, WIDE=wide,
            num_warps=1)
     return out.to(x.dtype)  # the keys of 16-bit floats are those of their float32 values
 
@@ -1055,10 +1100,14 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
       above it, for float32), three reads of ``x`` and 12 launches.
 
     Then the counts per tile above and at the k-th key, and each tile's indices at its
-    offset, read the candidates too. When no candidates are gathered, every pass reads
-    ``x``: when fewer than ``k`` keys reach the sampled bound (the sample misled), or when
-    the candidates would outnumber ``k + n // SLACK`` (many keys tied at the bound, or alike
-    in their first 16 bits).
+    offset, read the candidates too. When the keys at the sampled bound would outnumber
+    ``k + n // SLACK`` (many tied at it, such as the exact zeros of a sparse gradient), the
+    candidates are the keys strictly above it if ``k`` or more of them fit; if fewer than
+    ``k`` lie above it, the k-th largest key is the bound itself: no counting pass reads
+    anything, and the two writing passes read ``x`` (three reads in all). When no candidates
+    are gathered, every pass reads ``x``: when fewer than ``k`` keys reach the sampled bound
+    (the sample misled), or when the two-digit path's would outnumber the room (keys alike in
+    their first 16 bits).
     """
     n = x.numel()
     sel = _radix_select(x, k, side)
@@ -1082,16 +1131,26 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
 
 @triton.jit
 def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, n, SIDE: tl.constexpr,
-                           WIDE: tl.constexpr, NAN: tl.constexpr, BLOCK: tl.constexpr):
+                           WIDE: tl.constexpr, NAN: tl.constexpr, STRICT: tl.constexpr,
+                           BLOCK: tl.constexpr):
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
-    # (NaN as _counted says).
+    # (NaN as _counted says); with STRICT a row of two counts a program, the second of the
+    # keys strictly above it.
     floor = tl.load(floor_ptr)
     lo, hi = _span(n, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
+    over = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
         _, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
-        acc += (live & (key >= floor.to(key.dtype)) & _counted(key, NAN)).to(tl.int32)
-    tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
+        counted = live & _counted(key, NAN)
+        acc += (counted & (key >= floor.to(key.dtype))).to(tl.int32)
+        if STRICT:
+            over += (counted & (key > floor.to(key.dtype))).to(tl.int32)
+    if STRICT:
+        tl.store(counts_ptr + tl.program_id(0) * 2, tl.sum(acc, 0).to(tl.int64))
+        tl.store(counts_ptr + tl.program_id(0) * 2 + 1, tl.sum(over, 0).to(tl.int64))
+    else:
+        tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
 
 
 def _key_of(threshold: float, wide: bool) -> int:
