@@ -7,6 +7,7 @@ them on CUDA tensors.
 """
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -751,6 +752,37 @@ def test_indices_above_a_threshold_without_a_host_read(programs, monkeypatch):
                 assert got.dtype == torch.int64
                 assert got.tolist() == torch.nonzero(s > t).reshape(-1).tolist(), (side, t)
     assert _kernels.indices_above(v, 1e39, 0).numel() == 0
+
+
+@pytest.mark.parametrize("programs", [4096, 2])
+def test_indices_above_starts_from_the_runs_count_above_counted(programs, monkeypatch):
+    """count_above's programs take the runs of tiles that indices_above's gathering takes, so
+    each program's counts (Runs) place the gathering's runs without a counting pass of its
+    own: each run's count above bounds[j] is a brute count over that run, and the indices are
+    those of a counting pass. Signed zeros, NaN (above no bound), ties at the bounds, float32
+    and float64, every side; 9000 scores in 2 programs: runs of several tiles."""
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+    g = torch.Generator().manual_seed(15)
+    block = _kernels._config("key_digits")[0]
+    for dtype in (torch.float32, torch.float64):
+        v = (torch.randint(-8, 9, (9000,), generator=g) / 4).to(dtype)
+        v[:3] = torch.tensor([-0.0, float("nan"), 0.0]).to(dtype)
+        p = _kernels._programs(v.numel())
+        tiles = math.ceil(v.numel() / block)
+        per = math.ceil(tiles / p) * block  # each program's run: whole tiles
+        for side in (0, 1, -1, 2):
+            s = {0: v, 1: v.clamp(min=0), -1: v.neg().clamp(min=0), 2: v.abs()}[side]
+            bounds = torch.tensor([-1.0, 0.0, 0.5, 1.25], dtype=dtype)
+            counts, runs = _kernels.count_above(v, bounds, side, runs=True)
+            assert torch.equal(counts, _kernels.count_above(v, bounds, side))
+            for j, t in enumerate(bounds.tolist()):
+                each = runs.above(j)
+                want = [int((s[r * per : (r + 1) * per] > t).sum()) for r in range(p)]
+                assert each.tolist() == want, (dtype, side, t)
+                got = _kernels.indices_above(v, t, int(counts[j]), side, runs=each)
+                assert got.tolist() == torch.nonzero(s > t).reshape(-1).tolist()
+    with pytest.raises(ValueError, match="runs of"):
+        _kernels.indices_above(v, 0.5, 3, 0, runs=torch.zeros(p + 1, dtype=torch.int64))
 
 
 def test_unchecked_nan_is_above_every_score_in_a_top_k_and_above_no_threshold():

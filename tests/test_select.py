@@ -350,3 +350,36 @@ def test_redsyncs_searches_read_the_host_a_few_times_off_the_numpy_path(method, 
     assert len(seen) == reads, seen
     with forced("numpy"):
         assert torch.equal(got, select.select(s, 150, method, eps=eps))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("method, eps", [("trimmed", 0.2), ("threshold", 1e-3)])
+@pytest.mark.parametrize("side", [0, 1, 2])
+def test_the_searches_survivors_start_from_the_counting_pass_on_the_triton_path(method, eps,
+                                                                               side,
+                                                                               monkeypatch):
+    """The pass that counted a search's thresholds also kept each program's counts, so the
+    survivors (trimmed) or the selection (threshold) are written by one gathering pass: no
+    count_at_least pass reads v again. The same indices as the numpy path."""
+    from bitcomm.codecs import _kernels
+
+    launched = []
+    original = _kernels.launch
+    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: launched.append(
+        kernel.fn.__name__) or original(kernel, *a, **k))
+    v = torch.randn(9000, generator=torch.Generator().manual_seed(31))
+
+    def run():
+        if side == 0:
+            return select.select(v.abs(), 90, method, eps=eps)
+        if side == 2:
+            return select.select_abs(v, 90, method, eps=eps)
+        return select.select_side(v, 90, side, method, eps=eps)
+
+    with forced("numpy"):
+        want = run()
+    with forced("triton"):
+        got = run()
+    assert torch.equal(got, want)
+    assert "_count_above_kernel" in launched and "_gather_kernel" in launched
+    assert "_count_at_least_kernel" not in launched, launched

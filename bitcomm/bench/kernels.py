@@ -167,8 +167,10 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                         c, n, b, qsgd.DEFAULT_BUCKET, s, torch.float32)))
     out += [("redsync-1% mean, max, check, count", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
-             lambda: k.count_above(x, meta(63, torch.float32), 1)),
-            ("redsync-1% survivors", n, lambda: k.indices_above(x, 2.0, n // 100, 1)),
+             lambda: k.count_above(x, meta(63, torch.float32), 1, runs=True)),
+            # from the runs of the counting pass, as the searches write their survivors
+            ("redsync-1% survivors", n, lambda: k.indices_above(
+                x, 2.0, n // 100, 1, runs=meta(k._programs(n), torch.int64))),
             ("top-k 1% fp32", n, lambda: k.top_indices(x, max(1, n // 100))),
             ("top-k 1% fp32, top side", n, lambda: k.top_indices(x, max(1, n // 100), 1)),
             ("top-k 1% fp32, magnitude", n, lambda: k.top_indices(x, max(1, n // 100), 2)),

@@ -59,9 +59,8 @@ import triton.language as tl
 from bitcomm.codecs import _bracket
 
 __all__ = ["launch", "launch_tiles", "sign_pack", "sign_unpack", "partial_sums", "planes_pack",
-           "planes_unpack", "qsgd_codes", "qsgd_values", "score_stats", "count_above",
-           "kth_largest", "top_indices", "indices_above", "MAX_FUSED_BUCKET", "DIGIT",
-           "SLACK"]
+           "planes_unpack", "qsgd_codes", "qsgd_values", "score_stats", "count_above", "Runs",
+           "kth_largest", "top_indices", "indices_above", "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -79,7 +78,6 @@ TUNING: dict[str, tuple[int, int]] = {
     "qsgd_codes": (2048, 4),
     "qsgd_values": (1024, 4),
     "score_stats": (2048, 4),  # elements
-    "count_above": (1024, 4),  # elements per tile
     "key_digits": (1024, 4),  # elements per tile
     "top_write": (1024, 4),  # elements, fewer than 2**16
 }
@@ -589,14 +587,16 @@ def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
 
 
 @triton.jit
-def _count_above_kernel(x_ptr, bounds_ptr, counts_ptr, n, SIDE: tl.constexpr, T: tl.constexpr,
-                        LOG: tl.constexpr, BLOCK: tl.constexpr):
-    # A fixed number of programs, each striding over tiles and adding its T counts to the
-    # result once: one program per tile would pile millions of atomic additions onto the same
-    # T addresses.
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
+def _count_above_kernel(x_ptr, bounds_ptr, counts_ptr, rows_ptr, n, SIDE: tl.constexpr,
+                        T: tl.constexpr, LOG: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    # A fixed number of programs, each taking a run of tiles (as _gather_kernel's programs
+    # do) and adding its T counts to the result once: one program per tile would pile
+    # millions of atomic additions onto the same T addresses. With ROWS each program also
+    # writes its own T counts, its row of rows_ptr.
     acc = tl.zeros([T], dtype=tl.int32)
-    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+    lo, hi = _span(n, BLOCK)
+    for start in range(lo, hi, BLOCK):
         i = start + tl.arange(0, BLOCK)
         live = i < n
         s = _side_scores(tl.load(x_ptr + i, mask=live, other=0.0), SIDE)
@@ -609,18 +609,39 @@ def _count_above_kernel(x_ptr, bounds_ptr, counts_ptr, n, SIDE: tl.constexpr, T:
             pos = tl.where(bound < s, pos + half, pos)
         acc += tl.histogram(pos, T, mask=live)
     tl.atomic_add(counts_ptr + tl.arange(0, T), acc)
+    if ROWS:
+        tl.store(rows_ptr + tl.program_id(0) * T + tl.arange(0, T), acc)
 
 
 COUNT_PROGRAMS = 4096
 """Programs of :func:`count_above` at most (each adds its counts once)."""
 
 
-def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0) -> torch.Tensor:
+class Runs:
+    """What each program of :func:`count_above` counted: for :func:`indices_above`.
+
+    ``rows[p, i]``: how many scores of program ``p``'s run of tiles have ``i`` of the bounds
+    below them. The gathering pass of :func:`indices_above` takes the same runs, so the scores
+    above ``bounds[j]`` in each run, ``rows[:, j + 1:]`` summed, are where its runs start,
+    without a count of its own (a read of ``x`` less).
+    """
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def above(self, j: int) -> torch.Tensor:
+        """Return the int64 count of each run's scores above ``bounds[j]``."""
+        return self.rows[:, j + 1 :].sum(1, dtype=torch.int64)
+
+
+def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0, *, runs: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, Runs]:
     """Return int32 ``c`` with ``c[j]`` = how many scores exceed ``bounds[j]``, on the device.
 
     ``bounds``: ascending, of the scores' dtype (float32 or float64); scores as in
     :func:`score_stats`. One read of ``x``; integer counts, so the same on every
-    device and in any order of the atomic additions.
+    device and in any order of the atomic additions. With ``runs``, also each program's
+    counts (:class:`Runs`), which :func:`indices_above` can start from.
     """
     m = bounds.numel()
     levels = max(1, m.bit_length())  # T = 2**levels > m: room for every bound
@@ -629,13 +650,17 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0) -> torch.T
     padded[:m] = bounds
     hist = torch.zeros(t, dtype=torch.int32, device=x.device)
     n = x.numel()
+    block, opts = _config("key_digits")  # the tiles and runs of indices_above's gathering
+    grid = (_programs(n),)
+    # without runs, hist stands in for the rows it does not write: a pointer of memory
+    rows = (torch.empty if n else torch.zeros)((grid[0], t), dtype=torch.int32,
+                                               device=x.device) if runs else hist
     if n:
-        block, opts = _config("count_above")
-        grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
-        launch(_count_above_kernel, grid, x, padded, hist, n, SIDE=side, T=t, LOG=levels,
-               BLOCK=block, **opts)
+        launch(_count_above_kernel, grid, x, padded, hist, rows, n, SIDE=side, T=t, LOG=levels,
+               ROWS=runs, BLOCK=block, **opts)
     # scores above bounds[j] are those whose position is past j
-    return hist.flip(0).cumsum(0, dtype=torch.int32).flip(0)[1 : m + 1]
+    counts = hist.flip(0).cumsum(0, dtype=torch.int32).flip(0)[1 : m + 1]
+    return (counts, Runs(rows)) if runs else counts
 
 
 # --- exact top-k by radix selection (bitcomm.codecs.select) ------------------------------------
@@ -1007,18 +1032,20 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int)
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                      counts: torch.Tensor, idx: torch.Tensor, need: int, room: int, side: int,
                      *, keys: torch.Tensor | None = None, nan: bool,
-                     settled: torch.Tensor | None = None) -> None:
+                     settled: torch.Tensor | None = None, counted: bool = False) -> None:
     # The indices (and, given `keys`, the keys) of every key at or above floor's, in index
     # order, when there are `need` to `room` of them (their number to m): a count of each
     # program's run (a row of `counts` a program), then the gathering pass. `nan`: whether
     # NaN's key takes part (_counted). Given `settled` (a state row; `counts` then has two
     # columns), the keys strictly above floor's are counted too, for _gather_kernel's STRICT.
+    # `counted`: `counts` holds the runs' counts already (no counting pass).
     n, wide = x.numel(), x.dtype == torch.float64
     block, opts = _config("key_digits")
     grid = (counts.shape[0],)
     strict = settled is not None
-    launch(_count_at_least_kernel, grid, x, floor, counts, n, SIDE=side, WIDE=wide, NAN=nan,
-           STRICT=strict, BLOCK=block, **opts)
+    if not counted:
+        launch(_count_at_least_kernel, grid, x, floor, counts, n, SIDE=side, WIDE=wide,
+               NAN=nan, STRICT=strict, BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, floor, m, counts.cumsum(0), idx if keys is None else keys,
            idx, floor if settled is None else settled, n, need, room, SIDE=side, WIDE=wide,
            SHIFT=0, KEYS=keys is not None, NAN=nan, STRICT=strict, BLOCK=block, **opts)
@@ -1040,7 +1067,7 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
     wide = x.dtype == torch.float64
     sel = _Selection(x, k)
     block, opts = _config("key_digits")
-    grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
+    grid = (_programs(n),)
     rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
     sampled = _sampled(x, k, side, sel, grid[0])
     shifts = range((sel.digits - 1) * DIGIT, -1, -DIGIT)
@@ -1166,14 +1193,22 @@ def _key_of(threshold: float, wide: bool) -> int:
     return bits ^ ((bits >> (width - 1)) & ((1 << (width - 1)) - 1))
 
 
-def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0) -> torch.Tensor:
+def _programs(n: int) -> int:
+    # The programs of the passes that take runs of tiles over n scores.
+    return min(COUNT_PROGRAMS, _grid(n, _config("key_digits")[0])[0])
+
+
+def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0, *,
+                  runs: torch.Tensor | None = None) -> torch.Tensor:
     """Return the ascending int64 indices of the ``count`` scores above ``threshold``.
 
     Scores as in :func:`score_stats`, float32 or float64; ``threshold`` is rounded to their
     dtype, as a comparison with them rounds it, and ``count`` is how many exceed it
     (:func:`count_above` counts them alike). No host read, where ``torch.nonzero`` waits for
     the device to learn its size: one pass counts each program's run of tiles, a second
-    writes each run's indices after the runs before it.
+    writes each run's indices after the runs before it. ``runs``: those counts already, from
+    :meth:`Runs.above` of the :func:`count_above` that counted ``threshold``; then only the
+    writing pass reads ``x``.
     """
     out = torch.empty(count, dtype=torch.int64, device=x.device)
     n = x.numel()
@@ -1182,7 +1217,13 @@ def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0) 
     wide = x.dtype == torch.float64
     # [the least key above the threshold, a slot for the number written]
     aux = torch.full((2,), _key_of(threshold, wide) + 1, dtype=torch.int64, device=x.device)
-    programs = min(COUNT_PROGRAMS, _grid(n, _config("key_digits")[0])[0])
-    counts = torch.empty(programs, dtype=torch.int64, device=x.device)
-    _gather_at_least(x, aux, aux[1:], counts, out, count, count, side, nan=False)
+    if runs is None:
+        counts = torch.empty(_programs(n), dtype=torch.int64, device=x.device)
+    elif runs.shape != (_programs(n),):
+        raise ValueError(f"expected runs of {_programs(n)} programs, got shape "
+                         f"{tuple(runs.shape)}")
+    else:
+        counts = runs
+    _gather_at_least(x, aux, aux[1:], counts, out, count, count, side, nan=False,
+                     counted=runs is not None)
     return out

@@ -129,14 +129,18 @@ class _Scores:
         mean, top = torch.stack([s.mean(dtype=torch.float64), s.max().to(torch.float64)]).tolist()
         return mean, top  # one host read
 
-    def above(self, threshold: float, count: int) -> torch.Tensor:
+    def above(self, threshold: float, count: int, runs: torch.Tensor | None = None
+              ) -> torch.Tensor:
         """Return the ascending indices of the ``count`` scores above ``threshold`` (>= 0).
 
         The searches know ``count`` from their counts, so the Triton path writes the indices
-        without a host read (``torch.nonzero`` reads its size back).
+        without a host read (``torch.nonzero`` reads its size back), and from the ``runs``
+        of the pass that counted ``threshold`` (:meth:`_Counts.runs`) without a count of its
+        own.
         """
         if self.fused:
-            return _frame.kernels().indices_above(self.v, threshold, count, self.side)
+            return _frame.kernels().indices_above(self.v, threshold, count, self.side,
+                                                  runs=runs)
         above = _greater(self.tensor, threshold)
         if isinstance(above, np.ndarray):
             return torch.from_numpy(np.flatnonzero(above))
@@ -183,6 +187,8 @@ class _Counts:
     def __init__(self, scores: _Scores):
         self.scores = scores
         self.known: dict[float, int] = {}
+        # the Triton path's per-program counts of each threshold: its fetch's, and the column
+        self._runs: dict[float, tuple[object, int]] = {}
         # float32 and float64 compare with the threshold rounded to their own dtype on every
         # device; 16-bit scores may compare in float32 on a GPU, so they ask one at a time.
         v = scores.v
@@ -208,14 +214,27 @@ class _Counts:
         """How many scores are positive, if a fetch brought it along (else ``None``)."""
         return self.known.get(0.0)
 
+    def runs(self, threshold: float) -> torch.Tensor | None:
+        """Return the per-program counts above a fetched ``threshold`` (Triton path, else None).
+
+        For :meth:`_Scores.above`: the gathering pass of the survivors starts from them.
+        """
+        if threshold not in self._runs:
+            return None
+        runs, j = self._runs[threshold]
+        return runs.above(j)
+
     def _fetch(self, thresholds: list[float]) -> None:
         v = self.scores.v
         rounded = np.asarray(thresholds, dtype=np.float64).astype(
             np.float32 if v.dtype == torch.float32 else np.float64)
         order = np.sort(rounded)
         bounds = _frame.to_device(torch.from_numpy(order), v.device)
+        runs = None
         if self.scores.fused:  # one pass over v, a histogram of positions among the bounds
-            above = _frame.kernels().count_above(v, bounds, self.scores.side).tolist()
+            counted, runs = _frame.kernels().count_above(v, bounds, self.scores.side,
+                                                         runs=True)
+            above = counted.tolist()
         else:
             s = self.scores.tensor
             ids = torch.bucketize(s, bounds, out_int32=True)  # how many bounds lie below
@@ -224,6 +243,8 @@ class _Counts:
         # a threshold's count is that of its first copy among the sorted (equal ones agree)
         for t, j in zip(thresholds, np.searchsorted(order, rounded), strict=True):
             self.known[t] = above[int(j)]
+            if runs is not None:
+                self._runs[t] = (runs, int(j))
 
 
 def _greater(s: torch.Tensor, threshold: float) -> torch.Tensor | np.ndarray:
@@ -493,7 +514,8 @@ def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: 
             hi = mid
         else:
             lo = mid
-    keep = src.above(threshold(hi), kept(hi, lo, hi))  # a count already fetched
+    # a count already fetched
+    keep = src.above(threshold(hi), kept(hi, lo, hi), counts.runs(threshold(hi)))
     # above a threshold at or above the mean (>= 0): every one is positive
     return keep[_exact(src.at(keep), k)], k
 
@@ -542,7 +564,7 @@ def _threshold(src: _Scores, k: int, eps: float, mean: float, top: float, counts
         else:
             lo = mid
     count = above(lo, lo, hi)  # already fetched; above the mean (>= 0), so all positive
-    return src.above(threshold(lo), count), count
+    return src.above(threshold(lo), count, counts.runs(threshold(lo))), count
 
 
 def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
