@@ -104,7 +104,8 @@ def bench() -> None:
               help="Where the vector lives: cpu (numpy anchors) or cuda (HBM-read anchor, "
                    "CUDA-event timing).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
-              show_default=True, help="Directory for codecs[-cuda].json and .csv.")
+              show_default=True,
+              help="Directory for codecs[-cuda].json, .csv and .md (the docs' table).")
 def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
                  out_dir: str) -> None:
     """Encode/decode throughput of every codec, as ratios to anchors in the same run."""
@@ -132,8 +133,10 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
                    f"{row.anchor:<11} {target:>7}{flag}")
 
     rows = bench_mod.run(sizes, repeat=repeat, seed=seed, progress=show, device=device)
+    command = (f"bitcomm bench codecs --sizes {','.join(_human(n) for n in sizes)} "
+               f"--repeat {repeat} --seed {seed} --device {device}")
     _save(Path(out_dir), "codecs" if device == "cpu" else f"codecs-{device}", config,
-          [r.as_dict() for r in rows])
+          [r.as_dict() for r in rows], markdown=bench_mod.markdown(rows, config, command))
     misses = sum(1 for r in rows if not math.isnan(r.target) and r.ratio < r.target)
     cpus = os.cpu_count() or 1
     if misses and load > 0.5 * cpus:
@@ -319,8 +322,12 @@ def _check_device(device: str) -> None:
                                "torch.cuda.is_available() is False on this machine")
 
 
-def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
-    """Write ``name``.json (strict: NaN becomes null) and ``name``.csv under ``out``."""
+def _save(out: Path, name: str, config: dict, dicts: list[dict], *,
+          markdown: str | None = None) -> None:
+    """Write ``name``.json (strict: NaN becomes null) and ``name``.csv under ``out``.
+
+    ``markdown``: a table as the docs quote it, written to ``name``.md as well.
+    """
     out.mkdir(parents=True, exist_ok=True)
     strict = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in d.items()}
               for d in dicts]
@@ -330,7 +337,11 @@ def _save(out: Path, name: str, config: dict, dicts: list[dict]) -> None:
         writer = csv.DictWriter(fh, fieldnames=list(dicts[0]) if dicts else [])
         writer.writeheader()
         writer.writerows(dicts)
-    click.echo(f"# wrote {out / (name + '.json')} and {out / (name + '.csv')}")
+    written = [out / f"{name}.json", out / f"{name}.csv"]
+    if markdown is not None:
+        written.append(out / f"{name}.md")
+        written[-1].write_text(markdown)
+    click.echo(f"# wrote {', '.join(map(str, written[:-1]))} and {written[-1]}")
 
 
 @bench.command("collectives")

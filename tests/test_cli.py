@@ -62,6 +62,26 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
         assert row["wire_bytes"] == (n + 7) // 8
         assert by[("qsgd-4", "encode", n)]["wire_bytes"] == 14 + 4 * -(-n // 512) + n // 2
     assert "sign" in result.output and "#wrong" in result.output
+    # the docs' table: its date, machine and command, then one line a codec operation with the
+    # JSON's figures, one column a size
+    md = (tmp_path / "codecs.md").read_text().splitlines()
+    assert md[0] == f"- Date: {data['config']['time'][:10]}"
+    assert md[1].startswith(f"- Machine: {data['config']['machine']}, ")
+    assert md[2] == ("- Command: `bitcomm bench codecs --sizes 64K,1000 --repeat 1 --seed 0 "
+                     "--device cpu`")
+    assert md[4] == "| codec | op | vs | 64K | 1000 | target |"
+    table = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[3:-1]
+             for line in md[6:]}
+    assert set(table) == codecs and len(md) == 6 + len(codecs)
+    for (codec, op), (vs, *cells, target) in table.items():
+        for n, cell in zip((65536, 1000), cells, strict=True):
+            row = by[(codec, op, n)]
+            want = f"{row['gbps']:.2f}" if row["ratio"] is None else \
+                f"{row['gbps']:.2f} ({row['ratio']:.2f})"
+            assert cell.strip() == want, (codec, op, n)
+        assert vs.strip() == ("" if codec == "anchor" else by[(codec, op, 1000)]["anchor"])
+        want = by[(codec, op, 1000)]["target"]
+        assert target.strip() == ("" if want is None else f">= {want:.2f}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")

@@ -26,9 +26,10 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from bitcomm._sizes import human
 from bitcomm.codecs import _frame, counts, qsgd, redsync, select, sign, sparse
 
-__all__ = ["Row", "run", "DEFAULT_SIZES", "TARGETS", "GPU_TARGETS", "time_call"]
+__all__ = ["Row", "run", "markdown", "DEFAULT_SIZES", "TARGETS", "GPU_TARGETS", "time_call"]
 
 DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
 
@@ -251,3 +252,40 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
                     row.target, row.note = 1 / w, f">= 1/{w} of the sign encoder"
                 emit(row)
     return rows
+
+
+def markdown(rows: list[Row], config: dict, command: str) -> str:
+    """Return the rows as the docs' Markdown table, headed by its date, machine and command.
+
+    One line a codec operation (anchors first), one column a size: GB/s of fp32 input and, in
+    brackets, the ratio to the anchor named in ``vs`` (the target's anchor where there is one).
+    ``config``: what the command saved with the rows (its ``time``, the machine's facts).
+    """
+    sizes = list(dict.fromkeys(r.n for r in rows))
+    lines: dict[tuple[str, str], dict[int, Row]] = {}
+    for r in rows:
+        lines.setdefault((r.codec, r.op), {})[r.n] = r
+    machine = f"{config.get('machine', '?')}, {config.get('cpus', '?')} CPUs, torch " \
+        f"{config.get('torch', '?')} ({config.get('threads', '?')} threads)"
+    if "gpu" in config:
+        machine = f"{config['gpu'].replace('_', ' ')} ({config.get('path', '?')} path" + \
+            (f", triton {config['triton']}" if "triton" in config else "") + f"); {machine}"
+    out = [f"- Date: {config.get('time', '?')[:10]}", f"- Machine: {machine}",
+           f"- Command: `{command}`", "",
+           "| codec | op | vs | " + " | ".join(human(n) for n in sizes) + " | target |",
+           "|---|---|---|" + "---|" * len(sizes) + "---|"]
+    for (codec, op), by_size in lines.items():
+        first = next(iter(by_size.values()))
+        cells = []
+        for n in sizes:
+            r = by_size.get(n)
+            if r is None:
+                cells.append("-")
+            elif codec == "anchor" or r.ratio != r.ratio:  # an anchor, or no ratio (NaN)
+                cells.append(f"{r.gbps:.2f}")
+            else:
+                cells.append(f"{r.gbps:.2f} ({r.ratio:.2f})")
+        target = "" if first.target != first.target else f">= {first.target:.2f}"
+        vs = "" if codec == "anchor" else first.anchor
+        out.append(f"| {codec} | {op} | {vs} | " + " | ".join(cells) + f" | {target} |")
+    return "\n".join(out) + "\n"
