@@ -280,4 +280,6 @@ def test_the_floor_of_a_kept_stage_is_the_least_value_whose_quotient_reaches_eta
     # a value exactly at the boundary: eta = v / scale itself
     scale, v = 3.0, dtype(1.7)
     assert sidco._floor(float(np.float64(v) / scale), scale, dtype) == v
-    assert np.isnan(sidco._floor(math.nan, 2.0, dtype))
+    # nothing reaches NaN: no floor, and the stage compares quotients (none kept)
+    assert sidco._floor(math.nan, 2.0, dtype) is None
+    assert sidco._kept(np.ones(5, dtype=dtype), 2.0, math.nan).size == 0

@@ -282,22 +282,27 @@ def _kept(src: np.ndarray, scale: float, eta: float) -> np.ndarray:
     parts = []
     for lo in range(0, src.size, _CHUNK):
         part = src[lo : lo + _CHUNK]
-        parts.append(part[np.flatnonzero(part >= floor)])
+        if floor is None:  # compared as quotients
+            with np.errstate(invalid="ignore"):
+                picked = np.divide(part, scale, dtype=np.float64) >= eta
+        else:
+            picked = part >= floor
+        parts.append(part[np.flatnonzero(picked)])
     kept = np.concatenate(parts) if parts else src[:0]
     with np.errstate(invalid="ignore"):  # unchecked inf / inf is NaN, as on torch's path
         return np.divide(kept, scale, dtype=np.float64)
 
 
-def _floor(eta: float, scale: float, dtype: type) -> np.floating:
-    # The least value v of dtype whose quotient v / scale (in float64) reaches eta. The
+def _floor(eta: float, scale: float, dtype: type) -> np.floating | None:
+    # The least value v of dtype whose quotient v / scale (in float64) reaches eta, or None
+    # where no value is (eta NaN or beyond every quotient) or a few steps do not find it. The
     # quotient is monotone in v, and eta * scale rounded to dtype is within an ulp of dtype of
-    # v, so a few steps from it find v. NaN stays NaN (nothing reaches it).
+    # v, so a few steps from it find v; the last check keeps the steps' bound from deciding.
+    def reaches(value: np.floating) -> bool:
+        return bool(np.float64(value) / scale >= eta)
+
     with np.errstate(over="ignore", invalid="ignore"):
         v = dtype(eta * scale)
-
-        def reaches(value: np.floating) -> bool:
-            return bool(np.float64(value) / scale >= eta)
-
         for _ in range(4):
             below = np.nextafter(v, dtype(-np.inf))
             if not reaches(below):
@@ -307,7 +312,9 @@ def _floor(eta: float, scale: float, dtype: type) -> np.floating:
             if reaches(v):
                 break
             v = np.nextafter(v, dtype(np.inf))
-    return v
+        if reaches(v) and not reaches(np.nextafter(v, dtype(-np.inf))):
+            return v
+    return None
 
 
 def _moments(src: np.ndarray, scale: float, eta: float, kind: str) -> list[float]:
