@@ -363,7 +363,8 @@ def _save(out: Path, name: str, config: dict, dicts: list[dict], *,
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True,
-              help="Directory for collectives-TRANSPORT-RANKS.json and .csv.")
+              help="Directory for collectives-TRANSPORT-RANKS.json, .csv and .md (the docs' "
+                   "table).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cuda: time one rank's ring-majority kernels on this GPU (no launch), each "
                    "next to its bytes at HBM speed and the rank's wire bytes at --link-gbps.")
@@ -413,8 +414,11 @@ def bench_collectives(ranks: int, transport: str, launcher: str | None, hostfile
     comm.barrier()
     code = 0
     if comm.rank == 0:
+        command = (f"bitcomm bench collectives --ranks {comm.size} --transport {transport} "
+                   f"--sizes {','.join(_human(n) for n in sizes)} --repeat {repeat} "
+                   f"--seed {seed}")
         _save(Path(out_dir), f"collectives-{transport}-{comm.size}", config,
-              [r.as_dict() for r in rows])
+              [r.as_dict() for r in rows], markdown=bench_mod.markdown(rows, config, command))
         wrong = sum(r.wrong for r in rows)
         if wrong:
             click.echo(f"# {wrong} wrong results or byte counts: a collective is broken",
@@ -444,7 +448,11 @@ def _bench_ring_steps(ranks: int, sizes: tuple[int, ...], repeat: int, seed: int
             click.echo(f"{_human(n):>6} {row.what:<11} {row.count:>10} {row.seconds * 1e3:>9.3f} "
                        f"{row.moved:>12} {row.hbm_seconds * 1e3:>8.3f} {row.vs_hbm:>6.2f} "
                        f"{row.wire_bytes or '':>11} {wire:>8}")
-    _save(out, f"collectives-cuda-{ranks}", config, [r.as_dict() for r in rows])
+    command = (f"bitcomm bench collectives --device cuda --ranks {ranks} --sizes "
+               f"{','.join(_human(n) for n in sizes)} --repeat {repeat} --seed {seed} "
+               f"--link-gbps {link_gbps:g}")
+    _save(out, f"collectives-cuda-{ranks}", config, [r.as_dict() for r in rows],
+          markdown=bench_mod.steps_markdown(rows, config, command))
     n = min(sizes)
     click.echo(f"# host synchronisations per call and rank: {ranks} ranks as threads on this "
                f"GPU, {_human(4 * n)} of float32 each, check=False, after a warm-up call")

@@ -411,6 +411,20 @@ def test_ring_steps_benchmark_rows():
     assert by["rank-total"].wire_seconds == 256 * 8 / 100e9
     assert by["rank-total"].seconds == pytest.approx(sum(r.seconds for r in rows[:8]))
     assert all(r.seconds > 0 and r.vs_hbm > 0 for r in rows)
+    # the table `bench collectives --device cuda` saves: a line a row, the rows' figures
+    from bitcomm.bench.collectives import steps_markdown
+
+    md = steps_markdown(rows, {"time": "2026-01-02T03:04:05", "gpu": "Some_GPU",
+                               "path": "triton"}, "cmd").splitlines()
+    assert md[:3] == ["- Date: 2026-01-02", "- Machine: Some GPU (triton path); ?, ? CPUs, "
+                      "torch ? (? threads)", "- Command: `cmd`"]
+    cells = [line.split("|")[1:-1] for line in md[6:]]
+    assert [c[2].strip() for c in cells] == [r.what for r in rows]
+    total = cells[8]
+    assert [c.strip() for c in total[:4]] == ["4", "1000", "rank-total", "1000"]
+    assert total[5].strip() == str(by["rank-total"].moved)
+    assert total[8].strip() == "256" and total[9].strip() == f"{256 * 8 / 100e9 * 1e3:.3f}"
+    assert cells[0][8].strip() == cells[0][9].strip() == ""  # a kernel sends nothing itself
 
 
 @pytest.mark.parametrize("size", [2, 5])

@@ -143,6 +143,19 @@ def test_bench_collectives_cli(transport, tmp_path):
     row = next(line for line in r.stdout.splitlines() if line.split()[1:3] == ["4096",
                                                                                  "ring-majority"])
     assert row.split()[0] == "16K", row
+    # the docs' table: date, machine, the command that re-runs it, a line a row
+    md = (tmp_path / f"collectives-{transport}-3.md").read_text().splitlines()
+    assert md[2] == (f"- Command: `bitcomm bench collectives --ranks 3 --transport {transport} "
+                     "--sizes 1000,4K --repeat 1 --seed 3`")
+    lines = {tuple(c.strip() for c in line.split("|")[2:4]): line.split("|")[1:-1]
+             for line in md[6:]}
+    assert len(lines) == len(rows)
+    ring = [c.strip() for c in lines[("4K", "ring-majority")]]
+    want = rows[("ring-majority", 4096)]
+    assert ring[0] == "3" and ring[5] == str(want["wire_bytes"]) and ring[6] == "0"
+    assert ring[3] == (f"{want['seconds'] * 1e3:.1f} [{want['seconds_min'] * 1e3:.1f}, "
+                       f"{want['seconds_max'] * 1e3:.1f}]")
+    assert lines[("4K", "alltoall-majority")][7].strip() == "1.00"
 
 
 @pytest.mark.timeout(LIMIT + 30)

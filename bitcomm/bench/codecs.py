@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from bitcomm._sizes import human
+from bitcomm.bench import heading
 from bitcomm.codecs import _frame, counts, qsgd, redsync, select, sign, sparse
 
 __all__ = ["Row", "run", "markdown", "DEFAULT_SIZES", "TARGETS", "GPU_TARGETS", "time_call"]
@@ -265,15 +266,9 @@ def markdown(rows: list[Row], config: dict, command: str) -> str:
     lines: dict[tuple[str, str], dict[int, Row]] = {}
     for r in rows:
         lines.setdefault((r.codec, r.op), {})[r.n] = r
-    machine = f"{config.get('machine', '?')}, {config.get('cpus', '?')} CPUs, torch " \
-        f"{config.get('torch', '?')} ({config.get('threads', '?')} threads)"
-    if "gpu" in config:
-        machine = f"{config['gpu'].replace('_', ' ')} ({config.get('path', '?')} path" + \
-            (f", triton {config['triton']}" if "triton" in config else "") + f"); {machine}"
-    out = [f"- Date: {config.get('time', '?')[:10]}", f"- Machine: {machine}",
-           f"- Command: `{command}`", "",
-           "| codec | op | vs | " + " | ".join(human(n) for n in sizes) + " | target |",
-           "|---|---|---|" + "---|" * len(sizes) + "---|"]
+    out = heading(config, command) + [
+        "| codec | op | vs | " + " | ".join(human(n) for n in sizes) + " | target |",
+        "|---|---|---|" + "---|" * len(sizes) + "---|"]
     for (codec, op), by_size in lines.items():
         first = next(iter(by_size.values()))
         cells = []

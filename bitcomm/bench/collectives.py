@@ -26,14 +26,16 @@ from collections.abc import Callable
 import torch
 
 from bitcomm import collectives as col
+from bitcomm._sizes import human
+from bitcomm.bench import heading
 from bitcomm.bench.codecs import time_call
 from bitcomm.codecs import _frame, counts, sign
 from bitcomm.collectives import _common, registry
 from bitcomm.comm import run_local
 from bitcomm.comm.base import Comm
 
-__all__ = ["Row", "StepRow", "SyncRow", "run", "ring_steps", "syncs", "count_syncs",
-           "DEFAULT_SIZES"]
+__all__ = ["Row", "StepRow", "SyncRow", "run", "ring_steps", "syncs", "count_syncs", "markdown",
+           "steps_markdown", "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = (1 << 20, 8 << 20)
 
@@ -273,3 +275,40 @@ def syncs(n: int, size: int, *, device: str | torch.device = "cuda", seed: int =
         call()  # warm-up: compiles the kernels, and primes the collectives that need it
         rows.append(SyncRow(name, size, n, count_syncs(call) / size))
     return rows
+
+
+def markdown(rows: list[Row], config: dict, command: str) -> str:
+    """Return the rows as the docs' Markdown table, headed by its date, machine and command.
+
+    One line a collective and size: the median call time with the fastest and slowest call,
+    bus bandwidth, the bytes a rank sent, wrong results and the speedup over the all-to-all
+    majority.
+    """
+    out = heading(config, command) + [
+        "| ranks | size (fp32 elements) | collective | time (ms), median [min, max] | "
+        "busbw (GB/s) | wire bytes / rank | #wrong | speedup vs all-to-all |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        speed = "" if r.speedup_vs_alltoall is None else f"{r.speedup_vs_alltoall:.2f}"
+        out.append(f"| {r.ranks} | {human(r.n)} | {r.collective} | {r.seconds * 1e3:.1f} "
+                   f"[{r.seconds_min * 1e3:.1f}, {r.seconds_max * 1e3:.1f}] | {r.busbw:.3f} | "
+                   f"{r.wire_bytes} | {r.wrong} | {speed} |")
+    return "\n".join(out) + "\n"
+
+
+def steps_markdown(rows: list[StepRow], config: dict, command: str) -> str:
+    """Return :func:`ring_steps`' rows as a Markdown table, headed like :func:`markdown`'s.
+
+    One line a kernel of one rank's ring (then the rank's total and a whole call): its time,
+    the bytes it moves and their time at the HBM read speed, and the wire time where known.
+    """
+    out = heading(config, command) + [
+        "| ranks | size | kernel | elements | time (ms) | bytes moved | at HBM speed (ms) | "
+        "time / HBM | wire bytes | wire (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        wire = "" if r.wire_seconds != r.wire_seconds else f"{r.wire_seconds * 1e3:.3f}"
+        out.append(f"| {r.ranks} | {human(r.n)} | {r.what} | {r.count} | "
+                   f"{r.seconds * 1e3:.3f} | {r.moved} | {r.hbm_seconds * 1e3:.3f} | "
+                   f"{r.vs_hbm:.2f} | {r.wire_bytes or ''} | {wire} |")
+    return "\n".join(out) + "\n"
