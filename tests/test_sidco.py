@@ -185,6 +185,8 @@ def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, 
 @pytest.mark.parametrize("bad, problem", [(math.nan, "finite"), (math.inf, "finite"),
                                           (-math.inf, "finite"), (-1.0, "non-negative")])
 def test_both_paths_check_the_scores(path, bad, problem):
+    """Both paths refuse NaN, inf and negative scores for every fit, from the range they read
+    anyway (the numpy path's min and max, the torch path's stage read)."""
     from conftest import forced
 
     s = torch.rand(1000, generator=torch.Generator().manual_seed(0))
