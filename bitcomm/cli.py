@@ -205,7 +205,8 @@ def bench_kernels(n: int, arch: int, only: str | None, out_dir: str) -> None:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where the scores live (cuda: CUDA-event timing).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
-              show_default=True, help="Directory for select[-cuda].json and .csv.")
+              show_default=True,
+              help="Directory for select[-cuda].json, .csv and .md (the docs' tables).")
 def bench_select(sizes: tuple[int, ...], deltas: tuple[float, ...], dists: str, repeat: int,
                  device: str, out_dir: str) -> None:
     """How many entries each top-k selector picks against k, and its time against topk."""
@@ -236,8 +237,11 @@ def bench_select(sizes: tuple[int, ...], deltas: tuple[float, ...], dists: str, 
                    f"{row.vs_topk:>7.2f}")
 
     rows = bench_mod.run(sizes, ratios, names, repeat=repeat, progress=show, device=device)
+    command = (f"bitcomm bench select --sizes {','.join(_human(n) for n in sizes)} --deltas "
+               f"{','.join(f'{d:g}' for d in ratios)} --dists {dists} --repeat {repeat} "
+               f"--device {device}")
     _save(Path(out_dir), "select" if device == "cpu" else f"select-{device}", config,
-          [r.as_dict() for r in rows])
+          [r.as_dict() for r in rows], markdown=bench_mod.markdown(rows, config, command))
 
 
 @bench.command("volume")

@@ -116,6 +116,27 @@ def test_bench_select_prints_and_saves_every_selector(tmp_path):
     for key in (("laplace", "sidco-e", "one-stage"), ("laplace", "oktopk-reuse", "reused")):
         assert 0.7 <= by[key]["ratio"] <= 1.3, by[key]
     assert "oktopk-reuse" in result.output
+    # the docs' tables: counts over k (SIDCo one stage, adapted [ended] (nearest k)), then
+    # times as multiples of the exact top-k's
+    md = (tmp_path / "select.md").read_text().splitlines()
+    assert md[2] == ("- Command: `bitcomm bench select --sizes 8K --deltas 0.01 --dists "
+                     "laplace,t3 --repeat 1 --device cpu`")
+    tables = [line.split("|")[1:-1] for line in md if line.startswith("| laplace") or
+              line.startswith("| t3")]
+    counts, times = tables[:2], tables[2:]
+    for dist, cells in zip(("laplace", "t3"), counts, strict=True):
+        cells = [c.strip() for c in cells]
+        gp_one, gp = by[(dist, "sidco-gp", "one-stage")], by[(dist, "sidco-gp", "adapted")]
+        assert cells[:4] == [dist, "0.01", f"{by[(dist, 'threshold', 'search')]['ratio']:.2f}",
+                             f"{by[(dist, 'sidco-e', 'one-stage')]['ratio']:.2f}"]
+        assert cells[6] == (f"{gp_one['ratio']:.2f} / {gp['ratio']:.2f} [{gp['stages']}] "
+                            f"({gp['best_stages']})")
+        assert cells[7] == f"{by[(dist, 'oktopk-reuse', 'reused')]['ratio']:.2f}"
+    for dist, cells in zip(("laplace", "t3"), times, strict=True):
+        top = by[(dist, "topk", "exact")]["seconds"]
+        assert cells[2].strip() == f"{top * 1e3:.2f}"
+        assert cells[3].strip() == f"{by[(dist, 'torch-topk', 'exact')]['seconds'] / top:.2f}"
+        assert cells[9].strip() == f"{by[(dist, 'oktopk-reuse', 'reused')]['seconds'] / top:.2f}"
     bad = CliRunner().invoke(main, ["bench", "select", "--dists", "cauchy", "--out",
                                     str(tmp_path)])
     assert bad.exit_code == 2 and "cauchy" in bad.output

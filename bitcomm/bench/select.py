@@ -31,10 +31,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from bitcomm._sizes import human
+from bitcomm.bench import heading
 from bitcomm.bench.codecs import time_call
 from bitcomm.codecs import select, sidco
 
-__all__ = ["Row", "run", "DISTRIBUTIONS", "SELECTORS", "sample"]
+__all__ = ["Row", "run", "markdown", "DISTRIBUTIONS", "SELECTORS", "sample"]
 
 DISTRIBUTIONS = ("laplace", "gauss", "t3", "digits")
 """The vectors the selectors are measured on."""
@@ -149,3 +151,50 @@ def run(sizes: Iterable[int], deltas: Iterable[float], dists: Iterable[str] = DI
                     if progress:
                         progress(r)
     return rows
+
+
+_FITS = (("sidco-e", "SIDCo-E"), ("sidco-p", "SIDCo-P"), ("sidco-gp", "SIDCo-GP"))
+
+
+def markdown(rows: list[Row], config: dict, command: str) -> str:
+    """Return the rows as the docs' Markdown tables, headed by their date, machine and command.
+
+    For each size two tables, a line a distribution and delta: how many each selector picks
+    over k (a SIDCo fit at one stage and adapted, with the stage count it ended at in
+    brackets and the one nearest k in parentheses), and each selector's time as a multiple
+    of bitcomm's exact top-k's (one-stage fits), after that top-k's own milliseconds.
+    """
+    cases: dict[tuple[int, str, float], dict[tuple[str, str], Row]] = {}
+    for r in rows:
+        cases.setdefault((r.n, r.dist, r.delta), {})[(r.selector, r.mode)] = r
+    out = heading(config, command)
+    for n in dict.fromkeys(c[0] for c in cases):
+        out += [f"At n = {n:,} ({human(n)}): selected / k.", "",
+                "| dist | delta | RedSync threshold search | SIDCo-E 1 stage | SIDCo-E adapted [M] "
+                "(best M) | SIDCo-P 1 stage / adapted [M] (best M) | SIDCo-GP 1 stage / adapted "
+                "[M] (best M) | Ok-Topk reused |",
+                "|---|---|---|---|---|---|---|---|"]
+        times = ["", f"At n = {n:,}: bitcomm's exact top-k in ms, the others as multiples of "
+                 "its time.", "",
+                 "| dist | delta | top-k (ms) | torch.topk | trimmed | threshold search | "
+                 "SIDCo-E | SIDCo-P | SIDCo-GP | Ok-Topk reused |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        for (size, dist, delta), got in cases.items():
+            if size != n:
+                continue
+            cells = [f"{got['threshold', 'search'].ratio:.2f}"]
+            for name, _ in _FITS:
+                one, adapted = got[name, "one-stage"], got[name, "adapted"]
+                ended = f"{adapted.ratio:.2f} [{adapted.stages}] ({adapted.best_stages})"
+                cells += [f"{one.ratio:.2f}", ended] if name == "sidco-e" else \
+                    [f"{one.ratio:.2f} / {ended}"]
+            cells.append(f"{got['oktopk-reuse', 'reused'].ratio:.2f}")
+            out.append(f"| {dist} | {delta:g} | " + " | ".join(cells) + " |")
+            top = got["topk", "exact"].seconds
+            multiples = [got[name, mode].seconds / top for name, mode in (
+                ("torch-topk", "exact"), ("trimmed", "exact"), ("threshold", "search"),
+                *((name, "one-stage") for name, _ in _FITS), ("oktopk-reuse", "reused"))]
+            times.append(f"| {dist} | {delta:g} | {top * 1e3:.2f} | "
+                         + " | ".join(f"{m:.2f}" for m in multiples) + " |")
+        out += times + [""]
+    return "\n".join(out)
