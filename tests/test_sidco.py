@@ -235,6 +235,20 @@ def test_the_numpy_and_torch_paths_fit_alike():
                     assert torch.equal(got["numpy"][1], got["torch"][1]), case
 
 
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_the_fits_leave_the_scores_as_they_are(path):
+    """The torch path scales a float64 copy in place: float64 scores must be copied too."""
+    from conftest import forced
+
+    for dtype in (torch.float32, torch.float64):
+        s = _samples("laplace", 10_000).to(dtype)
+        before = s.clone()
+        with forced(path):
+            for dist in sidco.DISTRIBUTIONS:
+                sidco.sidco(s, 100, dist, 3)
+        assert torch.equal(s, before), dtype
+
+
 def test_the_pareto_variance_is_exact_to_float64():
     """Chunks' means and squared deviations combined pairwise: the variance of scores that
     are quarters (sums exact in float64) is the exact rational variance, rounded."""

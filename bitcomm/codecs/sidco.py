@@ -186,8 +186,11 @@ class _TorchStages:
         """Return the next stage's reading (``None``: no exceedance of ``eta``)."""
         if self.y is None:
             low, top = (v.to(torch.float64) for v in torch.aminmax(self.s))
-            # scaled by a tensor: the quotient is correctly rounded on every device
-            y = self.s.to(torch.float64) / top
+            # scaled by a tensor: the quotient is correctly rounded on every device; in place,
+            # so one float64 copy of the vector is alive, a copy even of float64 scores (they
+            # are the caller's)
+            y = self.s.to(torch.float64, copy=True)
+            y /= top
             ends = [low, top]
         else:
             y = self.y[self.y >= eta]
