@@ -1032,18 +1032,18 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int)
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                      counts: torch.Tensor, idx: torch.Tensor, need: int, room: int, side: int,
                      *, keys: torch.Tensor | None = None, nan: bool,
-                     settled: torch.Tensor | None = None, counted: bool = False) -> None:
+                     settled: torch.Tensor | None = None, known: bool = False) -> None:
     # The indices (and, given `keys`, the keys) of every key at or above floor's, in index
     # order, when there are `need` to `room` of them (their number to m): a count of each
     # program's run (a row of `counts` a program), then the gathering pass. `nan`: whether
     # NaN's key takes part (_counted). Given `settled` (a state row; `counts` then has two
     # columns), the keys strictly above floor's are counted too, for _gather_kernel's STRICT.
-    # `counted`: `counts` holds the runs' counts already (no counting pass).
+    # `known`: `counts` holds the runs' counts already (no counting pass).
     n, wide = x.numel(), x.dtype == torch.float64
     block, opts = _config("key_digits")
     grid = (counts.shape[0],)
     strict = settled is not None
-    if not counted:
+    if not known:
         launch(_count_at_least_kernel, grid, x, floor, counts, n, SIDE=side, WIDE=wide,
                NAN=nan, STRICT=strict, BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, floor, m, counts.cumsum(0), idx if keys is None else keys,
@@ -1225,5 +1225,5 @@ def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0, 
     else:
         counts = runs
     _gather_at_least(x, aux, aux[1:], counts, out, count, count, side, nan=False,
-                     counted=runs is not None)
+                     known=runs is not None)
     return out

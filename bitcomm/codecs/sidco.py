@@ -45,9 +45,9 @@ Selection keeps every score ``>= eta`` (Algorithm 1's last line); the count ``k_
 
 Cost: the point of a fitted threshold is that it is cheaper than ranking the scores, so the fit
 writes nothing the size of the vector where it can help it. On a CPU (numpy's float dtypes) the
-range is one read, the first stage's moments are summed in float64 a chunk of 64K scores at a
-time (the chunks' variances combined pairwise, as exact as a two-pass variance), and a later
-stage keeps the exceedances, compared in the scores' own dtype, as scaled float64 values. On
+range is numpy's min and max, the first stage's moments are summed in float64 a chunk of 64K
+scores at a time (the chunks' variances combined pairwise, as exact as a two-pass variance), and
+a later stage keeps the exceedances, compared in the scores' own dtype, as scaled float64 values. On
 other devices each stage is torch ops over a scaled float64 copy, with one host read a stage
 (and one for the exceedances' mask) that also carries the range, so the checks cost no read of
 their own. The two paths' thresholds agree to rounding.
