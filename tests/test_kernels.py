@@ -702,6 +702,43 @@ def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch):
         assert _kernels.kth_largest(x, k, side).item() == s.sort(descending=True).values[k - 1]
 
 
+@pytest.mark.parametrize("programs", [4096, 2])
+def test_the_sampled_count_pass_takes_the_census(programs, monkeypatch):
+    """With census, top_indices also says whether x holds NaN or inf and how many scores are
+    positive: from a sampled bound its count pass counts them in its read of x (no
+    score_stats pass), below MIN_N score_stats does. -inf has the score 0 on the top side,
+    and is still reported. The indices are those without census. (The sample and room of
+    test_radix_selection_starts_from_a_sampled_bound.)"""
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+    monkeypatch.setattr(_bracket, "SAMPLE", 256)
+    monkeypatch.setattr(_bracket, "MIN_N", 4096)
+    monkeypatch.setattr(_kernels, "SLACK", 4)
+    launched = []
+    original = _kernels.launch
+    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: launched.append(
+        kernel.fn.__name__) or original(kernel, *a, **k))
+    g = torch.Generator().manual_seed(24)
+    for n, sampled in ((5003, True), (3001, False)):
+        v = torch.randint(-6, 7, (n,), generator=g) + torch.rand(n, generator=g) * 0.5
+        v[:20] = 0.0  # zeros are not positive on any side
+        for dtype, side in itertools.product((torch.float32, torch.float64), (1, -1, 2, 0)):
+            w = v.to(dtype)
+            s = {0: w, 1: w.clamp(min=0), -1: w.neg().clamp(min=0), 2: w.abs()}[side]
+            launched.clear()
+            idx, census = _kernels.top_indices(w, 50, side, census=True)
+            assert ("_score_stats_kernel" in launched) != sampled, launched
+            assert census.dtype == torch.int64
+            assert census.tolist() == [0, int((s > 0).sum())], (n, dtype, side)
+            assert idx.tolist() == _kernels.top_indices(w, 50, side).tolist() \
+                == _brute_top(s, 50)
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            w = v.clone()
+            w[n - 7] = bad
+            assert int(_kernels.top_indices(w, 50, 1, census=True)[1][0]) > 0, (n, bad)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        _kernels.top_indices(torch.ones(10, dtype=torch.float16), 2, census=True)
+
+
 def _launches(fn) -> list[str]:
     # The kernels fn launches on meta tensors: its Triton launches (recorded, not run) and
     # the torch ops that launch one on a device (not views, not allocations).

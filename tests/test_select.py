@@ -353,6 +353,52 @@ def test_redsyncs_searches_read_the_host_a_few_times_off_the_numpy_path(method, 
 
 
 @needs_interpreter
+def test_the_exact_top_k_checks_and_counts_in_its_own_read_on_the_triton_path(monkeypatch):
+    """From a sampled bound the exact top-k's count pass also counts NaN / inf in v and the
+    positive scores: a side's checked top-k (RedSync's default, select_abs with check) makes
+    no score_stats pass, and one host read, which also says how many of the k values have
+    the side's sign. The same indices as the numpy path; NaN, inf and -inf raise. (A small
+    sample and more room, for the interpreter.)"""
+    from bitcomm.codecs import _kernels, redsync
+
+    monkeypatch.setattr(_bracket, "SAMPLE", 256)
+    monkeypatch.setattr(_bracket, "MIN_N", 4096)
+    monkeypatch.setattr(_kernels, "SLACK", 4)
+    launched = []
+    original = _kernels.launch
+    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: launched.append(
+        kernel.fn.__name__) or original(kernel, *a, **k))
+    g = torch.Generator().manual_seed(32)
+    v = torch.randn(6000, generator=g)
+    few = -v.abs()
+    few[torch.randperm(6000, generator=g)[:30]] = 2.0  # 30 of the top side's sign, k = 60
+    for x, k in ((v, 60), (few, 60), (v.double(), 60)):
+        with forced("numpy"):
+            want = redsync.encode(x, k, "top"), select.select_abs(x, k)
+        with forced("triton"):
+            launched.clear()
+            with pytest.MonkeyPatch.context() as mp:  # host_reads undoes all of mp's patches
+                seen = host_reads(mp, lambda x=x, k=k: redsync.encode(x, k, "top"))
+            assert "_count_at_least_kernel" in launched, launched
+            assert "_score_stats_kernel" not in launched, launched
+            assert len(seen) == 1, seen
+            got = redsync.encode(x, k, "top"), select.select_abs(x, k)
+            assert "_score_stats_kernel" not in launched, launched
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), x.dtype
+    assert redsync.decode_entries(got[0])[0].numel() == 60
+    with forced("numpy"):
+        assert redsync.decode_entries(redsync.encode(few, 60, "top"))[0].numel() == 30
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        w = v.clone()
+        w[4321] = bad
+        with forced("triton"):
+            with pytest.raises(ValueError, match="finite values"):
+                redsync.encode(w, 60, "top")
+            with pytest.raises(ValueError, match="finite v"):
+                select.select_abs(w, 60)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("method, eps", [("trimmed", 0.2), ("threshold", 1e-3)])
 @pytest.mark.parametrize("side", [0, 1, 2])
 def test_the_searches_survivors_start_from_the_counting_pass_on_the_triton_path(method, eps,

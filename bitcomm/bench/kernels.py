@@ -173,6 +173,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                 x, 2.0, n // 100, 1, runs=meta(k._programs(n), torch.int64))),
             ("top-k 1% fp32", n, lambda: k.top_indices(x, max(1, n // 100))),
             ("top-k 1% fp32, top side", n, lambda: k.top_indices(x, max(1, n // 100), 1)),
+            # RedSync's checked top-k: the count pass also counts NaN / inf and positives
+            ("top-k 1% fp32, top side, census", n,
+             lambda: k.top_indices(x, max(1, n // 100), 1, census=True)),
             ("top-k 1% fp32, magnitude", n, lambda: k.top_indices(x, max(1, n // 100), 2)),
             ("top-k 1% fp64", n, lambda: k.top_indices(meta(n, torch.float64),
                                                        max(1, n // 100))),

@@ -26,7 +26,9 @@ launch never waits for the device.
   candidates gathered in index order: from 2**18 scores the keys at or above a bound read off a
   sample (:mod:`~bitcomm.codecs._bracket`), else, after two bytes, the keys that share or beat
   the k-th largest's. The passes and the writing of the chosen indices read only those: two or
-  three reads of ``x``, no sort and no host read.
+  three reads of ``x``, no sort and no host read. From a sampled bound its count pass can
+  also count NaN / inf in ``x`` and the positive scores (``census``): a caller's check and
+  RedSync's count of the side's sign, without a read of their own.
 
 Decoders also set a one-element flag when the payload breaks a rule (non-zero padding, a count
 above ``m``, a radix code out of range): one reduction per program, one store if it is set. The
@@ -986,7 +988,8 @@ class _Selection:
     gathered into ``keys`` and ``idx`` (0: none; room for ``k + n // SLACK``; -1: the k-th
     largest key is the sampled bound, in ``state[digits]``, and no pass counts). ``bound``: the
     key of the sampled bound, when the selection starts from one. All zeros but ``state[0]``'s
-    rank, ``k``, in one buffer: two launches.
+    rank, ``k``, in one buffer: two launches. ``sampled``: whether the selection started from
+    a sampled bound (its count pass read all of ``x``).
     """
 
     def __init__(self, x: torch.Tensor, k: int):
@@ -999,6 +1002,7 @@ class _Selection:
         self.state = work[d * 256 : -2].view(d + 1, 2)
         self.bound = work[-2:-1]
         self.m = work[-1:]
+        self.sampled = False
         self.state[0, 1:].fill_(k)  # one fill kernel on the device, no copy from the host
         room = min(n, k + n // SLACK)
         self.keys = torch.empty(room, dtype=torch.int64 if wide else torch.int32,
@@ -1008,13 +1012,15 @@ class _Selection:
                                device=x.device)
 
 
-def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int) -> bool:
+def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
+             census: torch.Tensor | None) -> bool:
     # Gathers the keys at or above the sampled bound of _bracket (their number to sel.m when
     # they are k or more and fit), or those strictly above it when the keys at it overflow
     # the room, or settles the k-th largest key at the bound when fewer than k lie above it
     # (a mass of equal scores, such as exact zeros: m = -1), if the expected number of them
     # leaves half the slack of the room for the sample's error; says whether it tried.
-    # `programs`: those of the passes.
+    # `programs`: those of the passes. `census`: a row a program for the count pass's census
+    # (_count_at_least_kernel's CENSUS), or None.
     n = x.numel()
     if n < _bracket.MIN_N:
         return False
@@ -1025,33 +1031,37 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int)
            WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH, num_warps=16)
     counts = torch.empty((programs, 2), dtype=torch.int64, device=x.device)
     _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
-                     keys=sel.keys, nan=True, settled=sel.state[sel.digits])
+                     keys=sel.keys, nan=True, settled=sel.state[sel.digits], census=census)
     return True
 
 
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                      counts: torch.Tensor, idx: torch.Tensor, need: int, room: int, side: int,
                      *, keys: torch.Tensor | None = None, nan: bool,
-                     settled: torch.Tensor | None = None, known: bool = False) -> None:
+                     settled: torch.Tensor | None = None, known: bool = False,
+                     census: torch.Tensor | None = None) -> None:
     # The indices (and, given `keys`, the keys) of every key at or above floor's, in index
     # order, when there are `need` to `room` of them (their number to m): a count of each
     # program's run (a row of `counts` a program), then the gathering pass. `nan`: whether
     # NaN's key takes part (_counted). Given `settled` (a state row; `counts` then has two
     # columns), the keys strictly above floor's are counted too, for _gather_kernel's STRICT.
-    # `known`: `counts` holds the runs' counts already (no counting pass).
+    # `known`: `counts` holds the runs' counts already (no counting pass). `census`: where the
+    # counting pass writes its census (_count_at_least_kernel's CENSUS), or None.
     n, wide = x.numel(), x.dtype == torch.float64
     block, opts = _config("key_digits")
     grid = (counts.shape[0],)
     strict = settled is not None
     if not known:
-        launch(_count_at_least_kernel, grid, x, floor, counts, n, SIDE=side, WIDE=wide,
-               NAN=nan, STRICT=strict, BLOCK=block, **opts)
+        launch(_count_at_least_kernel, grid, x, floor, counts,
+               counts if census is None else census, n, SIDE=side, WIDE=wide, NAN=nan,
+               STRICT=strict, CENSUS=census is not None, BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, floor, m, counts.cumsum(0), idx if keys is None else keys,
            idx, floor if settled is None else settled, n, need, room, SIDE=side, WIDE=wide,
            SHIFT=0, KEYS=keys is not None, NAN=nan, STRICT=strict, BLOCK=block, **opts)
 
 
-def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
+def _radix_select(x: torch.Tensor, k: int, side: int, census: torch.Tensor | None = None
+                  ) -> _Selection:
     # Every digit of the k-th largest key but the last, settled on the device; the last pass's
     # histogram is left for the caller's next kernel to settle. From 2**18 scores the keys at or
     # above a sampled bound are gathered first (two reads of x; a few more than k of them),
@@ -1060,7 +1070,8 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
     # overflow the room and fewer than k lie above it, the k-th largest key is the bound and
     # no pass reads anything. Otherwise the first two passes read x; the keys at or above
     # the k-th's first two digits are then gathered (about k of them for the usual scores)
-    # and the later passes read those instead.
+    # and the later passes read those instead. `census`: as _sampled's; whether the sampled
+    # path wrote it is sel.sampled.
     n = x.numel()
     if not 0 < k <= n:  # outside, the rank would run off the counts and the writes off `out`
         raise ValueError(f"expected 0 < k <= {n}, got k={k}")
@@ -1069,7 +1080,7 @@ def _radix_select(x: torch.Tensor, k: int, side: int) -> _Selection:
     block, opts = _config("key_digits")
     grid = (_programs(n),)
     rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
-    sampled = _sampled(x, k, side, sel, grid[0])
+    sampled = sel.sampled = _sampled(x, k, side, sel, grid[0], census)
     shifts = range((sel.digits - 1) * DIGIT, -1, -DIGIT)
     for p, shift in enumerate(shifts):
         # pass p settles digit p - 1 first, except after the two-digit gathering, which did
@@ -1105,7 +1116,8 @@ def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     return out.to(x.dtype)  # the keys of 16-bit floats are those of their float32 values
 
 
-def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
+def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Return the ascending int64 indices of the ``k`` largest scores, ties to lower indices.
 
     ``0 < k <= n`` (else ``ValueError``); scores as in :func:`score_stats`, of any float
@@ -1135,9 +1147,20 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     are gathered, every pass reads ``x``: when fewer than ``k`` keys reach the sampled bound
     (the sample misled), or when the two-digit path's would outnumber the room (keys alike in
     their first 16 bits).
+
+    With ``census`` (float32 and float64 scores) the result is ``(indices, census)``, the
+    census an int64 ``[bad, positive]`` on the device: ``bad`` is non-zero if ``x`` holds NaN
+    or inf, ``positive`` counts the scores above 0 (when ``bad`` is 0) -- a caller's
+    finiteness check and RedSync's count of the side's sign. The sampled path's count pass
+    takes it in its read of ``x``; the other path reads ``x`` once more (:func:`score_stats`).
     """
     n = x.numel()
-    sel = _radix_select(x, k, side)
+    if census and x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"census takes float32 or float64 scores, got {x.dtype}")
+    # (the count pass packs two counts into an int32 a lane: below 2**37 scores)
+    tally = torch.empty((_programs(n), 2), dtype=torch.int32, device=x.device) \
+        if census and n < 1 << 37 else None
+    sel = _radix_select(x, k, side, tally)
     d = sel.digits
     block, opts = _config("top_write")
     tiles = _grid(n, block)[0]
@@ -1150,25 +1173,45 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m,
            per_tile.cumsum(0, dtype=torch.int64), out, n, SIDE=side, WIDE=wide, BLOCK=block,
            **opts)
-    return out
+    if not census:
+        return out
+    if sel.sampled and tally is not None:
+        return out, tally.sum(0, dtype=torch.int64)
+    return out, score_stats(x, side)[2:].to(torch.int64)
 
 
 # --- indices above a threshold (RedSync's survivors; bitcomm.codecs.select) ----------------------
 
 
 @triton.jit
-def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, n, SIDE: tl.constexpr,
+def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl.constexpr,
                            WIDE: tl.constexpr, NAN: tl.constexpr, STRICT: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           CENSUS: tl.constexpr, BLOCK: tl.constexpr):
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
     # (NaN as _counted says); with STRICT a row of two counts a program, the second of the
-    # keys strictly above it.
+    # keys strictly above it. With CENSUS each program also writes, to its row of census_ptr,
+    # how many elements of x are NaN or inf and how many scores are positive (key > 0: the
+    # keys of positive floats are their positive bits): a caller's finiteness check and
+    # RedSync's count of the side's sign, in this read instead of one of their own.
     floor = tl.load(floor_ptr)
     lo, hi = _span(n, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     over = tl.zeros([BLOCK], dtype=tl.int32)
+    # the census: positive scores in the low 16 bits of a lane, NaN and inf in the high ones
+    # (one register a lane instead of two; a lane counts once a tile, and no program takes
+    # 2**15 tiles below 2**37 elements)
+    census = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
-        _, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
+        if CENSUS:  # x itself: -inf has the score 0 on the top side, so keys cannot tell
+            i = start + tl.arange(0, BLOCK)
+            live = i < n
+            x = tl.load(x_ptr + i, mask=live, other=0.0)
+            key = _order_key(x, SIDE, WIDE)
+            bad = (x != x) | (tl.abs(x) == float("inf"))
+            # the masked lanes' 0.0 has the key 0: not positive
+            census += (key > 0).to(tl.int32) | (bad.to(tl.int32) << 16)
+        else:
+            _, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
         counted = live & _counted(key, NAN)
         acc += (counted & (key >= floor.to(key.dtype))).to(tl.int32)
         if STRICT:
@@ -1178,6 +1221,9 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, n, SIDE: tl.constexpr,
         tl.store(counts_ptr + tl.program_id(0) * 2 + 1, tl.sum(over, 0).to(tl.int64))
     else:
         tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
+    if CENSUS:
+        tl.store(census_ptr + tl.program_id(0) * 2, tl.sum(census >> 16, 0))
+        tl.store(census_ptr + tl.program_id(0) * 2 + 1, tl.sum(census & 0xFFFF, 0))
 
 
 def _key_of(threshold: float, wide: bool) -> int:

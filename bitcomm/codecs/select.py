@@ -484,6 +484,20 @@ def _top_counted(src: _Scores, k: int, positive: int | None
     return src.top(k), None if positive is None else min(k, positive)
 
 
+def _checked_top(src: _Scores, k: int) -> tuple[torch.Tensor, int]:
+    """Return the exact top-k of a side's scores on the Triton path, checked, with its count.
+
+    The selection's own first read of ``v`` (from a sampled bound) also counts the NaN and inf
+    of ``v`` (``ValueError``) and the positive scores, which says how many of the k are
+    positive: one host read, and no read of ``v`` for the check.
+    """
+    idx, census = _frame.kernels().top_indices(src.v, k, src.side, census=True)
+    bad, positive = census.tolist()  # the one host read
+    if bad:
+        raise ValueError(f"expected finite {src.what}, got NaN or inf")
+    return idx, min(k, positive)
+
+
 def _fallback(src: _Scores, k: int, counts: _Counts) -> tuple[torch.Tensor, int | None]:
     """Return the searches' exact top-k with the count of positive scores the counts brought."""
     return _top_counted(src, k, counts.positive())
@@ -575,7 +589,8 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
     RedSync's sides. On the Triton path ``"topk"`` and the threshold searches (``"trimmed"``,
     ``"threshold"``) compute the scores inside their passes over ``v`` instead of writing them,
     and ``check`` (NaN or inf anywhere in ``v``: ``ValueError``) rides on the searches' first
-    read.
+    read, and on the exact top-k's when it starts from a sampled bound
+    (:func:`~bitcomm.codecs._kernels.top_indices`).
 
     With ``positive`` only the selected indices whose score is positive are kept: the values
     of the side's sign, without zeros (what RedSync sends). Their number takes a host read
@@ -605,7 +620,8 @@ def select_abs(v: torch.Tensor, k: int, method: str = "topk", *, check: bool = T
 
     The same indices as ``select(v.abs(), k, method, **options)``. On the Triton path
     ``"topk"`` and the threshold searches read ``v`` and never write ``|v|``; ``check``
-    (NaN or inf in ``v``: ``ValueError``) rides on the searches' first read.
+    (NaN or inf in ``v``: ``ValueError``) rides on the searches' first read, and on the exact
+    top-k's from a sampled bound.
     """
     return _select_of(_Scores(_frame.check_float(v, "v"), _ABS), k, method, check, options)[0]
 
@@ -626,6 +642,8 @@ def _select_of(src: _Scores, k: int, method: str, check: bool, options: dict,
     if method == "topk":
         if options:
             raise TypeError(f"topk takes no options, got {sorted(options)}")
+        if check and src.fused and src.side and 0 < k < src.numel():
+            return _checked_top(src, k)
         return _top_counted(src, k, _finite(src, check, count))
     _finite(src, check)
     return select(src.tensor, k, method, check=False, **options), None
