@@ -53,7 +53,7 @@ def test_no_kernel_spills_registers_on_an_h100(every_case):
     _, rows, _ = every_case
     names = {r["case"] for r in rows}
     assert {"sign decode", "counts-radix-m2 decode", "counts-w16 decode (m=65535)",
-            "qsgd-8 encode, bucket 512", "ring last step (decide)",
+            "qsgd-8 encode, bucket 512", "qsgd-4 mean of 8 frames", "ring last step (decide)",
             "redsync-1% counts of 63 bounds", "top-k 1% fp32", "top-k 1% fp64",
             "top-k 10% fp32"} <= names
     # the top-k of 1% from the sampled bound, of 10% from two digits
@@ -62,7 +62,7 @@ def test_no_kernel_spills_registers_on_an_h100(every_case):
         "chosen_write"}
     assert "gathered_counts" in {r["kernel"] for r in rows if r["case"] == "top-k 10% fp32"}
     edges = {r["kernel"] for r in rows if "EDGE=True" in r["config"]}
-    assert edges == {"sign_unpack", "planes_unpack", "radix_unpack", "qsgd_values",
+    assert edges == {"sign_unpack", "planes_unpack", "radix_unpack", "qsgd_values", "qsgd_mean",
                      "count_step", "vote_count", "sign_error", "weighted_votes",
                      "scaled_signs"}
     assert [(r["case"], r["stack"]) for r in rows if r["stack"]] == []

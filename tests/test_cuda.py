@@ -80,6 +80,21 @@ def test_decoders_agree(n):
     assert torch.equal(select.topk(x.abs(), k), select.topk(x.abs().cuda(), k).cpu())
 
 
+@pytest.mark.parametrize("n", [1, 4097, (1 << 20) + 3])
+def test_the_mean_of_qsgd_frames_agrees(n):
+    """qsgd.mean_all's one pass on the GPU gives the CPU's mean and kept values, to the bit,
+    for 1 to 7 frames (qsgd_allgather's ranks)."""
+    g = torch.Generator().manual_seed(n + 2)
+    for b, bucket, count in ((2, 512, 1), (4, 7, 3), (8, 8192, 7), (4, 512, 8)):
+        frames = [qsgd.encode(torch.randn(n, generator=g) * (r + 1), b, bucket, seed=r)
+                  for r in range(count)]
+        mean, kept = qsgd.mean_all(frames, n, b, bucket, keep=count - 1)
+        on_gpu = qsgd.mean_all([f.cuda() for f in frames], n, b, bucket, keep=count - 1)
+        assert on_gpu[0].is_cuda
+        assert torch.equal(mean.view(torch.int32), on_gpu[0].cpu().view(torch.int32))
+        assert torch.equal(kept.view(torch.int32), on_gpu[1].cpu().view(torch.int32))
+
+
 def test_codecs_take_the_triton_path_on_cuda():
     from bitcomm.codecs import backend
 

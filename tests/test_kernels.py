@@ -255,6 +255,49 @@ def test_qsgd_decode_is_one_formula(nbits):
                 assert torch.equal(values, torch.from_numpy(want).to(dt)), (p, bucket, dt)
 
 
+@pytest.mark.parametrize("nbits", qsgd.BITS)
+def test_qsgd_mean_is_the_rank_order_sum_of_the_decodes(nbits):
+    """qsgd.mean_all's one pass over every frame gives, to the bit, the frames' decoded
+    float32 values added in list order from +0.0 (a level 0 of sign 1 decodes to -0.0) and
+    divided by their number, correctly rounded (brute force in numpy); the kept frame's
+    values are its decode's. Awkward lengths (full tiles and a partial last one), a power-of-
+    two bucket and another, 1 to 5 frames, scales that make the sum's rounding matter."""
+    g = torch.Generator().manual_seed(40 + nbits)
+    for n, bucket, count in ((1, 8, 1), (9, 7, 3), (1025, 512, 5), (4097, 100, 2),
+                             (5003, 64, 3), (0, 8, 2)):
+        xs = [torch.randn(n, generator=g) * 10.0 ** (r % 3) for r in range(count)]
+        frames = [qsgd.encode(x, nbits, bucket, seed=r) for r, x in enumerate(xs)]
+        decoded = [qsgd.decode(f)[0].numpy() for f in frames]
+        total = np.zeros(n, dtype=np.float32)
+        for d in decoded:
+            total = total + d
+        want = total / np.float32(count)
+        for keep in (None, count - 1):
+            with forced("triton"):
+                mean, kept = qsgd.mean_all(frames, n, nbits, bucket, keep=keep)
+            assert np.array_equal(mean.numpy().view(np.int32), want.view(np.int32)), \
+                (n, bucket, count)
+            if keep is None:
+                assert kept is None
+            else:
+                assert np.array_equal(kept.numpy().view(np.int32),
+                                      decoded[keep].view(np.int32))
+
+
+def test_qsgd_mean_takes_one_pass_over_the_frames(monkeypatch):
+    """The Triton path decodes no frame on its own: one mean kernel (a full-tile launch and
+    a last-tile one), no qsgd_values launch, whatever the number of frames."""
+    launched = []
+    original = _kernels.launch
+    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: launched.append(
+        kernel.fn.__name__) or original(kernel, *a, **k))
+    frames = [qsgd.encode(torch.randn(3001), 4, 512, seed=r) for r in range(6)]
+    with forced("triton"):
+        launched.clear()
+        qsgd.mean_all(frames, 3001, 4, 512, keep=2)
+    assert launched == ["_qsgd_mean_kernel"] * 2, launched
+
+
 # --- fused collective steps -------------------------------------------------------------------
 
 

@@ -420,3 +420,44 @@ def test_decode_all_gives_decodes_values_and_errors(path, monkeypatch):
     assert same_size.numel() == frames[0].numel()
     with pytest.raises(ValueError, match="expected bucket=100, got bucket=91"):
         qsgd.decode_all([frames[0], same_size], 1001, 4, 100)
+
+
+def test_mean_all_is_the_correctly_rounded_mean_of_the_decodes(path, monkeypatch):
+    """mean_all adds the frames' decoded float32 values in list order from +0.0 and divides
+    by their number, correctly rounded (numpy's float32 arithmetic here), on every path; the
+    kept frame's values are its decode's; the errors are decode_all's, and off the numpy path
+    the checks of all the frames cost one host read."""
+    from conftest import host_reads
+
+    g = torch.Generator().manual_seed(8)
+    for n, bits, bucket, count in ((0, 4, 8, 2), (1, 2, 3, 1), (13, 4, 5, 3),
+                                   (1001, 8, 100, 5), (4099, 2, 512, 6)):
+        frames = [qsgd.encode(torch.randn(n, generator=g) * 7.0 ** r, bits, bucket, seed=r)
+                  for r in range(count)]
+        decoded = [qsgd.decode(f)[0].numpy() for f in frames]
+        total = np.zeros(n, dtype=np.float32)
+        for d in decoded:
+            total = total + d
+        want = total / np.float32(count)
+        mean, kept = qsgd.mean_all(frames, n, bits, bucket, keep=count - 1)
+        assert mean.dtype == torch.float32 and mean.shape == (n,)
+        assert np.array_equal(mean.numpy().view(np.int32), want.view(np.int32)), (n, count)
+        assert np.array_equal(kept.numpy().view(np.int32), decoded[-1].view(np.int32))
+        assert qsgd.mean_all(frames, n, bits, bucket)[1] is None
+        if path != "numpy":
+            reads = host_reads(monkeypatch, lambda f=frames: qsgd.mean_all(f, n, bits, bucket))
+            assert len(reads) == 1, reads
+    frames = [qsgd.encode(torch.randn(1001, generator=g), 4, 100, seed=i) for i in range(2)]
+    bad_scale, bad_pad = frames[1].clone(), frames[0].clone()
+    bad_scale[14 + 4 * 3: 14 + 4 * 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
+    bad_pad[-1] |= 0x01
+    for group, message in [([frames[0], bad_scale], "finite scale >= 0 in bucket 3"),
+                           ([bad_pad, frames[1]], "padding"),
+                           ([frames[0], frames[1][:-1]], "truncated qsgd frame"),
+                           ([frames[0], qsgd.encode(torch.randn(1001), 2, 100)], "bits=4"),
+                           ([], "at least one frame")]:
+        with pytest.raises(ValueError, match=message):
+            qsgd.mean_all(group, 1001, 4, 100)
+    for keep in (2, -1, True, 1.0):
+        with pytest.raises(ValueError, match="keep in 0..1"):
+            qsgd.mean_all(frames, 1001, 4, 100, keep=keep)

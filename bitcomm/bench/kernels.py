@@ -14,7 +14,9 @@ for the data), and reports for each:
   for decoders, counts for the count codecs). The count is static: loops are unrolled
   (``tl.static_range``), except the loops over ranks of ``vote_count`` and ``weighted_votes``,
   counted once, and the loop over tiles of the kernels in :data:`_STRIDED` (the span of
-  their longest backward branch), counted once a tile, the code around it once a program.
+  their longest backward branch), counted once a tile, the code around it once a program,
+  and the loop over frames of the kernels in :data:`_REPEATED`, counted once a frame (the
+  kept frame's store, made in one frame only, counted in each).
   A launch of one program (a decoder's last tile with ``EDGE=True``) is counted per
   element of the whole vector, so its figures are near 0.
   The radix selection's kernels that run after its candidates are gathered read a tile of
@@ -165,6 +167,12 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
         out.append((f"qsgd-{bits} decode", n,
                     lambda b=bits, c=codes, s=steps_: k.qsgd_values(
                         c, n, b, qsgd.DEFAULT_BUCKET, s, torch.float32)))
+        # qsgd_allgather's mean of 8 ranks' frames, keeping this rank's values
+        size = qsgd.encoded_size(n, bits)
+        out.append((f"qsgd-{bits} mean of 8 frames", n,
+                    lambda b=bits, size=size, s=steps_: k.qsgd_mean(
+                        meta(8 * size, torch.uint8).view(8, size), size - (n * b + 7) // 8, n,
+                        b, qsgd.DEFAULT_BUCKET, s.expand(8, -1), keep=3)))
     out += [("redsync-1% mean, max, check, count", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
              lambda: k.count_above(x, meta(63, torch.float32), 1, runs=True)),
@@ -210,6 +218,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
 _STRIDED = ("_count_above_kernel", "_key_digits_kernel", "_gather_kernel",
             "_chosen_counts_kernel", "_chosen_write_kernel", "_count_at_least_kernel")
 """Kernels whose programs loop over several tiles of the vector."""
+
+_REPEATED = {"_qsgd_mean_kernel": 8}
+"""Kernels whose outermost loop runs once per item of an argument (its position): frames."""
 
 _OPCODE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[.\w]*\s*([^;]*)")
 
@@ -296,6 +307,9 @@ def run(n: int = 1 << 26, *, arch: int = ARCH, only: str | None = None,
                 tiles = -(-elements // (grid[0] * kwargs["BLOCK"]))
                 run.update({op: count * (tiles - 1) for op, count in loop.items()})
                 covered = min(elements, grid[0] * tiles * kwargs["BLOCK"])
+            if kernel.fn.__name__ in _REPEATED:  # the loop runs once an item (a frame)
+                items = args[_REPEATED[kernel.fn.__name__]]
+                run.update({op: count * (items - 1) for op, count in loop.items()})
             lanes = threads * grid[0] / covered  # lane-instructions per instruction per element
             row = KernelRow(
                 case=name, kernel=kernel.fn.__name__.strip("_").removesuffix("_kernel"),

@@ -15,7 +15,8 @@ launch never waits for the device.
 * :func:`qsgd_codes` / :func:`qsgd_values`: the whole qsgd encoder (bucket max, the counter hash
   of :mod:`bitcomm.codecs._rng`, fixed-point stochastic rounding, packing) in one pass when the
   bucket is a power of two up to :data:`MAX_FUSED_BUCKET`; otherwise with per-bucket factors
-  computed by torch. The decoder multiplies each level by its bucket's step.
+  computed by torch. The decoder multiplies each level by its bucket's step;
+  :func:`qsgd_mean` decodes many frames at once and writes only their mean.
 * :func:`score_stats` / :func:`count_above` / :func:`indices_above`: the passes of
   :mod:`bitcomm.codecs.select`'s threshold searches (mean, max and finiteness; how many scores
   exceed each of a few dozen thresholds; the indices of those above the chosen one, whose
@@ -61,8 +62,9 @@ import triton.language as tl
 from bitcomm.codecs import _bracket
 
 __all__ = ["launch", "launch_tiles", "sign_pack", "sign_unpack", "partial_sums", "planes_pack",
-           "planes_unpack", "qsgd_codes", "qsgd_values", "score_stats", "count_above", "Runs",
-           "kth_largest", "top_indices", "indices_above", "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
+           "planes_unpack", "qsgd_codes", "qsgd_values", "qsgd_mean", "score_stats",
+           "count_above", "Runs", "kth_largest", "top_indices", "indices_above",
+           "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -79,6 +81,7 @@ TUNING: dict[str, tuple[int, int]] = {
     "radix_unpack": (512, 4),
     "qsgd_codes": (2048, 4),
     "qsgd_values": (1024, 4),
+    "qsgd_mean": (1024, 4),  # elements: a sum and a kept value each, in registers
     "score_stats": (2048, 4),  # elements
     "key_digits": (1024, 4),  # elements per tile
     "top_write": (1024, 4),  # elements, fewer than 2**16
@@ -493,18 +496,24 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, first,
-                        BITS: tl.constexpr, SHIFT: tl.constexpr, SMALL: tl.constexpr,
-                        BLOCK: tl.constexpr, BF16: tl.constexpr, EDGE: tl.constexpr):
-    PER: tl.constexpr = 8 // BITS
-    S: tl.constexpr = (1 << (BITS - 1)) - 1
+def _qsgd_tile(first, SMALL: tl.constexpr, BLOCK: tl.constexpr, PER: tl.constexpr):
+    # A decoding program's code bytes (ob) and the elements they hold (idx: [BLOCK, PER]).
     ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if SMALL:  # every element index fits in int32
         ob = ob.to(tl.int32)
     j = tl.arange(0, PER)
+    return ob, ob[:, None] * PER + j[None, :]
+
+
+@triton.jit
+def _qsgd_decoded(codes_ptr, steps_ptr, ob, idx, n, nbytes, bucket, BITS: tl.constexpr,
+                  SHIFT: tl.constexpr, EDGE: tl.constexpr):
+    # The float32 values sign * (level * step) of the codes in bytes ob of one frame.
+    PER: tl.constexpr = 8 // BITS
+    S: tl.constexpr = (1 << (BITS - 1)) - 1
+    j = tl.arange(0, PER)
     byte = _load(codes_ptr + ob, ob < nbytes, 0, EDGE).to(tl.int32)
     code = (byte[:, None] >> (8 - BITS * (j + 1))[None, :]) & ((1 << BITS) - 1)
-    idx = ob[:, None] * PER + j[None, :]
     # A power-of-two bucket is a shift, any other a division: with the division in int64
     # the kernel compiled to 24-68 instructions an element, with the shift in int32 to 13-26
     # (`bitcomm bench kernels`). An H100 timed a shift of int64 indices no faster than the
@@ -512,7 +521,15 @@ def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, first,
     b = idx >> SHIFT if SHIFT >= 0 else idx // bucket
     step = _load(steps_ptr + b, idx < n, 0.0, EDGE)
     val = (code & S).to(tl.float32) * step
-    val = tl.where((code >> (BITS - 1)) != 0, -val, val)
+    return tl.where((code >> (BITS - 1)) != 0, -val, val)
+
+
+@triton.jit
+def _qsgd_values_kernel(codes_ptr, steps_ptr, out_ptr, n, nbytes, bucket, first,
+                        BITS: tl.constexpr, SHIFT: tl.constexpr, SMALL: tl.constexpr,
+                        BLOCK: tl.constexpr, BF16: tl.constexpr, EDGE: tl.constexpr):
+    ob, idx = _qsgd_tile(first, SMALL, BLOCK, 8 // BITS)
+    val = _qsgd_decoded(codes_ptr, steps_ptr, ob, idx, n, nbytes, bucket, BITS, SHIFT, EDGE)
     if BF16:  # out_ptr is an int16 view of the bfloat16 result
         val = _bf16_bits(val)
     else:
@@ -535,6 +552,59 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
                       SHIFT=_shift(bucket), SMALL=tiles * per < 2**31, BLOCK=block, BF16=bf16,
                       enable_fp_fusion=False, **opts)
     return out
+
+
+@triton.jit
+def _qsgd_mean_kernel(rows_ptr, steps_ptr, mean_ptr, kept_ptr, n, nbytes, stride, off, frames,
+                      divisor, nb, keep, bucket, first, BITS: tl.constexpr, SHIFT: tl.constexpr,
+                      SMALL: tl.constexpr, BLOCK: tl.constexpr, KEEP: tl.constexpr,
+                      EDGE: tl.constexpr):
+    # Each frame's values of this tile (its codes at `off` in its row of rows_ptr, its steps in
+    # its row of steps_ptr), added in frame order from +0.0 as torch adds decoded vectors, then
+    # divided by `divisor`, the number of frames (correctly rounded); with KEEP frame `keep`'s
+    # values too. The rows' pointers advance a row an iteration: 64-bit pointer arithmetic,
+    # where a row's index times the stride could overflow 32 bits.
+    ob, idx = _qsgd_tile(first, SMALL, BLOCK, 8 // BITS)
+    acc = tl.zeros(idx.shape, dtype=tl.float32)
+    codes_ptr = rows_ptr + off
+    for r in range(frames):
+        val = _qsgd_decoded(codes_ptr, steps_ptr, ob, idx, n, nbytes, bucket, BITS, SHIFT, EDGE)
+        acc += val
+        if KEEP:
+            if r == keep:
+                _store(kept_ptr + idx, val, idx < n, EDGE)
+        codes_ptr += stride
+        steps_ptr += nb
+    _store(mean_ptr + idx, tl.math.div_rn(acc, divisor), idx < n, EDGE)
+
+
+def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
+              steps: torch.Tensor, keep: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return the float32 mean of the frames' values and, with ``keep``, that frame's values.
+
+    ``rows``: the frames, one a row (uint8, contiguous), their packed codes from byte ``off``;
+    ``steps``: float32 ``[frames, buckets]``, each bucket's step. Each frame's values are
+    :func:`qsgd_values`'s, added in row order from +0.0 and divided by the number of rows:
+    the bits of torch adding the decoded vectors then dividing by a tensor. One pass reads
+    every frame's codes once; no frame's values are written but the kept one's.
+    """
+    frames = rows.shape[0]
+    if not frames:
+        raise ValueError("expected at least one frame")
+    mean = torch.empty(n, dtype=torch.float32, device=rows.device)
+    kept = None if keep is None else torch.empty_like(mean)
+    if n:
+        nbytes = (n * bits + 7) // 8
+        per, opts = _config("qsgd_mean")  # elements a tile
+        block = per // (8 // bits)  # code bytes a tile
+        tiles = _grid(nbytes, block)[0]
+        launch_tiles(_qsgd_mean_kernel, tiles, n // per, rows, steps, mean,
+                     mean if kept is None else kept, n, nbytes, rows.stride(0), off, frames,
+                     float(frames), steps.stride(0), -1 if keep is None else keep, bucket,
+                     BITS=bits, SHIFT=_shift(bucket), SMALL=tiles * per < 2**31, BLOCK=block,
+                     KEEP=keep is not None, enable_fp_fusion=False, **opts)
+    return mean, kept
 
 
 # --- selection (bitcomm.codecs.select) ---------------------------------------------------------

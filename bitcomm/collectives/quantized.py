@@ -3,7 +3,8 @@
 The data-parallel QSGD step of SparCML (Section 6): each rank
 quantises its full gradient stochastically (:mod:`bitcomm.codecs.qsgd`, 2/4/8 bits, one fp32
 scale per bucket) and the frames, all the same length, go to every rank in one ``allgatherv``;
-each rank decodes them and adds them in rank order (bit-identical sums), then divides by ``N``.
+each rank decodes them and adds them in rank order (bit-identical sums), then divides by ``N``
+(:func:`bitcomm.codecs.qsgd.mean_all`: with triton, one pass over every frame's codes).
 
 Bytes sent per rank (:func:`qsgd_allgather_bytes`)::
 
@@ -58,15 +59,13 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
         frame = qsgd.encode(v, bits, bucket, seed=None if seed is None else seed + comm.rank)
         frames = (comm.allgatherv(frame, [frame.numel()] * comm.size) if comm.size > 1
                   else [frame])
-        # Every frame must hold n values of this layout (a bad one is a ValueError); this
-        # rank's own is decoded as the peers decode it (for error feedback).
-        values = qsgd.decode_all([frame if r == comm.rank else f.to(v.device)
-                                  for r, f in enumerate(frames)], n, bits, bucket)
-    total = torch.zeros(n, dtype=torch.float32, device=v.device)
-    for r in range(comm.size):  # in rank order: the same sum on every rank
-        total += values[r]
-    sent = values[comm.rank]
-    return total.div_(comm.size).reshape(x.shape), sent.reshape(x.shape)
+        # Every frame must hold n values of this layout (a bad one is a ValueError), added in
+        # rank order (the same sum on every rank); this rank's own is decoded as the peers
+        # decode it (for error feedback).
+        mean, sent = qsgd.mean_all([frame if r == comm.rank else f.to(v.device)
+                                    for r, f in enumerate(frames)], n, bits, bucket,
+                                   keep=comm.rank)
+    return mean.reshape(x.shape), sent.reshape(x.shape)
 
 
 def qsgd_allgather_bytes(n: int, size: int, *, bits: int = 4, bucket: int = qsgd.DEFAULT_BUCKET,
