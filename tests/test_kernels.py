@@ -201,6 +201,47 @@ def test_qsgd_non_finite_buckets_raise_the_same_errors(bucket):
         assert a == got and named in a, (a, got)
 
 
+def test_qsgd_fused_encode_checks_its_scales_in_its_pass(monkeypatch):
+    """The fused encoder's kernel flags a bucket whose scale is not finite and writes the
+    scales where they lie in the frame: besides it, a zeroed flag, the flag's read and the
+    header's copy, and no torch op over the scales (torch's isfinite is five). Inside
+    _frame.deferred the flag is read at the block's end, with the usual error."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bitcomm.codecs import _frame
+
+    ops, inside = [], []
+    original = _kernels.launch
+
+    def launch(kernel, *a, **k):  # the interpreter's own torch ops are not the codec's
+        ops.append(kernel.fn.__name__)
+        inside.append(True)
+        try:
+            original(kernel, *a, **k)
+        finally:
+            inside.pop()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if not inside and name not in {"empty", "view", "slice", "detach", "alias",
+                                           "lift_fresh", "empty_strided", "as_strided"}:
+                ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(_kernels, "launch", launch)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
+    with forced("triton"), Ops():
+        frame = qsgd.encode(x, 4, 512, seed=1)
+    assert sorted(ops) == sorted(["zeros", "_qsgd_codes_kernel", "_local_scalar_dense",
+                                  "copy_"]), ops
+    assert torch.equal(frame, qsgd.encode(x, 4, 512, seed=1))
+    x[2600] = float("inf")
+    with forced("triton"), pytest.raises(ValueError, match="max scale inf in bucket 5"):
+        with _frame.deferred():
+            qsgd.encode(x, 4, 512, seed=1)
+
+
 def test_qsgd_encode_across_stream_blocks():
     # 3 stream blocks of 2**16 elements and a partial one, fused and unfused buckets.
     x = torch.randn(3 * 65536 + 5, generator=torch.Generator().manual_seed(7))

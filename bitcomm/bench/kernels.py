@@ -162,7 +162,8 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
             factors = None if bucket & (bucket - 1) == 0 else scales
             out.append((f"qsgd-{bits} encode, bucket {bucket}", n,
                         lambda b=bits, s=scales, f=factors, bk=bucket:
-                        k.qsgd_codes(x, b, bk, 12345, s, f)))
+                        k.qsgd_codes(x, b, bk, 12345, s, f, flags=None if f is not None
+                                     else meta(1, torch.int32))))
         steps_ = meta(-(-n // qsgd.DEFAULT_BUCKET), torch.float32)
         out.append((f"qsgd-{bits} decode", n,
                     lambda b=bits, c=codes, s=steps_: k.qsgd_values(

@@ -418,10 +418,10 @@ def _shift(bucket: int) -> int:
 
 
 @triton.jit
-def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, n, nbytes, nbuckets, bucket,
-                       key, S: tl.constexpr, BITS: tl.constexpr, ROW: tl.constexpr,
+def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nbytes, nbuckets,
+                       bucket, key, S: tl.constexpr, BITS: tl.constexpr, ROW: tl.constexpr,
                        ROWS: tl.constexpr, FUSED: tl.constexpr, SHIFT: tl.constexpr,
-                       SMALL: tl.constexpr):
+                       SMALL: tl.constexpr, FLAGS: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     C: tl.constexpr = ROW // PER
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -439,6 +439,8 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, n, nbytes, nbuck
         top = tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=2), axis=1)
         scale = tl.where(top > 0x7F800000, float("nan"), top.to(tl.float32, bitcast=True))
         tl.store(scales_ptr + r, scale, mask=r < nbuckets)
+        if FLAGS:  # a scale of inf or NaN: the encoder refuses it
+            _flag(flags_ptr, top >= 0x7F800000)
         # float32(1 / scale) * float32(s * 2**16), 0 for a zero scale (qsgd._factors).
         safe = tl.where(scale > 0, scale, 1.0)
         factor = tl.where(scale > 0, tl.math.div_rn(1.0, safe) * (S * 65536.0), 0.0)
@@ -457,13 +459,15 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, n, nbytes, nbuck
 
 
 def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.Tensor,
-               factors: torch.Tensor | None, *, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
+               factors: torch.Tensor | None, *, out: torch.Tensor | None = None,
+               flags: torch.Tensor | None = None) -> torch.Tensor:
     """Return the packed qsgd codes of ``x``; with ``factors=None`` also write ``scales``.
 
     ``factors=None`` needs a power-of-two ``bucket <= MAX_FUSED_BUCKET`` (the bucket max is
     taken in the same pass); otherwise ``factors`` holds each bucket's ``s * 2**16 / scale``.
-    ``out`` (contiguous uint8, ``ceil(n * bits / 8)`` bytes) receives the codes.
+    ``out`` (contiguous uint8, ``ceil(n * bits / 8)`` bytes) receives the codes. ``flags``
+    (one int32, zero; with ``factors=None``) is set when a scale is not finite: the scales'
+    check without a pass of its own.
     """
     n = x.numel()
     nbytes = (n * bits + 7) // 8
@@ -478,11 +482,13 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     nrows = -(-n // row)
     key &= 0xFFFFFFFF
     grid = _grid(nrows, rows)
-    launch(_qsgd_codes_kernel, grid, x, out, scales, scales if fused else factors, n, nbytes,
-           scales.numel(), bucket, key - (key >> 31 << 32), S=(1 << (bits - 1)) - 1, BITS=bits,
-           ROW=row, ROWS=rows, FUSED=fused, SHIFT=_shift(bucket),
-           SMALL=grid[0] * rows * row < 2**31,
-           enable_fp_fusion=False, **opts)
+    if flags is not None and not fused:
+        raise ValueError("flags are set by the fused encoder only (factors=None)")
+    launch(_qsgd_codes_kernel, grid, x, out, scales, scales if fused else factors,
+           scales if flags is None else flags, n, nbytes, scales.numel(), bucket,
+           key - (key >> 31 << 32), S=(1 << (bits - 1)) - 1, BITS=bits, ROW=row, ROWS=rows,
+           FUSED=fused, SHIFT=_shift(bucket), SMALL=grid[0] * rows * row < 2**31,
+           FLAGS=flags is not None, enable_fp_fusion=False, **opts)
     return out
 
 

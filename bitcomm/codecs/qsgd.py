@@ -121,8 +121,10 @@ def _scales_into(out: torch.Tensor, v: torch.Tensor, bucket: int, kind: str) -> 
             out[lo:hi] = torch.linalg.vector_norm(block.to(torch.float64), dim=1)
 
 
-def _check_scales(scales: torch.Tensor, bucket: int, n: int, kind: str) -> None:
-    if _frame.use_numpy(scales) and np.isfinite(scales.numpy()).all():
+def _check_scales(scales: torch.Tensor, bucket: int, n: int, kind: str,
+                  flag: torch.Tensor | None = None) -> None:
+    # `flag`: set by the encoding kernel when a scale is not finite (else tested here).
+    if flag is None and _frame.use_numpy(scales) and np.isfinite(scales.numpy()).all():
         return  # numpy's test of a few scales costs a microsecond, torch's three ops ~30
 
     def explain() -> None:
@@ -132,7 +134,7 @@ def _check_scales(scales: torch.Tensor, bucket: int, n: int, kind: str) -> None:
                          f"{min(n, (i + 1) * bucket) - 1})")
 
     # A flag: inside _frame.deferred (a collective) it is read with the call's other checks.
-    _frame.check_later((~torch.isfinite(scales)).any(), explain)
+    _frame.check_later((~torch.isfinite(scales)).any() if flag is None else flag, explain)
 
 
 def _unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
@@ -210,10 +212,12 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
         # frame is placed so that its codes start 16-byte aligned (the header is 14 bytes).
         start = HEADER.size + 4 * (-(-n // bucket))
         frame = _frame.empty_aligned_at(encoded_size(n, bits, bucket), start, v.device)
-        scales, _ = _encode_triton(v, bits, bucket, scale, key, frame[start:])
-        _check_scales(scales, bucket, n, scale)
+        # The scales end where the aligned codes start, so they are 4-byte aligned too: they
+        # are written into the frame where they lie, not copied there.
+        scales = frame[HEADER.size : start].view(torch.float32)
+        flag = _encode_triton(v, bits, bucket, scale, key, scales, frame[start:])
+        _check_scales(scales, bucket, n, scale, flag)
         frame[: HEADER.size] = header
-        frame[HEADER.size : start] = _frame.float_bytes(scales)
         return frame
     if path == "numpy" and _has_numba():
         scales, codes = _encode_cpu(v, bits, bucket, scale, key)
@@ -263,19 +267,22 @@ def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
 
 
 def _encode_triton(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    # One kernel pass over x (bitcomm.codecs._kernels); it computes what _encode_torch computes.
-    # ``out`` (ceil(n * bits / 8) bytes) receives the codes.
+                   scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    # One kernel pass over x (bitcomm.codecs._kernels); it computes what _encode_torch computes,
+    # writing the scales to ``scales`` and the codes to ``out`` (ceil(n * bits / 8) bytes).
+    # Returns the kernel's flag of a non-finite scale where it took the scales itself (None:
+    # the scales came from torch, to be checked by _check_scales).
     kernels = _frame.kernels()
-    n = v.numel()
-    scales = torch.empty(-(-n // bucket), dtype=torch.float32, device=v.device)
     x = v.contiguous()
     if (scale == "max" and 8 <= bucket <= kernels.MAX_FUSED_BUCKET
             and bucket & (bucket - 1) == 0):
-        return scales, kernels.qsgd_codes(x, bits, bucket, key, scales, None, out=out)
+        flag = torch.zeros(1, dtype=torch.int32, device=v.device)
+        kernels.qsgd_codes(x, bits, bucket, key, scales, None, out=out, flags=flag)
+        return flag
     _scales_into(scales, x.to(torch.float32), bucket, scale)
     factors = _factors(scales, (1 << (bits - 1)) - 1)
-    return scales, kernels.qsgd_codes(x, bits, bucket, key, scales, factors, out=out)
+    kernels.qsgd_codes(x, bits, bucket, key, scales, factors, out=out)
+    return None
 
 
 def _factors(scales: torch.Tensor, s: int) -> torch.Tensor:
