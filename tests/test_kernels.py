@@ -296,6 +296,51 @@ def test_qsgd_decode_is_one_formula(nbits):
                 assert torch.equal(values, torch.from_numpy(want).to(dt)), (p, bucket, dt)
 
 
+def test_qsgd_steps_checks_every_rule_of_every_frame_in_one_launch():
+    """qsgd_steps gives each bucket's scale / s (numpy's correctly rounded float32 division)
+    and sets its flag for a scale that is NaN, inf, -inf or below 0 (not -0.0), a set padding
+    bit, or a header byte other than the expected one, in any frame: frames past the first,
+    buckets past the first block of 1024. decode and decode_all raise their usual errors."""
+    g = torch.Generator().manual_seed(12)
+    n, nbits, bucket = 2053, 4, 2  # 1027 buckets: two blocks; 2053 codes leave 4 pad bits
+    frames = [qsgd.encode(torch.randn(n, generator=g) * (r + 1), nbits, bucket, seed=r)
+              for r in range(3)]
+    nb, head = -(-n // bucket), qsgd.HEADER.size
+    header = torch.tensor(list(frames[0][:head].tolist()), dtype=torch.uint8)
+
+    def run(rows, expected=header):
+        flag = torch.zeros(1, dtype=torch.int32)
+        steps = _kernels.qsgd_steps(rows, head, nb, n, nbits, expected, flag)
+        return steps, int(flag)
+
+    rows = torch.stack(frames)
+    steps, flag = run(rows)
+    scales = rows[:, head : head + 4 * nb].contiguous().view(torch.float32).numpy()
+    assert flag == 0
+    assert np.array_equal(steps.numpy(), scales / np.float32(7))
+    assert run(rows[:1], None)[1] == 0
+
+    def broken(r, at, value):
+        bad = rows.clone()
+        bad[r, at : at + len(value)] = torch.tensor(value, dtype=torch.uint8)
+        return bad
+
+    last = head + 4 * (nb - 1)  # the last scale, in the second block
+    for r, at, value in [(2, last, [0, 0, 0xC0, 0x7F]), (1, head, [0, 0, 0x80, 0x7F]),
+                         (1, last, [0, 0, 0x80, 0xFF]), (2, head + 8, [0, 0, 0x80, 0xBF]),
+                         (1, rows.shape[1] - 1, [int(rows[1, -1]) | 1]), (2, 9, [8]),
+                         (1, 0, [6])]:
+        assert run(broken(r, at, value))[1] == 1, (r, at, value)
+    assert run(broken(2, head + 8, [0, 0, 0, 0x80]))[1] == 0  # -0.0 is a scale >= 0
+    assert run(broken(1, 0, [6]), None)[1] == 0  # no header to compare
+    bad = broken(1, head + 4 * 1026, [0, 0, 0xC0, 0x7F])[1]
+    for p in ("numpy", "triton"):
+        with forced(p), pytest.raises(ValueError, match="finite scale >= 0 in bucket 1026"):
+            qsgd.decode(bad)
+        with forced(p), pytest.raises(ValueError, match="finite scale >= 0 in bucket 1026"):
+            qsgd.decode_all([frames[0], bad], n, nbits, bucket)
+
+
 @pytest.mark.parametrize("nbits", qsgd.BITS)
 def test_qsgd_mean_is_the_rank_order_sum_of_the_decodes(nbits):
     """qsgd.mean_all's one pass over every frame gives, to the bit, the frames' decoded
@@ -326,8 +371,9 @@ def test_qsgd_mean_is_the_rank_order_sum_of_the_decodes(nbits):
 
 
 def test_qsgd_mean_takes_one_pass_over_the_frames(monkeypatch):
-    """The Triton path decodes no frame on its own: one mean kernel (a full-tile launch and
-    a last-tile one), no qsgd_values launch, whatever the number of frames."""
+    """The Triton path decodes no frame on its own: one launch checks every frame and
+    computes its steps, then one mean kernel (a full-tile launch and a last-tile one), no
+    qsgd_values launch, whatever the number of frames."""
     launched = []
     original = _kernels.launch
     monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: launched.append(
@@ -336,7 +382,7 @@ def test_qsgd_mean_takes_one_pass_over_the_frames(monkeypatch):
     with forced("triton"):
         launched.clear()
         qsgd.mean_all(frames, 3001, 4, 512, keep=2)
-    assert launched == ["_qsgd_mean_kernel"] * 2, launched
+    assert launched == ["_qsgd_steps_kernel"] + ["_qsgd_mean_kernel"] * 2, launched
 
 
 # --- fused collective steps -------------------------------------------------------------------

@@ -35,6 +35,7 @@ GPU benchmark (``bitcomm bench codecs --device cuda``) is the measurement.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import subprocess
@@ -168,8 +169,14 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
         out.append((f"qsgd-{bits} decode", n,
                     lambda b=bits, c=codes, s=steps_: k.qsgd_values(
                         c, n, b, qsgd.DEFAULT_BUCKET, s, torch.float32)))
-        # qsgd_allgather's mean of 8 ranks' frames, keeping this rank's values
+        # qsgd_allgather's mean of 8 ranks' frames, keeping this rank's values, after their
+        # checks and steps
         size = qsgd.encoded_size(n, bits)
+        out.append((f"qsgd-{bits} checks and steps of 8 frames", n,
+                    lambda b=bits, size=size: k.qsgd_steps(
+                        meta(8 * size, torch.uint8).view(8, size), qsgd.HEADER.size,
+                        -(-n // qsgd.DEFAULT_BUCKET), n, b, meta(qsgd.HEADER.size, torch.uint8),
+                        meta(1, torch.int32))))
         out.append((f"qsgd-{bits} mean of 8 frames", n,
                     lambda b=bits, size=size, s=steps_: k.qsgd_mean(
                         meta(8 * size, torch.uint8).view(8, size), size - (n * b + 7) // 8, n,
@@ -311,11 +318,12 @@ def run(n: int = 1 << 26, *, arch: int = ARCH, only: str | None = None,
             if kernel.fn.__name__ in _REPEATED:  # the loop runs once an item (a frame)
                 items = args[_REPEATED[kernel.fn.__name__]]
                 run.update({op: count * (items - 1) for op, count in loop.items()})
-            lanes = threads * grid[0] / covered  # lane-instructions per instruction per element
+            programs = math.prod(grid)  # a grid of frames x blocks for qsgd_steps
+            lanes = threads * programs / covered  # lane-instructions per instruction per element
             row = KernelRow(
                 case=name, kernel=kernel.fn.__name__.strip("_").removesuffix("_kernel"),
                 config=" ".join(f"{key}={value}" for key, value in config.items()),
-                arch=arch, programs=grid[0], warps=compiled.metadata.num_warps,
+                arch=arch, programs=programs, warps=compiled.metadata.num_warps,
                 registers=regs, stack=stack, instructions=sum(ops.values()),
                 per_element=sum(run.values()) * lanes, loads=run["LDG"] * lanes,
                 stores=run["STG"] * lanes)

@@ -387,8 +387,15 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32, n: int | 
     codes = buf[off:end]
     if _frame.use_numpy(buf):
         return _decode_numpy(scales, codes, n, bits, bucket, dtype), end
-    _check_frame(scales, codes, n, bits)
-    return _values(scales, codes, n, bits, bucket, dtype), end
+    if _frame.use_triton(buf):  # the steps and both rules' checks in one launch
+        flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
+        steps = _frame.kernels().qsgd_steps(buf[:end].view(1, end), HEADER.size, nb, n, bits,
+                                            None, flag)[0]
+        _check_frame(scales, codes, n, bits, flag)
+    else:
+        _check_frame(scales, codes, n, bits)
+        steps = _steps(scales, bits)
+    return _values(steps, codes, n, bits, bucket, dtype), end
 
 
 def decode_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
@@ -406,8 +413,8 @@ def decode_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
     stacked = _stacked(bufs, layout, dtype)
     if stacked is None:  # the numpy path, or a frame of another size: one at a time, each
         return [_decode_as(b, layout, dtype) for b in bufs]  # raising its precise error
-    rows, scales, off = stacked
-    return [_values(scales[i], rows[i, off:], n, bits, bucket, dtype) for i in range(len(bufs))]
+    rows, steps, off = stacked
+    return [_values(steps[i], rows[i, off:], n, bits, bucket, dtype) for i in range(len(bufs))]
 
 
 def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
@@ -431,9 +438,8 @@ def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
     if _frame.use_triton(bufs[0]):
         stacked = _stacked(bufs, layout, torch.float32)
         if stacked is not None:
-            rows, scales, off = stacked
-            return _frame.kernels().qsgd_mean(rows, off, n, bits, bucket, _steps(scales, bits),
-                                              keep)
+            rows, steps, off = stacked
+            return _frame.kernels().qsgd_mean(rows, off, n, bits, bucket, steps, keep)
     values = decode_all(bufs, n, bits, bucket, scale=scale)
     total = torch.zeros(n, dtype=torch.float32, device=bufs[0].device)
     for v in values:  # in list order: the same sum on every device
@@ -453,11 +459,12 @@ def _layout(frames: list[torch.Tensor], n: int, bits: int, bucket: int, scale: s
 
 def _stacked(bufs: list[torch.Tensor], layout: tuple[int, int, int, int], dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """Return the frames as rows, their float32 scales and the codes' offset, checked later.
+    """Return the frames as rows, their buckets' float32 steps and the codes' offset.
 
     Off the numpy path, when every frame has the layout's size: the headers, scales and
     padding are checked on the device, one flag for all (:func:`_frame.check_later`), which a
-    frame-by-frame decode (``dtype``) names when set. Else ``None``.
+    frame-by-frame decode (``dtype``) names when set; with triton the checks and the steps
+    are one launch. Else ``None``.
     """
     n, bits, _, bucket = layout
     if not bufs or _frame.use_numpy(bufs[0]) or any(
@@ -465,19 +472,24 @@ def _stacked(bufs: list[torch.Tensor], layout: tuple[int, int, int, int], dtype:
         return None
     rows = torch.stack(bufs)
     nb, off = -(-n // bucket), HEADER.size
-    scales = torch.empty((len(bufs), nb), dtype=torch.float32, device=rows.device)
-    scales.view(torch.uint8).copy_(rows[:, off : off + 4 * nb])  # aligned for float32
-    flags = [(rows[:, :off] != _frame.header_on(rows.device, HEADER, layout)).any(),
-             (~torch.isfinite(scales) | (scales < 0)).any()]
-    used = (n * bits) % 8
-    if n and used:
-        flags.append((rows[:, -1] & ((1 << (8 - used)) - 1)).any())
+    header = _frame.header_on(rows.device, HEADER, layout)
+    if _frame.use_triton(rows):
+        flag = torch.zeros(1, dtype=torch.int32, device=rows.device)
+        steps = _frame.kernels().qsgd_steps(rows, off, nb, n, bits, header, flag)
+    else:
+        scales = torch.empty((len(bufs), nb), dtype=torch.float32, device=rows.device)
+        scales.view(torch.uint8).copy_(rows[:, off : off + 4 * nb])  # aligned for float32
+        flags = [(rows[:, :off] != header).any(), (~torch.isfinite(scales) | (scales < 0)).any()]
+        used = (n * bits) % 8
+        if n and used:
+            flags.append((rows[:, -1] & ((1 << (8 - used)) - 1)).any())
+        flag = torch.stack(flags).any()
+        steps = _steps(scales, bits)
     # The one host read, or inside _frame.deferred a flag read with the call's others: decoded
     # values only ever get added, never address memory. A broken rule is named by the
     # frame-by-frame decode.
-    _frame.check_later(torch.stack(flags).any(),
-                       lambda: [_decode_as(b, layout, dtype) for b in bufs])
-    return rows, scales, off + 4 * nb
+    _frame.check_later(flag, lambda: [_decode_as(b, layout, dtype) for b in bufs])
+    return rows, steps, off + 4 * nb
 
 
 def _decode_as(buf: torch.Tensor, layout: tuple[int, int, int, int], dtype: torch.dtype
@@ -486,12 +498,11 @@ def _decode_as(buf: torch.Tensor, layout: tuple[int, int, int, int], dtype: torc
     return decode(buf, dtype=dtype, n=layout[0])[0]
 
 
-def _values(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, bucket: int,
+def _values(step: torch.Tensor, codes: torch.Tensor, n: int, bits: int, bucket: int,
             dtype: torch.dtype) -> torch.Tensor:
-    # sign * (level * step) of a checked frame's scales and packed codes (devices other than
-    # numpy's; _decode_numpy is the same arithmetic).
+    # sign * (level * step) of a checked frame's steps (_steps) and packed codes (devices other
+    # than numpy's; _decode_numpy is the same arithmetic).
     s = (1 << (bits - 1)) - 1
-    step = _steps(scales, bits)
     if _frame.use_triton(codes):
         return _frame.kernels().qsgd_values(codes, n, bits, bucket, step, dtype)
     codes = _unpack_codes(codes, n, bits)
@@ -554,13 +565,12 @@ def _decode_numpy(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, 
     return torch.from_numpy(level).to(dtype)
 
 
-def _check_frame(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int) -> None:
+def _check_frame(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int,
+                 flag: torch.Tensor | None = None) -> None:
     # Both rules in one host synchronisation; the messages are built only when one is broken.
-    bad_scale = ~torch.isfinite(scales) | (scales < 0)
-    used = (n * bits) % 8
-    pad = codes[-1:] & ((1 << (8 - used)) - 1) if n and used else codes[:0]
-
+    # `flag`: set by qsgd_steps when one is (else tested here).
     def explain() -> None:
+        bad_scale = ~torch.isfinite(scales) | (scales < 0)
         bad = torch.nonzero(bad_scale).reshape(-1)
         if bad.numel():
             i = int(bad[0].item())
@@ -568,4 +578,8 @@ def _check_frame(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int) -
                              f"{i}, got {float(scales[i].item())}")
         raise ValueError(f"corrupt {_CODEC} frame: codes padding bits must be zero")
 
-    _frame.check_later(bad_scale.any() | (pad != 0).any(), explain)
+    if flag is None:
+        used = (n * bits) % 8
+        pad = codes[-1:] & ((1 << (8 - used)) - 1) if n and used else codes[:0]
+        flag = (~torch.isfinite(scales) | (scales < 0)).any() | (pad != 0).any()
+    _frame.check_later(flag, explain)
