@@ -56,6 +56,17 @@ def test_scaled_sign(dtype):
             assert torch.equal(ref, got), (n, kind)
 
 
+def test_sign_unpack_keeps_the_sign_of_a_zero_scale():
+    """The scale rounded to the output dtype is cached per value: a -0.0 scale after a 0.0
+    one (equal as floats) still gives its own signed zeros (bit 1: +scale, bit 0: -scale)."""
+    buf = torch.tensor([0b10110000], dtype=torch.uint8)
+    for first, second in ((0.0, -0.0), (-0.0, 0.0)):
+        for scale in (first, second):
+            got, _ = _kernels.sign_unpack(buf, 4, torch.float32, scale)
+            signs = [math.copysign(1.0, v) for v in got.tolist()]
+            assert signs == [math.copysign(1.0, scale if b else -scale) for b in (1, 0, 1, 1)]
+
+
 @pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 16])
 def test_bit_planes(width):
     g = torch.Generator().manual_seed(width)

@@ -51,6 +51,8 @@ by an add must not become one fused multiply-add, which rounds once instead of t
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import threading
 
@@ -217,6 +219,16 @@ def _sign_unpack_kernel(buf_ptr, out_ptr, scale, n, nbytes, flags_ptr, first,
         _flag(flags_ptr, (bit != 0) & (idx >= n))  # set padding bits
 
 
+@functools.lru_cache(maxsize=64)
+def _rounded_scale(scale: float, sign: float, dtype: torch.dtype) -> float:
+    # +-scale rounded to the output dtype here, as torch rounds scale * (+-1): the kernel's
+    # store is then exact whatever rounding its conversion uses (the interpreter truncates
+    # float32 to bfloat16; compiled kernels round to nearest). Cached: the majorities unpack
+    # +-1 several times a call, and the conversion costs a few microseconds of host time.
+    # `sign` keeps -0.0 apart from 0.0, which compare (and hash) equal.
+    return float(torch.tensor(scale, dtype=torch.float32).to(dtype))
+
+
 def sign_unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float = 1.0, *,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(values, flags)``: ``n`` values ``+-scale`` of ``dtype``; flags mark bad padding.
@@ -226,10 +238,7 @@ def sign_unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float = 1.
     nbytes = buf.numel()
     if out is None:
         out = torch.empty(n, dtype=dtype, device=buf.device)
-    # +-scale rounded to the output dtype here, as torch rounds scale * (+-1): the kernel's
-    # store is then exact whatever rounding its conversion uses (the interpreter truncates
-    # float32 to bfloat16; compiled kernels round to nearest).
-    scale = float(torch.tensor(scale, dtype=torch.float32).to(out.dtype))
+    scale = _rounded_scale(scale, math.copysign(1.0, scale), out.dtype)
     flags = torch.zeros(1, dtype=torch.int32, device=buf.device)
     if nbytes:
         block, opts = _config("sign_unpack")
