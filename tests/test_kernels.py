@@ -33,6 +33,46 @@ def _both(fn):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_nonfinite_flags_nan_and_inf_anywhere(dtype):
+    """nonfinite's one read flags NaN, inf or -inf at any position (first, last, in a partial
+    last tile), never a finite value (subnormals, -0.0, the largest finite); with narrow,
+    float64 values that round to inf in float32 (from 2**128 - 2**103 on), not those that
+    round to its largest finite value. _frame.nonfinite_any and all_finite agree with torch."""
+    from bitcomm.codecs import _frame
+
+    g = torch.Generator().manual_seed(9)
+    info = torch.finfo(dtype)
+    for n in (1, 7, 4095, 4097, 9000):
+        x = torch.randn(n, generator=g).to(dtype)
+        x[0] = info.tiny / 2 if dtype != torch.bfloat16 else 0.0  # a subnormal
+        x[-1] = -0.0 if n > 1 else info.max
+        assert _kernels.nonfinite(x).tolist() == [0, 0], n
+        for at in {0, n // 2, n - 1}:
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                y = x.clone()
+                y[at] = bad
+                assert _kernels.nonfinite(y)[0] != 0, (n, at, bad)
+                with forced("triton"):
+                    assert bool(_frame.nonfinite_any(y)) and not _frame.all_finite(y)
+    if dtype == torch.float64:
+        edge = 2.0**128 - 2.0**103  # the float32 rounding of it and above is inf
+        for value, bad in ((edge, True), (-edge, True), (np.nextafter(edge, 0), False),
+                           (1e300, True), (float(torch.finfo(torch.float32).max), False)):
+            x = torch.zeros(5000, dtype=dtype)
+            x[4321] = value
+            assert _kernels.nonfinite(x, narrow=True).tolist() == [0, int(bad)], value
+            assert bool(torch.isinf(x.float()).any()) == bad  # torch's rounding agrees
+            with forced("triton"):
+                assert _frame.all_finite(x, as_float32=True) != bad
+                assert bool(_frame.nonfinite_any(x, as_float32=True)) == bad
+    else:
+        with pytest.raises(ValueError, match="narrow takes float64"):
+            _kernels.nonfinite(torch.ones(3, dtype=dtype), narrow=True)
+    with pytest.raises(TypeError, match="floating-point"):
+        _kernels.nonfinite(torch.ones(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_sign_pack_and_unpack(dtype):
     g = torch.Generator().manual_seed(1)
     for n in SIZES:
@@ -212,19 +252,16 @@ def test_qsgd_non_finite_buckets_raise_the_same_errors(bucket):
         assert a == got and named in a, (a, got)
 
 
-def test_qsgd_fused_encode_checks_its_scales_in_its_pass(monkeypatch):
-    """The fused encoder's kernel flags a bucket whose scale is not finite and writes the
-    scales where they lie in the frame: besides it, a zeroed flag, the flag's read and the
-    header's copy, and no torch op over the scales (torch's isfinite is five). Inside
-    _frame.deferred the flag is read at the block's end, with the usual error."""
+def _ops_on_the_triton_path(fn) -> list[str]:
+    # Run fn on the Triton path; return the torch ops it dispatches (not views, not
+    # allocations) and the names of the kernels it launches, in order. The interpreter's own
+    # torch ops while a kernel runs are not fn's, and are left out.
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from bitcomm.codecs import _frame
 
     ops, inside = [], []
     original = _kernels.launch
 
-    def launch(kernel, *a, **k):  # the interpreter's own torch ops are not the codec's
+    def launch(kernel, *a, **k):
         ops.append(kernel.fn.__name__)
         inside.append(True)
         try:
@@ -240,17 +277,48 @@ def test_qsgd_fused_encode_checks_its_scales_in_its_pass(monkeypatch):
                 ops.append(name)
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(_kernels, "launch", launch)
+    with pytest.MonkeyPatch.context() as mp, forced("triton"), Ops():
+        mp.setattr(_kernels, "launch", launch)
+        fn()
+    return ops
+
+
+def test_qsgd_fused_encode_checks_its_scales_in_its_pass():
+    """The fused encoder's kernel flags a bucket whose scale is not finite and writes the
+    scales where they lie in the frame: besides it, a zeroed flag, the flag's read and the
+    header's copy, and no torch op over the scales (torch's isfinite is five). Inside
+    _frame.deferred the flag is read at the block's end, with the usual error."""
+    from bitcomm.codecs import _frame
+
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
-    with forced("triton"), Ops():
-        frame = qsgd.encode(x, 4, 512, seed=1)
+    frame = []
+    ops = _ops_on_the_triton_path(lambda: frame.append(qsgd.encode(x, 4, 512, seed=1)))
     assert sorted(ops) == sorted(["zeros", "_qsgd_codes_kernel", "_local_scalar_dense",
                                   "copy_"]), ops
-    assert torch.equal(frame, qsgd.encode(x, 4, 512, seed=1))
+    assert torch.equal(frame[0], qsgd.encode(x, 4, 512, seed=1))
     x[2600] = float("inf")
     with forced("triton"), pytest.raises(ValueError, match="max scale inf in bucket 5"):
         with _frame.deferred():
             qsgd.encode(x, 4, 512, seed=1)
+
+
+def test_the_finiteness_checks_are_one_kernel_on_the_triton_path():
+    """all_finite and the device flags of the codecs' checks read the tensor once, in one
+    kernel (and a zeroed flag), where torch's isfinite is five kernels; a checked
+    collective's input check is that kernel and one read."""
+    from bitcomm.codecs import _frame
+    from bitcomm.collectives import _common
+    from bitcomm.comm.local import LocalComm, LocalGroup
+
+    x = torch.randn(5000, dtype=torch.float64)
+    assert sorted(_ops_on_the_triton_path(lambda: _frame.all_finite(x, as_float32=True))) \
+        == sorted(["zeros", "_nonfinite_kernel", "select", "ne", "_local_scalar_dense"])
+    narrow = x.float()
+    assert sorted(_ops_on_the_triton_path(lambda: _frame.nonfinite_any(narrow))) \
+        == sorted(["zeros", "_nonfinite_kernel", "select", "ne"])
+    comm = LocalComm(LocalGroup(1), 0)
+    ops = _ops_on_the_triton_path(lambda: _common.prepare(comm, x, True, "test"))
+    assert ops.count("_nonfinite_kernel") == 1 and "isfinite" not in ops and "abs" not in ops
 
 
 def test_qsgd_encode_across_stream_blocks():

@@ -138,6 +138,10 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
         ("sign encode bf16", n, lambda: k.sign_pack(meta(n, torch.bfloat16))),
         ("sign decode", n, lambda: k.sign_unpack(meta(nb, torch.uint8), n, torch.float32)),
         ("sign-scaled scale", n, lambda: k.partial_sums(x, True)),
+        # every checked call's input check; float64 also as float32 (a float32 collective's)
+        ("finiteness check fp32", n, lambda: k.nonfinite(x)),
+        ("finiteness check fp64 as fp32", n,
+         lambda: k.nonfinite(meta(n, torch.float64), narrow=True)),
     ]
     for m in (1, 2, 3, 7, 15, 255, 65535):
         w = counts.width(m)

@@ -106,7 +106,8 @@ def all_finite(t: torch.Tensor, *, as_float32: bool = False) -> bool:
     """Say whether every element of ``t`` is finite (with ``as_float32``: once cast to float32).
 
     On the numpy path this costs about a microsecond where torch's ``isfinite`` dispatches
-    several operations (~20 us): most of a small tensor's checks. One host read either way.
+    several operations (~20 us): most of a small tensor's checks. One host read either way;
+    on the Triton path after one kernel (:func:`nonfinite_any`).
     """
     if numpy_float(t):
         a = t.detach().numpy()
@@ -114,9 +115,23 @@ def all_finite(t: torch.Tensor, *, as_float32: bool = False) -> bool:
             with np.errstate(over="ignore"):  # beyond float32's range becomes inf: the point
                 a = a.astype(np.float32)
         return bool(np.isfinite(a).all())
-    if as_float32 and t.dtype == torch.float64:
+    return not bool(nonfinite_any(t, as_float32=as_float32))
+
+
+def nonfinite_any(t: torch.Tensor, *, as_float32: bool = False) -> torch.Tensor:
+    """Return a 0-d bool tensor on ``t``'s device: whether ``t`` holds NaN or inf.
+
+    With ``as_float32``, of ``t`` once cast to float32 (a float64 beyond float32's range
+    becomes inf). No host read: a flag for :func:`check_later` or a device-side choice. On the
+    Triton path one kernel reads ``t`` once (:func:`bitcomm.codecs._kernels.nonfinite`);
+    torch's ``isfinite(t)`` and its reduction are five kernels and about five passes.
+    """
+    narrow = as_float32 and t.dtype == torch.float64
+    if use_triton(t) and t.dtype in _FLOAT_DTYPES:
+        return kernels().nonfinite(t, narrow)[int(narrow)] != 0
+    if narrow:
         t = t.to(torch.float32)
-    return bool(torch.isfinite(t).all())
+    return ~torch.isfinite(t).all()
 
 
 def kernels():

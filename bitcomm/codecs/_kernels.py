@@ -63,8 +63,8 @@ import triton.language as tl
 
 from bitcomm.codecs import _bracket
 
-__all__ = ["launch", "launch_tiles", "sign_pack", "sign_unpack", "partial_sums", "planes_pack",
-           "planes_unpack", "qsgd_codes", "qsgd_steps", "qsgd_values", "qsgd_mean",
+__all__ = ["launch", "launch_tiles", "nonfinite", "sign_pack", "sign_unpack", "partial_sums",
+           "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_steps", "qsgd_values", "qsgd_mean",
            "score_stats", "count_above", "Runs", "kth_largest", "top_indices", "indices_above",
            "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
 
@@ -77,6 +77,7 @@ TUNING: dict[str, tuple[int, int]] = {
     "sign_pack": (1024, 4),
     "sign_unpack": (512, 4),
     "partial_sums": (8192, 4),
+    "nonfinite": (4096, 4),  # elements of 32 bits or fewer (half as many of float64)
     "planes_pack": (1024, 4),
     "radix_pack": (128, 4),
     "planes_unpack": (128, 4),
@@ -174,6 +175,50 @@ def launch_tiles(kernel, tiles: int, full: int, *args, **kwargs) -> None:
         launch(kernel, (full,), *args, 0, EDGE=False, **kwargs)
     if tiles > full:
         launch(kernel, (tiles - full,), *args, full, EDGE=True, **kwargs)
+
+
+# --- finiteness (every codec's and collective's input check) ---------------------------------
+
+_EXPONENT = {torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
+             torch.float32: (torch.int32, 0x7F800000),
+             torch.float64: (torch.int64, 0x7FF0000000000000)}
+"""Each float dtype's integer view and exponent mask: all ones is inf or NaN."""
+
+
+@triton.jit
+def _nonfinite_kernel(bits_ptr, flags_ptr, n, EXP: tl.constexpr, NARROW: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    # flags[0]: an element is NaN or inf (its exponent bits all ones); with NARROW (float64
+    # bits) flags[1]: one is not finite once rounded to float32 (NaN, inf, or beyond its range).
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + i, mask=i < n, other=0)
+    _flag(flags_ptr, (bits & EXP) == EXP)
+    if NARROW:
+        y = bits.to(tl.float64, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+        _flag(flags_ptr + 1, (y & 0x7F800000) == 0x7F800000)
+
+
+def nonfinite(x: torch.Tensor, narrow: bool = False) -> torch.Tensor:
+    """Return int32 ``[bad, bad_as_float32]`` on ``x``'s device, flags of NaN or inf.
+
+    ``bad`` is non-zero where ``x`` holds NaN or inf, ``bad_as_float32`` (with ``narrow``,
+    float64 ``x``) where it does once rounded to float32; it stays 0 without ``narrow``. One
+    read of ``x`` and no host read, where torch's ``isfinite(x).all()`` is five kernels and
+    about five passes of traffic.
+    """
+    if x.dtype not in _EXPONENT:
+        raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
+    if narrow and x.dtype != torch.float64:
+        raise ValueError(f"narrow takes float64, got {x.dtype}")
+    flags = torch.zeros(2, dtype=torch.int32, device=x.device)
+    n = x.numel()
+    if n:
+        view, exp = _EXPONENT[x.dtype]
+        block, opts = _config("nonfinite")
+        block //= max(1, x.element_size() // 4)  # the same bytes a tile: float64's registers
+        launch(_nonfinite_kernel, _grid(n, block), x.reshape(-1).view(view), flags, n,
+               EXP=exp, NARROW=narrow, BLOCK=block, **opts)
+    return flags
 
 
 # --- sign ---------------------------------------------------------------------------------------

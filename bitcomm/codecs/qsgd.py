@@ -134,7 +134,7 @@ def _check_scales(scales: torch.Tensor, bucket: int, n: int, kind: str,
                          f"{min(n, (i + 1) * bucket) - 1})")
 
     # A flag: inside _frame.deferred (a collective) it is read with the call's other checks.
-    _frame.check_later((~torch.isfinite(scales)).any() if flag is None else flag, explain)
+    _frame.check_later(_frame.nonfinite_any(scales) if flag is None else flag, explain)
 
 
 def _unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:

@@ -163,7 +163,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
         with _frame.deferred():  # one host read for both checks, the entries' first
             if later and k and check:
                 broken = ((idx[0] < 0) | (idx[-1] >= n) | (idx[1:] == idx[:-1]).any()
-                          | ~torch.isfinite(val.to(torch.float32)).all())
+                          | _frame.nonfinite_any(val, as_float32=True))
                 _frame.check_later(broken, lambda: _check_entries(idx, val, n, fp16=False))
             parts.append(qsgd.encode(val, fmt.bits, fmt.bucket, scale=fmt.scale,
                                      seed=fmt.seed))
@@ -191,8 +191,7 @@ def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) 
         rules = torch.stack([
             idx[0], idx[-1], (idx[1:] == idx[:-1]).any().to(torch.int64),
             # on the wire's float32 (or smaller): a float64 beyond float32's range becomes inf
-            (~torch.isfinite(val.to(torch.float32) if val.dtype == torch.float64 else val))
-            .any().to(torch.int64),
+            _frame.nonfinite_any(val, as_float32=True).to(torch.int64),
             (val.abs() > FP16_MAX).any().to(torch.int64) if fp16 else idx[0] * 0,
         ])
         lo, hi, dup, nonfinite, too_big = rules.tolist()
@@ -255,7 +254,7 @@ def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bou
         else:
             rules = torch.stack([
                 idx[0], idx[-1], (idx[1:] <= idx[:-1]).any().to(torch.int64),
-                (~torch.isfinite(val)).any().to(torch.int64) if val is not None else idx[0] * 0,
+                _frame.nonfinite_any(val).to(torch.int64) if val is not None else idx[0] * 0,
             ])
             lo, hi, unordered, nonfinite = rules.tolist()
         if lo < 0 or hi >= n:
@@ -385,7 +384,7 @@ def _rows(bufs: list[torch.Tensor], n: int, k: int, form: str, code: int, dtype:
     header = _frame.header_on(rows.device, HEADER, (n, k, code))
     flags = [(rows[:, : HEADER.size] != header).any(), (idx[:, 0] < 0).any(),
              (idx[:, -1] >= n).any(), (idx[:, 1:] <= idx[:, :-1]).any(),
-             (~torch.isfinite(parts[1])).any()]
+             _frame.nonfinite_any(parts[1])]
     if bool(torch.stack(flags).any()):  # the one host read
         return None
     return [(idx[i], val[i]) for i in range(len(bufs))]
@@ -468,7 +467,7 @@ def _each(bufs: list[torch.Tensor], ks: list[int], n: int, form: str, code: int,
             val = mean.to(dtype).expand(k).clone()
         else:
             raw = _frame.from_bytes(b[end:], torch.float32 if form == "fp32" else torch.float16)
-            flags.append(~torch.isfinite(raw).all())
+            flags.append(_frame.nonfinite_any(raw))
             val = raw.to(dtype)
         out.append((idx, val))
     if bool(torch.stack(flags).any()):  # the one host read

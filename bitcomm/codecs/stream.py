@@ -189,12 +189,12 @@ def check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, finite: bool 
                          f"{val.numel()}")
     if not idx.numel():
         return
-    wide = val.to(torch.float32) if val.dtype == torch.float64 else val
     # Every rule in one host read; the message, which needs more, only when one is broken.
     lo, hi, unordered, bad = torch.stack([
         idx[0].to(torch.int64), idx[-1].to(torch.int64),
         (idx[1:] <= idx[:-1]).any().to(torch.int64),
-        ((~torch.isfinite(wide)).any() if finite else torch.zeros((), dtype=torch.bool))
+        (_frame.nonfinite_any(val, as_float32=True) if finite
+         else torch.zeros((), dtype=torch.bool))
         .to(torch.int64).to(idx.device)]).tolist()
     if lo < 0 or hi >= n:
         raise ValueError(f"expected indices in [0, {n}), got {lo if lo < 0 else hi}")
@@ -453,7 +453,7 @@ def decode_all(frames: list[torch.Tensor], n: int, *, checks: list | None = None
             flags += [head[0] != n, head[1] != nnz, b[16] != int(dense)]
             off = HEADER.size if dense else HEADER.size + nnz * index_width(n)
             val = _frame.from_bytes(b[off:], torch.float32).clone()
-            flags.append(~torch.isfinite(val).all())
+            flags.append(_frame.nonfinite_any(val))
             if dense:
                 out.append(Stream(n, None, val))
                 continue
