@@ -325,3 +325,29 @@ def test_a_deferred_qsgd_frame_is_decoded_quietly_then_refused():
                 with _frame.deferred():
                     values, _ = qsgd.decode(bad)
                     assert values.numel() == 13
+
+
+def test_frames_back_to_back_are_read_as_rows_without_a_copy(path):
+    """rows_of views equal-sized frames that lie back to back in one buffer (an allgather's
+    receive buffer) as the rows of a 2-D tensor, and stacks a copy otherwise: frames out of
+    order, of another buffer, with a gap. The collectives' batched decodes give the same
+    values either way."""
+    from bitcomm.codecs import _frame
+
+    recv = torch.arange(60, dtype=torch.uint8)
+    parts = list(recv.split(20))
+    rows = _frame.rows_of(parts)
+    assert rows.shape == (3, 20) and rows.data_ptr() == recv.data_ptr()
+    assert torch.equal(rows, recv.view(3, 20))
+    for other in ([parts[1], parts[0], parts[2]], [parts[0], parts[1].clone(), parts[2]],
+                  [recv[0:20], recv[21:41]]):
+        got = _frame.rows_of(other)
+        assert got.data_ptr() != recv.data_ptr() and torch.equal(got, torch.stack(other))
+    g = torch.Generator().manual_seed(3)
+    frames = [qsgd.encode(torch.randn(1001, generator=g), 4, 100, seed=r) for r in range(3)]
+    joined = torch.cat(frames).split(frames[0].numel())
+    for a, b in zip(qsgd.decode_all(list(joined), 1001, 4, 100),
+                    qsgd.decode_all(frames, 1001, 4, 100), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(qsgd.mean_all(list(joined), 1001, 4, 100)[0],
+                       qsgd.mean_all(frames, 1001, 4, 100)[0])

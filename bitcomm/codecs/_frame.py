@@ -134,6 +134,23 @@ def nonfinite_any(t: torch.Tensor, *, as_float32: bool = False) -> torch.Tensor:
     return ~torch.isfinite(t).all()
 
 
+def rows_of(bufs: list[torch.Tensor]) -> torch.Tensor:
+    """Return equal-sized 1-D buffers as the rows of one 2-D tensor, copying only if needed.
+
+    Where they lie back to back in one storage (an allgather's receive buffer, as the
+    transports return it) the rows are a view of it; otherwise ``torch.stack`` copies them.
+    """
+    first = bufs[0]
+    size = first.numel()
+    if size and all(b.dim() == 1 and b.numel() == size and b.device == first.device
+                    and b.dtype == first.dtype and b.stride(0) == 1
+                    and b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                    and b.data_ptr() == first.data_ptr() + i * size * first.element_size()
+                    for i, b in enumerate(bufs)):
+        return first.as_strided((len(bufs), size), (size, 1))
+    return torch.stack(bufs)
+
+
 def kernels():
     """Return :mod:`bitcomm.codecs._kernels`, imported on first use (it imports triton)."""
     from bitcomm.codecs import _kernels

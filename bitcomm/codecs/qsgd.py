@@ -470,7 +470,7 @@ def _stacked(bufs: list[torch.Tensor], layout: tuple[int, int, int, int], dtype:
     if not bufs or _frame.use_numpy(bufs[0]) or any(
             b.numel() != encoded_size(n, bits, bucket) for b in bufs):
         return None
-    rows = torch.stack(bufs)
+    rows = _frame.rows_of(bufs)
     nb, off = -(-n // bucket), HEADER.size
     header = _frame.header_on(rows.device, HEADER, layout)
     if _frame.use_triton(rows):

@@ -370,7 +370,7 @@ def entries_in(n: int, size: int, fmt: ValueFormat = "fp32") -> int | None:
 def _rows(bufs: list[torch.Tensor], n: int, k: int, form: str, code: int, dtype: torch.dtype
           ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     # Frames of one size, stacked: the checks of all in a few operations and one host read.
-    rows = torch.stack(bufs)
+    rows = _frame.rows_of(bufs)
     itype = _index_dtype(n)
     vtype = torch.float32 if form == "fp32" else torch.float16
     off = HEADER.size
@@ -398,7 +398,7 @@ def _qsgd_rows(bufs: list[torch.Tensor], ks: list[int | None], n: int, expected:
     # read, made before any index is returned.
     k = ks[0]
     assert k is not None
-    rows = torch.stack(bufs)
+    rows = _frame.rows_of(bufs)
     itype = _index_dtype(n)
     end = HEADER.size + k * itype.itemsize
     idx = torch.empty((len(bufs), k), dtype=itype, device=rows.device)

@@ -61,9 +61,9 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
                   else [frame])
         # Every frame must hold n values of this layout (a bad one is a ValueError), added in
         # rank order (the same sum on every rank); this rank's own is decoded as the peers
-        # decode it (for error feedback).
-        mean, sent = qsgd.mean_all([frame if r == comm.rank else f.to(v.device)
-                                    for r, f in enumerate(frames)], n, bits, bucket,
+        # decode it (for error feedback). The frames as received: where the transport gave
+        # them back to back in one buffer (this rank's too), they are read there, uncopied.
+        mean, sent = qsgd.mean_all([f.to(v.device) for f in frames], n, bits, bucket,
                                    keep=comm.rank)
     return mean.reshape(x.shape), sent.reshape(x.shape)
 

@@ -122,9 +122,9 @@ class TorchComm(Comm):
         recv = torch.empty(self.size * sizes[0], dtype=torch.uint8, device=self.wire)
         if sizes[0]:
             _all_gather(recv, _moved(buf, self.wire), group=self.group)
-        out = _parts(recv, sizes, buf.device)
-        out[self.rank] = buf
-        return out
+        # this rank's part too is recv's (the same bytes as buf): the parts lie back to back
+        # in one buffer, which a decoder reads as the rows of one tensor without a copy
+        return _parts(recv, sizes, buf.device)
 
     def _allreduce(self, x: torch.Tensor) -> torch.Tensor:
         t = _moved(x, self.wire)
