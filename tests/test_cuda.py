@@ -224,6 +224,43 @@ def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
     assert len(syncs) == 2, [str(w.message) for w in syncs]
 
 
+def test_the_device_checks_and_redsyncs_top_k_read_once():
+    """On the GPU: a finiteness check is one kernel and one read, with the CPU's answer for
+    NaN, inf and float64 beyond float32's range; RedSync's checked top-k from a sampled bound
+    (from 2**18 values) reads the host once, with its check and count of the side's sign,
+    and sends the CPU's frame."""
+    import warnings
+
+    from bitcomm.codecs import _frame
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(300_007, generator=g, dtype=torch.float64)
+    for bad in (None, float("nan"), float("inf"), 3.5e38):
+        y = x.clone()
+        if bad is not None:
+            y[123_456] = bad
+        for narrow in (False, True):
+            assert _frame.all_finite(y.cuda(), as_float32=narrow) == \
+                _frame.all_finite(y, as_float32=narrow), (bad, narrow)
+    few = -x.float().abs()
+    few[torch.randperm(300_007, generator=g)[:1000]] = 1.0  # fewer of the top side than k
+    for v in (x.float(), few):
+        assert torch.equal(redsync.encode(v, 3000, "top"), redsync.encode(v.cuda(), 3000,
+                                                                          "top").cpu())
+    on_gpu = few.cuda()
+    redsync.encode(on_gpu, 3000, "top")
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            redsync.encode(on_gpu, 3000, "top")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
 def test_radix_selection_gives_the_cpus_sets_for_every_dtype_and_side():
     """select_abs, select_side and topk select on the GPU by radix selection (compiled, not
     interpreted): the CPU's sets, ties to lower indices, for 32-, 64- and 16-bit floats; with
