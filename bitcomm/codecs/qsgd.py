@@ -380,20 +380,23 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32, n: int | 
     nb = -(-n // bucket)
     off = HEADER.size
     _frame.need(buf, off + 4 * nb, _CODEC, "scales")
-    scales = _frame.from_bytes(buf[off : off + 4 * nb], torch.float32)
+    raw = buf[off : off + 4 * nb]
     off += 4 * nb
     end = off + (n * bits + 7) // 8
     _frame.need(buf, end, _CODEC, "codes")
     codes = buf[off:end]
     if _frame.use_numpy(buf):
-        return _decode_numpy(scales, codes, n, bits, bucket, dtype), end
+        return _decode_numpy(_frame.from_bytes(raw, torch.float32), codes, n, bits, bucket,
+                             dtype), end
     if _frame.use_triton(buf):  # the steps and both rules' checks in one launch
         flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
         steps = _frame.kernels().qsgd_steps(buf[:end].view(1, end), HEADER.size, nb, n, bits,
                                             None, flag)[0]
-        _check_frame(scales, codes, n, bits, flag)
+        # the scales as floats only to name a broken rule
+        _check_frame(lambda: _frame.from_bytes(raw, torch.float32), codes, n, bits, flag)
     else:
-        _check_frame(scales, codes, n, bits)
+        scales = _frame.from_bytes(raw, torch.float32)
+        _check_frame(lambda: scales, codes, n, bits)
         steps = _steps(scales, bits)
     return _values(steps, codes, n, bits, bucket, dtype), end
 
@@ -552,7 +555,7 @@ def _decode_numpy(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, 
     if flagged:
         # Raises the precise error, or, inside _frame.deferred, flags it for the end of the
         # block: the refused frame's values are decoded meanwhile, without numpy's warnings.
-        _check_frame(scales, codes, n, bits)
+        _check_frame(lambda: scales, codes, n, bits)
     with np.errstate(invalid="ignore", over="ignore") if flagged else contextlib.nullcontext():
         step = sc / np.float32((1 << (bits - 1)) - 1)  # float32 / float32: correctly rounded
         level = np.take(_signed_levels(bits), c, axis=0).reshape(-1)[:n]
@@ -565,11 +568,13 @@ def _decode_numpy(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, 
     return torch.from_numpy(level).to(dtype)
 
 
-def _check_frame(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int,
+def _check_frame(scales_of, codes: torch.Tensor, n: int, bits: int,
                  flag: torch.Tensor | None = None) -> None:
     # Both rules in one host synchronisation; the messages are built only when one is broken.
-    # `flag`: set by qsgd_steps when one is (else tested here).
+    # `scales_of()`: the frame's float32 scales. `flag`: set by qsgd_steps when a rule is
+    # broken (else tested here).
     def explain() -> None:
+        scales = scales_of()
         bad_scale = ~torch.isfinite(scales) | (scales < 0)
         bad = torch.nonzero(bad_scale).reshape(-1)
         if bad.numel():
@@ -579,6 +584,7 @@ def _check_frame(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int,
         raise ValueError(f"corrupt {_CODEC} frame: codes padding bits must be zero")
 
     if flag is None:
+        scales = scales_of()
         used = (n * bits) % 8
         pad = codes[-1:] & ((1 << (8 - used)) - 1) if n and used else codes[:0]
         flag = (~torch.isfinite(scales) | (scales < 0)).any() | (pad != 0).any()
