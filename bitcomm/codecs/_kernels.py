@@ -216,7 +216,7 @@ def nonfinite(x: torch.Tensor, narrow: bool = False) -> torch.Tensor:
         view, exp = _EXPONENT[x.dtype]
         block, opts = _config("nonfinite")
         block //= max(1, x.element_size() // 4)  # the same bytes a tile: float64's registers
-        launch(_nonfinite_kernel, _grid(n, block), x.reshape(-1).view(view), flags, n,
+        launch(_nonfinite_kernel, _grid(n, block), x.detach().reshape(-1).view(view), flags, n,
                EXP=exp, NARROW=narrow, BLOCK=block, **opts)
     return flags
 
