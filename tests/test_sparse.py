@@ -417,3 +417,50 @@ def test_decode_all_refuses_bytes_past_the_entries_and_another_format(path):
         sparse.decode_all([torch.cat([fp32, torch.zeros(8, dtype=torch.uint8)])], 500, None)
     with pytest.raises(ValueError, match="expected format=1"):
         sparse.decode_all([fp32], 500, None, "fp16")
+
+
+def test_frames_of_any_size_are_checked_together(path):
+    """Off the numpy path the frames' headers, indices and values are gathered and checked at
+    once: as many operations that launch a kernel for six frames as for two. A frame's first
+    index may lie below the last frame's last one, but within a frame they increase, next to
+    frames without entries too (at the start, between, at the end)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def frame(idx, fmt="mean"):
+        return sparse.encode(torch.tensor(idx, dtype=torch.int64),
+                             torch.ones(len(idx)), 500, fmt)
+
+    for fmt in ("mean", "fp32"):
+        ok = [frame([], fmt), frame([7, 9], fmt), frame([2, 3, 400], fmt), frame([], fmt),
+              frame([1], fmt), frame([], fmt)]
+        got = sparse.decode_all(ok, 500, None, fmt)
+        assert [i.tolist() for i, _ in got] == [[], [7, 9], [2, 3, 400], [], [1], []]
+        assert [v.tolist() for _, v in got] == [[], [1.0, 1.0], [1.0] * 3, [], [1.0], []]
+        bad = sparse.encode(torch.tensor([5, 6]), torch.ones(2), 500, fmt).clone()
+        bad[17:21] = torch.tensor([6, 0, 0, 0], dtype=torch.uint8)  # 6, 6: not increasing
+        for frames in ([*ok[:5], bad], [bad, *ok], [ok[1], bad, ok[5]]):
+            with pytest.raises(ValueError, match="strictly increasing"):
+                sparse.decode_all(frames, 500, None, fmt)
+    if path == "numpy":
+        return
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in views:
+                self.count += 1  # an operation that launches a kernel on a device
+            return func(*args, **(kwargs or {}))
+
+    views = {"slice", "view", "detach", "alias", "select", "as_strided", "split_with_sizes",
+             "split", "lift_fresh", "unsqueeze", "expand", "_unsafe_view", "empty", "unbind"}
+
+    frames = [frame(list(range(r, 40 + r, 2))) for r in range(6)]
+    counted = []
+    for some in (frames[:2], frames):
+        with Ops() as ops:
+            sparse.decode_all(some, 500, None, "mean")
+        counted.append(ops.count)
+    assert counted[0] == counted[1], counted
