@@ -497,10 +497,11 @@ def test_off_the_numpy_path_the_exchanges_checks_ride_on_the_steps_read(kind, mo
 
 
 def test_a_corrupt_frame_in_a_held_step_fails_it_on_every_rank_with_its_error():
-    """Rank 1 sends a qsgd frame with a NaN scale in the second step's first bucket: its
-    check is read at the step's agreement, so every rank fails every bucket of the step (the
-    receiving rank with the decoder's error, the sender naming that rank), no residual
-    changes, and the next step goes on in step on every rank."""
+    """Rank 1's qsgd frame reaches rank 0 with a NaN scale (corrupted on the way) in the
+    second step's first bucket: its check is read at the step's agreement, so every rank
+    fails every bucket of the step (the receiving rank with the decoder's error, the sender
+    naming that rank), no residual changes, and the next step goes on in step on every
+    rank."""
     def rank_fn(comm):
         state = QsgdState(comm, bits=4, bucket_size=8, overlap=False)
         params = [torch.zeros(40), torch.zeros(24)]
@@ -508,12 +509,14 @@ def test_a_corrupt_frame_in_a_held_step_fails_it_on_every_rank_with_its_error():
         bad = {"on": False}
 
         def allgatherv(buf, sizes):
-            if bad["on"] and comm.rank == 1 and buf.numel() == qsgd.encoded_size(40, 4, 8):
-                buf = buf.clone()
-                buf[qsgd.HEADER.size:qsgd.HEADER.size + 4] = torch.tensor(
+            got = honest(buf, sizes)
+            if bad["on"] and comm.rank == 0 and buf.numel() == qsgd.encoded_size(40, 4, 8):
+                got = list(got)
+                got[1] = got[1].clone()
+                got[1][qsgd.HEADER.size:qsgd.HEADER.size + 4] = torch.tensor(
                     list(struct.pack("<f", float("nan"))), dtype=torch.uint8)
                 bad["on"] = False
-            return honest(buf, sizes)
+            return got
 
         comm.allgatherv = allgatherv
 
