@@ -41,6 +41,31 @@ def forced(path):
         _frame.FORCE = old
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The names of the Triton kernels launched while the test runs, in order (they run)."""
+    from bitcomm.codecs import _kernels
+
+    names: list[str] = []
+    original = _kernels.launch
+    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: names.append(
+        kernel.fn.__name__) or original(kernel, *a, **k))
+    return names
+
+
+@pytest.fixture
+def small_sample(monkeypatch):
+    """A sampled bound from 4096 scores on, off a sample of 256, with 4 times the room.
+
+    So that the exact top-k's sampled path runs on vectors the interpreter takes in seconds.
+    """
+    from bitcomm.codecs import _bracket, _kernels
+
+    monkeypatch.setattr(_bracket, "SAMPLE", 256)
+    monkeypatch.setattr(_bracket, "MIN_N", 4096)
+    monkeypatch.setattr(_kernels, "SLACK", 4)
+
+
 @pytest.fixture(params=["numpy", *OTHER_PATHS])
 def path(request):
     """Run a test on the CPU fast path, the torch-only path and the Triton kernels."""

@@ -449,14 +449,10 @@ def test_qsgd_mean_is_the_rank_order_sum_of_the_decodes(nbits):
                                       decoded[keep].view(np.int32))
 
 
-def test_qsgd_mean_takes_one_pass_over_the_frames(monkeypatch):
+def test_qsgd_mean_takes_one_pass_over_the_frames(launched):
     """The Triton path decodes no frame on its own: one launch checks every frame and
     computes its steps, then one mean kernel (a full-tile launch and a last-tile one), no
     qsgd_values launch, whatever the number of frames."""
-    launched = []
-    original = _kernels.launch
-    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: launched.append(
-        kernel.fn.__name__) or original(kernel, *a, **k))
     frames = [qsgd.encode(torch.randn(3001), 4, 512, seed=r) for r in range(6)]
     with forced("triton"):
         launched.clear()
@@ -822,7 +818,7 @@ def _keys(s: torch.Tensor) -> np.ndarray:
 
 
 @pytest.mark.parametrize("programs", [4096, 2])
-def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch):
+def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch, small_sample):
     """From _bracket.MIN_N scores the selection first gathers every key at or above the
     sampled bound (the rank(n, k)-th largest key at the numpy path's sample positions,
     rounded down to its first 16 bits, 20 for float64), with its index, in index order, and
@@ -832,9 +828,6 @@ def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch):
     largest is the bound (test_a_mass_of_ties_at_the_sampled_bound). (A smaller sample and
     more room than the defaults, for the interpreter.)"""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
-    monkeypatch.setattr(_bracket, "SAMPLE", 256)
-    monkeypatch.setattr(_bracket, "MIN_N", 4096)
-    monkeypatch.setattr(_kernels, "SLACK", 4)
     g = torch.Generator().manual_seed(22)
     n, k = 5003, 50
     pos = _bracket.positions(n)
@@ -868,7 +861,7 @@ def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch):
 
 
 @pytest.mark.parametrize("programs", [4096, 2])
-def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch):
+def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch, small_sample):
     """Keys tied at the sampled bound can overflow the room (exact zeros of a sparse gradient:
     the bound is 0). Then, if k or more keys lie strictly above the bound and fit, those are
     the candidates; if fewer than k do, the k-th largest key is the bound itself: m = -1, no
@@ -876,9 +869,6 @@ def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch):
     every key above it and the first ties in index order from x. The sort's result either way.
     (The sample and room of test_radix_selection_starts_from_a_sampled_bound.)"""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
-    monkeypatch.setattr(_bracket, "SAMPLE", 256)
-    monkeypatch.setattr(_bracket, "MIN_N", 4096)
-    monkeypatch.setattr(_kernels, "SLACK", 4)
     g = torch.Generator().manual_seed(23)
     n, k = 5003, 50  # room: k + n // 4 = 1300
     spots = torch.randperm(n, generator=g)
@@ -912,20 +902,14 @@ def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch):
 
 
 @pytest.mark.parametrize("programs", [4096, 2])
-def test_the_sampled_count_pass_takes_the_census(programs, monkeypatch):
+def test_the_sampled_count_pass_takes_the_census(programs, monkeypatch, small_sample,
+                                                 launched):
     """With census, top_indices also says whether x holds NaN or inf and how many scores are
     positive: from a sampled bound its count pass counts them in its read of x (no
     score_stats pass), below MIN_N score_stats does. -inf has the score 0 on the top side,
     and is still reported. The indices are those without census. (The sample and room of
     test_radix_selection_starts_from_a_sampled_bound.)"""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
-    monkeypatch.setattr(_bracket, "SAMPLE", 256)
-    monkeypatch.setattr(_bracket, "MIN_N", 4096)
-    monkeypatch.setattr(_kernels, "SLACK", 4)
-    launched = []
-    original = _kernels.launch
-    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: launched.append(
-        kernel.fn.__name__) or original(kernel, *a, **k))
     g = torch.Generator().manual_seed(24)
     for n, sampled in ((5003, True), (3001, False)):
         v = torch.randint(-6, 7, (n,), generator=g) + torch.rand(n, generator=g) * 0.5

@@ -387,6 +387,22 @@ def test_numpy_decode_matches_the_torch_decode_bit_for_bit(bits):
             qsgd.decode(bad_pad)
 
 
+def _refused(g: torch.Generator) -> tuple[list[torch.Tensor], list[tuple[list, str]]]:
+    # Three good frames of 1001 elements (4 bits, buckets of 100), and groups of frames that
+    # a decoder of that layout refuses, with its message.
+    frames = [qsgd.encode(torch.randn(1001, generator=g), 4, 100, seed=i) for i in range(3)]
+    bad_scale, bad_pad = frames[1].clone(), frames[2].clone()
+    bad_scale[14 + 4 * 3: 14 + 4 * 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
+    bad_pad[-1] |= 0x01  # 1001 4-bit codes leave 4 padding bits
+    return frames, [
+        ([frames[0], bad_scale], "finite scale >= 0 in bucket 3"),
+        ([bad_pad, frames[0]], "padding"),
+        ([frames[0], frames[1][:-1]], "truncated qsgd frame"),
+        ([frames[0], qsgd.encode(torch.randn(1000), 4, 100, seed=0)], "expected n=1001"),
+        ([frames[0], qsgd.encode(torch.randn(1001), 2, 100, seed=0)], "expected bits=4"),
+        ([qsgd.encode(torch.randn(1001), 4, 100, scale="l2", seed=0)], "expected scale=0")]
+
+
 def test_decode_all_gives_decodes_values_and_errors(path, monkeypatch):
     """Frames of one known layout decode to decode's bits on every path, and the same errors;
     a frame whose header says another layout is refused. Off the numpy path (CUDA's) the
@@ -403,16 +419,7 @@ def test_decode_all_gives_decodes_values_and_errors(path, monkeypatch):
         if path != "numpy":
             reads = host_reads(monkeypatch, lambda f=frames: qsgd.decode_all(f, n, bits, bucket))
             assert len(reads) == 1, reads
-    frames = [qsgd.encode(torch.randn(1001, generator=g), 4, 100, seed=i) for i in range(3)]
-    bad_scale, bad_pad = frames[1].clone(), frames[2].clone()
-    bad_scale[14 + 4 * 3: 14 + 4 * 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
-    bad_pad[-1] |= 0x01  # 1001 4-bit codes leave 4 padding bits
-    cases = [([frames[0], bad_scale], "finite scale >= 0 in bucket 3"),
-             ([bad_pad, frames[0]], "padding"),
-             ([frames[0], frames[1][:-1]], "truncated qsgd frame"),
-             ([frames[0], qsgd.encode(torch.randn(1000), 4, 100, seed=0)], "expected n=1001"),
-             ([frames[0], qsgd.encode(torch.randn(1001), 2, 100, seed=0)], "expected bits=4"),
-             ([qsgd.encode(torch.randn(1001), 4, 100, scale="l2", seed=0)], "expected scale=0")]
+    frames, cases = _refused(g)
     for group, message in cases:
         with pytest.raises(ValueError, match=message):
             qsgd.decode_all(group, 1001, 4, 100)
@@ -447,17 +454,10 @@ def test_mean_all_is_the_correctly_rounded_mean_of_the_decodes(path, monkeypatch
         if path != "numpy":
             reads = host_reads(monkeypatch, lambda f=frames: qsgd.mean_all(f, n, bits, bucket))
             assert len(reads) == 1, reads
-    frames = [qsgd.encode(torch.randn(1001, generator=g), 4, 100, seed=i) for i in range(2)]
-    bad_scale, bad_pad = frames[1].clone(), frames[0].clone()
-    bad_scale[14 + 4 * 3: 14 + 4 * 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
-    bad_pad[-1] |= 0x01
-    for group, message in [([frames[0], bad_scale], "finite scale >= 0 in bucket 3"),
-                           ([bad_pad, frames[1]], "padding"),
-                           ([frames[0], frames[1][:-1]], "truncated qsgd frame"),
-                           ([frames[0], qsgd.encode(torch.randn(1001), 2, 100)], "bits=4"),
-                           ([], "at least one frame")]:
+    frames, cases = _refused(g)
+    for group, message in [*cases, ([], "at least one frame")]:
         with pytest.raises(ValueError, match=message):
             qsgd.mean_all(group, 1001, 4, 100)
-    for keep in (2, -1, True, 1.0):
-        with pytest.raises(ValueError, match="keep in 0..1"):
+    for keep in (3, -1, True, 1.0):
+        with pytest.raises(ValueError, match="keep in 0..2"):
             qsgd.mean_all(frames, 1001, 4, 100, keep=keep)

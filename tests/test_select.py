@@ -353,21 +353,15 @@ def test_redsyncs_searches_read_the_host_a_few_times_off_the_numpy_path(method, 
 
 
 @needs_interpreter
-def test_the_exact_top_k_checks_and_counts_in_its_own_read_on_the_triton_path(monkeypatch):
+def test_the_exact_top_k_checks_and_counts_in_its_own_read_on_the_triton_path(small_sample,
+                                                                               launched):
     """From a sampled bound the exact top-k's count pass also counts NaN / inf in v and the
     positive scores: a side's checked top-k (RedSync's default, select_abs with check) makes
     no score_stats pass, and one host read, which also says how many of the k values have
     the side's sign. The same indices as the numpy path; NaN, inf and -inf raise. (A small
     sample and more room, for the interpreter.)"""
-    from bitcomm.codecs import _kernels, redsync
+    from bitcomm.codecs import redsync
 
-    monkeypatch.setattr(_bracket, "SAMPLE", 256)
-    monkeypatch.setattr(_bracket, "MIN_N", 4096)
-    monkeypatch.setattr(_kernels, "SLACK", 4)
-    launched = []
-    original = _kernels.launch
-    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: launched.append(
-        kernel.fn.__name__) or original(kernel, *a, **k))
     g = torch.Generator().manual_seed(32)
     v = torch.randn(6000, generator=g)
     few = -v.abs()
@@ -403,16 +397,10 @@ def test_the_exact_top_k_checks_and_counts_in_its_own_read_on_the_triton_path(mo
 @pytest.mark.parametrize("side", [0, 1, 2])
 def test_the_searches_survivors_start_from_the_counting_pass_on_the_triton_path(method, eps,
                                                                                side,
-                                                                               monkeypatch):
+                                                                               launched):
     """The pass that counted a search's thresholds also kept each program's counts, so the
     survivors (trimmed) or the selection (threshold) are written by one gathering pass: no
     count_at_least pass reads v again. The same indices as the numpy path."""
-    from bitcomm.codecs import _kernels
-
-    launched = []
-    original = _kernels.launch
-    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: launched.append(
-        kernel.fn.__name__) or original(kernel, *a, **k))
     v = torch.randn(9000, generator=torch.Generator().manual_seed(31))
 
     def run():
