@@ -375,11 +375,14 @@ def test_qsgd_decode_is_one_formula(nbits):
                 assert torch.equal(values, torch.from_numpy(want).to(dt)), (p, bucket, dt)
 
 
-def test_qsgd_steps_checks_every_rule_of_every_frame_in_one_launch():
+@pytest.mark.parametrize("grid_y", [65535, 2])
+def test_qsgd_steps_checks_every_rule_of_every_frame_in_one_launch(grid_y, monkeypatch):
     """qsgd_steps gives each bucket's scale / s (numpy's correctly rounded float32 division)
     and sets its flag for a scale that is NaN, inf, -inf or below 0 (not -0.0), a set padding
     bit, or a header byte other than the expected one, in any frame: frames past the first,
-    buckets past the first block of 1024. decode and decode_all raise their usual errors."""
+    buckets past the first block of 1024. decode and decode_all raise their usual errors.
+    With more frames than a grid's second axis holds (2 here), the same, a launch a part."""
+    monkeypatch.setattr(_kernels, "MAX_GRID_Y", grid_y)
     g = torch.Generator().manual_seed(12)
     n, nbits, bucket = 2053, 4, 2  # 1027 buckets: two blocks; 2053 codes leave 4 pad bits
     frames = [qsgd.encode(torch.randn(n, generator=g) * (r + 1), nbits, bucket, seed=r)

@@ -618,23 +618,25 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
 def _qsgd_steps_kernel(rows_ptr, header_ptr, steps_ptr, flags_ptr, stride, nb, size, pad,
                        S: tl.constexpr, HEAD: tl.constexpr, HEADER: tl.constexpr,
                        BLOCK: tl.constexpr):
-    # Program (frame r, block of buckets): each bucket's step, scale / s correctly rounded, and
-    # the frame's rules: every scale finite and >= 0 (-0.0 is), and, in each frame's first
-    # block, the padding bits of its last byte (those of `pad`) zero and with HEADER its
-    # header equal to header_ptr's. A frame's scales lie 4-byte unaligned behind its
-    # HEAD-byte header: each is put together from its four bytes.
-    row = rows_ptr + tl.program_id(0).to(tl.int64) * stride
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # Program (block of buckets, frame r): each bucket's step, scale / s correctly rounded,
+    # and the frame's rules: every scale finite and >= 0 (-0.0 is), and, in each frame's
+    # first block, the padding bits of its last byte (those of `pad`) zero and with HEADER
+    # its header equal to header_ptr's. A frame's scales lie 4-byte unaligned behind its
+    # HEAD-byte header: each is put together from its four bytes. The blocks are the grid's
+    # first axis, which may be long (a bucket of 1 is a scale an element); the frames the
+    # second, at most 65535.
+    r = tl.program_id(1).to(tl.int64)
+    row = rows_ptr + r * stride
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < nb
     at = row + HEAD + 4 * j
     bits = tl.zeros([BLOCK], dtype=tl.int32)
     for byte in tl.static_range(4):
         bits |= tl.load(at + byte, mask=live, other=0).to(tl.int32) << (8 * byte)
     scale = bits.to(tl.float32, bitcast=True)
-    tl.store(steps_ptr + tl.program_id(0).to(tl.int64) * nb + j,
-             tl.math.div_rn(scale, S * 1.0), mask=live)
+    tl.store(steps_ptr + r * nb + j, tl.math.div_rn(scale, S * 1.0), mask=live)
     _flag(flags_ptr, live & (((bits & 0x7F800000) == 0x7F800000) | (scale < 0)))
-    if tl.program_id(1) == 0:
+    if tl.program_id(0) == 0:
         if HEADER:
             h = tl.arange(0, 16)
             mine = h < HEAD
@@ -650,19 +652,25 @@ def qsgd_steps(rows: torch.Tensor, head: int, nb: int, n: int, bits: int,
     ``rows``: the frames, one a row (uint8, ``n`` elements of ``bits`` each in ``nb``
     buckets); a scale that is not finite or below 0, a set padding bit, or with ``header``
     (``head`` bytes) a frame's header other than it, sets ``flags`` (one int32, zero). One
-    launch for every frame's checks and steps, where torch takes a dozen.
+    launch for every frame's checks and steps (up to :data:`MAX_GRID_Y` frames a launch),
+    where torch takes a dozen.
     """
     frames = rows.shape[0]
     steps = torch.empty((frames, nb), dtype=torch.float32, device=rows.device)
-    if frames == 0:
-        return steps
     block = 1024  # scales: a few per 512 elements
     used = (n * bits) % 8
-    launch(_qsgd_steps_kernel, (frames, max(1, triton.cdiv(nb, block))), rows,
-           rows if header is None else header, steps, flags, rows.stride(0), nb, rows.shape[1],
-           (1 << (8 - used)) - 1 if n and used else 0, S=(1 << (bits - 1)) - 1, HEAD=head,
-           HEADER=header is not None, BLOCK=block, enable_fp_fusion=False, num_warps=4)
+    for lo in range(0, frames, MAX_GRID_Y):  # the frames are the grid's second axis
+        part = rows[lo : lo + MAX_GRID_Y]
+        launch(_qsgd_steps_kernel, (max(1, triton.cdiv(nb, block)), part.shape[0]), part,
+               part if header is None else header, steps[lo:], flags, rows.stride(0), nb,
+               rows.shape[1], (1 << (8 - used)) - 1 if n and used else 0,
+               S=(1 << (bits - 1)) - 1, HEAD=head, HEADER=header is not None, BLOCK=block,
+               enable_fp_fusion=False, num_warps=4)
     return steps
+
+
+MAX_GRID_Y = 65535
+"""The most programs a CUDA grid's second axis holds."""
 
 
 @triton.jit
