@@ -431,7 +431,7 @@ def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
     pass reads every frame's codes once and writes the mean (and the kept frame's values):
     no frame's values are written to memory and read back. For 8 frames of 4 bits that is
     12 bytes an element (4 of codes, 8 written), where decoding each frame to a float vector
-    and adding them moved about 140.
+    and adding them moved about 150.
     """
     layout, bufs = _layout(frames, n, bits, bucket, scale)
     if not bufs:
