@@ -981,6 +981,19 @@ def test_radix_selection_launches_few_kernels():
                                   "key_digits", "chosen_counts", "cumsum", "chosen_write"])
 
 
+def test_the_census_rides_on_the_count_pass_only_where_its_lanes_cannot_overflow(
+        monkeypatch):
+    """The count pass packs the census's two counts into 16 bits each of a lane, which counts
+    once a tile: with a program's run of 2**15 tiles or more the census takes score_stats'
+    read instead (one program here, so the runs are long at 2**25 scores)."""
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", 1)
+    for n, alone in (((1 << 25) - 1024, False), (1 << 25, True)):
+        got = _launches(lambda n=n: _kernels.top_indices(torch.empty(n, device="meta"),
+                                                         n // 1000, 1, census=True))
+        assert ("score_stats" in got) == alone, (n, got)
+        assert "count_at_least" in got  # the sampled path either way
+
+
 @pytest.mark.parametrize("programs", [4096, 2])
 def test_indices_above_a_threshold_without_a_host_read(programs, monkeypatch):
     """indices_above writes torch.nonzero's indices of the scores above a threshold, rounded

@@ -1346,9 +1346,10 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
     n = x.numel()
     if census and x.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"census takes float32 or float64 scores, got {x.dtype}")
-    # (the count pass packs two counts into an int32 a lane: below 2**37 scores)
+    # the count pass packs two counts into an int32 a lane, each at most the tiles of a run
+    runs = -(-_grid(n, _config("key_digits")[0])[0] // _programs(n))
     tally = torch.empty((_programs(n), 2), dtype=torch.int32, device=x.device) \
-        if census and n < 1 << 37 else None
+        if census and runs < 1 << 15 else None
     sel = _radix_select(x, k, side, tally)
     d = sel.digits
     block, opts = _config("top_write")
@@ -1387,8 +1388,8 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     over = tl.zeros([BLOCK], dtype=tl.int32)
     # the census: positive scores in the low 16 bits of a lane, NaN and inf in the high ones
-    # (one register a lane instead of two; a lane counts once a tile, and no program takes
-    # 2**15 tiles below 2**37 elements)
+    # (one register a lane instead of two; a lane counts once a tile, and top_indices asks
+    # for the census only where a program takes fewer than 2**15 tiles)
     census = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
         if CENSUS:  # x itself: -inf has the score 0 on the top side, so keys cannot tell
