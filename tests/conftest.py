@@ -41,6 +41,35 @@ def forced(path):
         _frame.FORCE = old
 
 
+VIEWS = frozenset({"empty", "empty_strided", "new_empty", "view", "_unsafe_view", "slice",
+                   "select", "detach", "alias", "lift_fresh", "as_strided", "unsqueeze",
+                   "expand", "split", "split_with_sizes", "unbind"})
+"""Torch operations that make a view or an allocation: no kernel launch on a device."""
+
+
+@contextlib.contextmanager
+def dispatched(paused=lambda: False, counted=frozenset()):
+    """Record the torch operations dispatched in the block that launch a kernel on a device.
+
+    Yields the list their names go to, in order: not :data:`VIEWS` (but those in
+    ``counted``), and none while ``paused()`` is true (an interpreted kernel's own).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names: list[str] = []
+    quiet = VIEWS - set(counted)
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name not in quiet and not paused():
+                names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        yield names
+
+
 @pytest.fixture
 def launched(monkeypatch):
     """The names of the Triton kernels launched while the test runs, in order (they run)."""

@@ -15,7 +15,7 @@ import torch
 
 from bitcomm.codecs import _bracket, _rng, bits, counts, qsgd, select, sign
 
-from conftest import AWKWARD, forced, host_reads, needs_interpreter
+from conftest import AWKWARD, dispatched, forced, host_reads, needs_interpreter
 
 pytestmark = [needs_interpreter, pytest.mark.triton]
 triton = pytest.importorskip("triton", reason="triton (the dev extra) is not installed")
@@ -253,12 +253,10 @@ def test_qsgd_non_finite_buckets_raise_the_same_errors(bucket):
 
 
 def _ops_on_the_triton_path(fn) -> list[str]:
-    # Run fn on the Triton path; return the torch ops it dispatches (not views, not
-    # allocations) and the names of the kernels it launches, in order. The interpreter's own
-    # torch ops while a kernel runs are not fn's, and are left out.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    ops, inside = [], []
+    # Run fn on the Triton path; return the kernels it launches and the torch ops it
+    # dispatches that launch one (select too), in order. The interpreter's own torch ops
+    # while a kernel runs are not fn's, and are left out.
+    inside = []
     original = _kernels.launch
 
     def launch(kernel, *a, **k):
@@ -269,15 +267,8 @@ def _ops_on_the_triton_path(fn) -> list[str]:
         finally:
             inside.pop()
 
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.__name__.split(".")[0]
-            if not inside and name not in {"empty", "view", "slice", "detach", "alias",
-                                           "lift_fresh", "empty_strided", "as_strided"}:
-                ops.append(name)
-            return func(*args, **(kwargs or {}))
-
-    with pytest.MonkeyPatch.context() as mp, forced("triton"), Ops():
+    with pytest.MonkeyPatch.context() as mp, forced("triton"), \
+            dispatched(lambda: bool(inside), counted={"select"}) as ops:
         mp.setattr(_kernels, "launch", launch)
         fn()
     return ops
@@ -938,27 +929,11 @@ def test_the_sampled_count_pass_takes_the_census(programs, monkeypatch, small_sa
 def _launches(fn) -> list[str]:
     # The kernels fn launches on meta tensors: its Triton launches (recorded, not run) and
     # the torch ops that launch one on a device (not views, not allocations).
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from bitcomm.bench.kernels import _recorded
 
-    quiet = {"empty", "view", "slice", "select", "detach", "lift_fresh", "alias", "as_strided",
-             "_unsafe_view", "new_empty"}
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] not in quiet:
-                self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
-    with _recorded() as calls, Ops() as ops:
+    with _recorded() as calls, dispatched() as ops:
         fn()
-    return [kernel.fn.__name__.strip("_").removesuffix("_kernel") for kernel, *_ in calls] + \
-        ops.names
+    return [kernel.fn.__name__.strip("_").removesuffix("_kernel") for kernel, *_ in calls] + ops
 
 
 def test_radix_selection_launches_few_kernels():

@@ -231,8 +231,8 @@ _STRIDED = ("_count_above_kernel", "_key_digits_kernel", "_gather_kernel",
             "_chosen_counts_kernel", "_chosen_write_kernel", "_count_at_least_kernel")
 """Kernels whose programs loop over several tiles of the vector."""
 
-_REPEATED = {"_qsgd_mean_kernel": 8}
-"""Kernels whose outermost loop runs once per item of an argument (its position): frames."""
+_REPEATED = {"_qsgd_mean_kernel": "frames"}
+"""Kernels whose outermost loop runs once per item of an argument (named): frames."""
 
 _OPCODE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[.\w]*\s*([^;]*)")
 
@@ -320,7 +320,7 @@ def run(n: int = 1 << 26, *, arch: int = ARCH, only: str | None = None,
                 run.update({op: count * (tiles - 1) for op, count in loop.items()})
                 covered = min(elements, grid[0] * tiles * kwargs["BLOCK"])
             if kernel.fn.__name__ in _REPEATED:  # the loop runs once an item (a frame)
-                items = args[_REPEATED[kernel.fn.__name__]]
+                items = args[kernel.arg_names.index(_REPEATED[kernel.fn.__name__])]
                 run.update({op: count * (items - 1) for op, count in loop.items()})
             programs = math.prod(grid)  # a grid of frames x blocks for qsgd_steps
             lanes = threads * programs / covered  # lane-instructions per instruction per element
