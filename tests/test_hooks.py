@@ -600,3 +600,54 @@ def test_the_sign_hook_votes_by_allgather_at_two_ranks_and_by_ring_above():
         records = size - 1  # the step's agreement, one record per peer
         assert all(n == per_bucket + records for _, n in got), got
         assert all(torch.equal(out, got[0][0]) for out, _ in got)
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_a_float64_gradient_beyond_float32s_range_is_an_overflow_in_every_step(path):
+    """The hooks exchange float32: a float64 gradient of 1e300 is an inf once cast, so it
+    skips its step as an inf does, in a held step (a known layout) as in the first."""
+    makes = {sign_majority_hook: lambda c: SignState(c, overlap=False),
+             qsgd_hook: lambda c: QsgdState(c, bits=4, bucket_size=8, overlap=False),
+             topk_hook: lambda c: TopkState(c, density=0.25, overlap=False)}
+    for hook, make in makes.items():
+        def rank_fn(comm, hook=hook, make=make):
+            state, p = make(comm), torch.zeros(16, dtype=torch.float64)
+            outs = []
+            for step in range(3):
+                g = torch.linspace(-1, 1, 16, dtype=torch.float64) * (comm.rank + step + 1)
+                if step in (0, 2) and comm.rank == 1:
+                    g[3] = 1e300
+                out = hook(state, Bucket(0, [p], [g])).wait()
+                outs.append((out.dtype, bool(out.isnan().all()), bool(out.isnan().any())))
+            state.close()
+            return outs
+
+        with forced(path):
+            got = run_local(rank_fn, size=2)
+        for outs in got:
+            assert outs == [(torch.float64, True, True), (torch.float64, False, False),
+                            (torch.float64, True, True)], (hook.__name__, path)
+
+
+@pytest.mark.parametrize("path", ["torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_off_the_numpy_path_the_screen_zeroes_in_place_and_flags_on_the_device(path):
+    """A held step's bucket is screened without a copy: its NaN, inf and (float64) beyond
+    float32's range become +0.0 in the bucket itself, the rest stays bit for bit, and the
+    overflow is a device flag read at the agreement; a finite bucket is left as it was."""
+    from bitcomm.train.hooks import _Step
+
+    g = torch.linspace(-3, 3, 5000, dtype=torch.float64)
+    finite = g.clone()
+    bad = g.clone()
+    bad[[0, 17, 4999]] = torch.tensor([float("nan"), -float("inf"), 1e300], dtype=g.dtype)
+    with forced(path):
+        step = _Step()
+        assert step.screen(finite) is finite and torch.equal(finite, g)
+        assert bool(step.finite) and not step.overflow
+        assert step.screen(bad) is bad
+        assert not bool(step.finite) and not step.overflow  # the flag is the device's
+    expect = g.clone()
+    expect[[0, 17, 4999]] = 0.0
+    assert torch.equal(bad.view(torch.int64), expect.view(torch.int64))

@@ -54,6 +54,10 @@ def test_nonfinite_flags_nan_and_inf_anywhere(dtype):
                 assert _kernels.nonfinite(y)[0] != 0, (n, at, bad)
                 with forced("triton"):
                     assert bool(_frame.nonfinite_any(y)) and not _frame.all_finite(y)
+                expect = y.clone()
+                expect[at] = 0.0
+                assert_zeroed(y, expect, True)
+        assert_zeroed(x, x, False)
     if dtype == torch.float64:
         edge = 2.0**128 - 2.0**103  # the float32 rounding of it and above is inf
         for value, bad in ((edge, True), (-edge, True), (np.nextafter(edge, 0), False),
@@ -65,11 +69,29 @@ def test_nonfinite_flags_nan_and_inf_anywhere(dtype):
             with forced("triton"):
                 assert _frame.all_finite(x, as_float32=True) != bad
                 assert bool(_frame.nonfinite_any(x, as_float32=True)) == bad
+            assert_zeroed(x, torch.zeros_like(x) if bad else x, bad, as_float32=True)
     else:
         with pytest.raises(ValueError, match="narrow takes float64"):
             _kernels.nonfinite(torch.ones(3, dtype=dtype), narrow=True)
     with pytest.raises(TypeError, match="floating-point"):
         _kernels.nonfinite(torch.ones(3, dtype=torch.int32))
+    for path in ("torch", "triton"):
+        with forced(path), pytest.raises(ValueError, match="contiguous"):
+            _frame.zero_nonfinite_(torch.ones(8, dtype=dtype)[::2])
+
+
+def assert_zeroed(x, expect, had, **kwargs):
+    """zero_nonfinite_ on both device paths: ``x``'s copy becomes ``expect`` bit for bit (+0.0
+    where it zeroes), and the flag says ``had``."""
+    from bitcomm.codecs import _frame
+
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    for path in ("torch", "triton"):
+        y = x.clone()
+        with forced(path):
+            flag = _frame.zero_nonfinite_(y, **kwargs)
+        assert flag.dim() == 0 and bool(flag) == had, path
+        assert torch.equal(y.view(bits), expect.view(bits)), path
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -306,6 +328,9 @@ def test_the_finiteness_checks_are_one_kernel_on_the_triton_path():
         == sorted(["zeros", "_nonfinite_kernel", "select", "ne", "_local_scalar_dense"])
     narrow = x.float()
     assert sorted(_ops_on_the_triton_path(lambda: _frame.nonfinite_any(narrow))) \
+        == sorted(["zeros", "_nonfinite_kernel", "select", "ne"])
+    # zeroing in place rides on the same read: no isfinite, no where or masked fill, no copy
+    assert sorted(_ops_on_the_triton_path(lambda: _frame.zero_nonfinite_(x, as_float32=True))) \
         == sorted(["zeros", "_nonfinite_kernel", "select", "ne"])
     comm = LocalComm(LocalGroup(1), 0)
     ops = _ops_on_the_triton_path(lambda: _common.prepare(comm, x, True, "test"))

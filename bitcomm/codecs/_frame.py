@@ -134,6 +134,24 @@ def nonfinite_any(t: torch.Tensor, *, as_float32: bool = False) -> torch.Tensor:
     return ~torch.isfinite(t).all()
 
 
+def zero_nonfinite_(t: torch.Tensor, *, as_float32: bool = False) -> torch.Tensor:
+    """Set ``t``'s NaN and inf elements to +0.0 in place; return whether it had any (0-d bool).
+
+    With ``as_float32``, the elements that are not finite once cast to float32 (a float64
+    beyond float32's range too). ``t`` must be contiguous. No host read: on the Triton path one
+    kernel reads ``t`` and writes only the elements it zeroes; elsewhere torch's ``isfinite``,
+    a reduction and a masked fill.
+    """
+    if not t.is_contiguous():
+        raise ValueError("zero_nonfinite_ writes in place: expected a contiguous tensor")
+    narrow = as_float32 and t.dtype == torch.float64
+    if use_triton(t) and t.dtype in _FLOAT_DTYPES:
+        return kernels().nonfinite(t, narrow, zero=True)[int(narrow)] != 0
+    bad = ~torch.isfinite(t.to(torch.float32) if narrow else t)
+    t.masked_fill_(bad, 0.0)
+    return bad.any()
+
+
 def rows_of(bufs: list[torch.Tensor]) -> torch.Tensor:
     """Return equal-sized 1-D buffers as the rows of one 2-D tensor, copying only if needed.
 

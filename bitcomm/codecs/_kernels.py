@@ -187,29 +187,38 @@ _EXPONENT = {torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16,
 
 @triton.jit
 def _nonfinite_kernel(bits_ptr, flags_ptr, n, EXP: tl.constexpr, NARROW: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      ZERO: tl.constexpr, BLOCK: tl.constexpr):
     # flags[0]: an element is NaN or inf (its exponent bits all ones); with NARROW (float64
     # bits) flags[1]: one is not finite once rounded to float32 (NaN, inf, or beyond its range).
+    # With ZERO the flagged elements (of flags[1] with NARROW) become +0.0 in place: a store
+    # only where one is flagged, so a finite vector is still only read.
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     bits = tl.load(bits_ptr + i, mask=i < n, other=0)
-    _flag(flags_ptr, (bits & EXP) == EXP)
+    bad = (bits & EXP) == EXP
+    _flag(flags_ptr, bad)
     if NARROW:
         y = bits.to(tl.float64, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
-        _flag(flags_ptr + 1, (y & 0x7F800000) == 0x7F800000)
+        bad = (y & 0x7F800000) == 0x7F800000
+        _flag(flags_ptr + 1, bad)
+    if ZERO:  # the padding lanes load 0, which is finite: no mask of the end needed
+        tl.store(bits_ptr + i, tl.zeros_like(bits), mask=bad)
 
 
-def nonfinite(x: torch.Tensor, narrow: bool = False) -> torch.Tensor:
+def nonfinite(x: torch.Tensor, narrow: bool = False, zero: bool = False) -> torch.Tensor:
     """Return int32 ``[bad, bad_as_float32]`` on ``x``'s device, flags of NaN or inf.
 
     ``bad`` is non-zero where ``x`` holds NaN or inf, ``bad_as_float32`` (with ``narrow``,
     float64 ``x``) where it does once rounded to float32; it stays 0 without ``narrow``. One
     read of ``x`` and no host read, where torch's ``isfinite(x).all()`` is five kernels and
-    about five passes of traffic.
+    about five passes of traffic. With ``zero`` (a contiguous ``x``) the elements it flags
+    (with ``narrow``: those not finite as float32) are set to +0.0 in place, in the same read.
     """
     if x.dtype not in _EXPONENT:
         raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
     if narrow and x.dtype != torch.float64:
         raise ValueError(f"narrow takes float64, got {x.dtype}")
+    if zero and not x.is_contiguous():
+        raise ValueError("zero writes in place: expected a contiguous tensor")
     flags = torch.zeros(2, dtype=torch.int32, device=x.device)
     n = x.numel()
     if n:
@@ -217,7 +226,7 @@ def nonfinite(x: torch.Tensor, narrow: bool = False) -> torch.Tensor:
         block, opts = _config("nonfinite")
         block //= max(1, x.element_size() // 4)  # the same bytes a tile: float64's registers
         launch(_nonfinite_kernel, _grid(n, block), x.detach().reshape(-1).view(view), flags, n,
-               EXP=exp, NARROW=narrow, BLOCK=block, **opts)
+               EXP=exp, NARROW=narrow, ZERO=zero, BLOCK=block, **opts)
     return flags
 
 

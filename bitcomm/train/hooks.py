@@ -46,7 +46,10 @@ Overflow and loss scaling: one agreement per step
 -------------------------------------------------
 With ``check=True`` (the default) the ranks agree once per training step, after its last
 bucket, instead of once per bucket: each bucket is exchanged without the collectives' own
-agreement (a rank whose bucket holds NaN or inf sends zeros in its place), the buckets'
+agreement (a rank whose bucket holds NaN or inf, or a float64 beyond float32's range, sends
+a finite stand-in: zeros; on a device those elements are zeroed in the bucket's buffer itself,
+which the step's all-NaN result replaces anyway, as DDP's own allreduce hook works in it), the
+buckets'
 futures and buffer updates are held, and the last bucket's exchange is followed by one
 24-byte record per rank saying whether any of the rank's buckets overflowed, with the hook's
 options and the step's bucket lengths. If any rank overflowed, every bucket of the step becomes
@@ -88,7 +91,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from bitcomm.codecs import _frame, qsgd
-from bitcomm.codecs._frame import all_finite, nonfinite_any, use_numpy
+from bitcomm.codecs._frame import all_finite, use_numpy, zero_nonfinite_
 from bitcomm.collectives import (
     NonFiniteError,
     OneBitState,
@@ -206,21 +209,24 @@ class _Step:
         self.checks: list = []
 
     def screen(self, g: torch.Tensor) -> torch.Tensor:
-        """Return ``g``, or zeros if it holds a NaN or inf, noting the overflow.
+        """Return ``g`` with every NaN and inf set to zero, noting whether it had any.
 
-        Zeros are a stand-in every codec accepts; the step's agreement discards the result.
-        On the numpy path the check is a microsecond's host read. On a device it stays there
-        (a host read per bucket would wait for the device each time): the flags are folded
-        into one read at the step's agreement.
+        The hooks exchange float32, so a float64 beyond float32's range counts as an inf.
+        Zeros are a stand-in every codec accepts, and a step with an overflow hands back
+        all-NaN results, so nothing of ``g``'s values outlives the step. On the numpy path the
+        check is a microsecond's host read, and a bucket that fails it becomes zeros. On a
+        device the flag stays there (a host read per bucket would wait for the device each
+        time) and is folded into one read at the step's agreement; the zeros are written into
+        ``g`` in place, in the check's own read (a finite bucket is read once, not copied).
         """
         if use_numpy(g):
-            if all_finite(g):
+            if all_finite(g, as_float32=True):
                 return g
             self.overflow = True
             return torch.zeros_like(g)
-        finite = ~nonfinite_any(g)  # one read of g on the Triton path
+        finite = ~zero_nonfinite_(g, as_float32=True)
         self.finite = finite if self.finite is None else self.finite & finite
-        return torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        return g
 
     def overflowed(self) -> bool:
         """Say whether a bucket of this step held a NaN or inf (one host read off numpy).
