@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -598,6 +599,33 @@ def test_qsgd_allgather_mean_and_bytes(size, check):
         assert nbytes == qsgd_allgather_bytes(n, size, bits=bits, bucket=bucket, check=check)
     if size == 4 and check:
         assert qsgd_allgather_bytes(n, size, bits=bits, bucket=bucket) == 3 * 522 + 3 * 24
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_qsgd_allgather_residual_is_x_less_what_was_sent(path):
+    """residual=True gives error feedback's residual in place of ``sent``: x (as float32)
+    less this rank's decoded frame, bit for bit, on every path and for float64 input; the
+    mean is unchanged and x is left as it was."""
+    n, bits, bucket = 1001, 4, 100
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+          for r in range(3)]
+
+    def fn(c, residual):
+        x = xs[c.rank].clone()
+        mean, second = qsgd_allgather(c, x, bits=bits, bucket=bucket, seed=5, check=False,
+                                      residual=residual)
+        assert torch.equal(x, xs[c.rank])
+        return mean, second
+
+    with forced(path):
+        plain = run_local(lambda c: fn(c, False), 3)
+        left = run_local(lambda c: fn(c, True), 3)
+    for r, ((mean, sent), (mean2, residual)) in enumerate(zip(plain, left, strict=True)):
+        assert torch.equal(mean.view(torch.int32), mean2.view(torch.int32))
+        want = xs[r].float().numpy() - sent.numpy()
+        assert residual.dtype == torch.float32
+        assert np.array_equal(residual.numpy().view(np.int32), want.view(np.int32)), r
 
 
 def _inconsistent_cases(n=40):

@@ -651,3 +651,40 @@ def test_off_the_numpy_path_the_screen_zeroes_in_place_and_flags_on_the_device(p
     expect = g.clone()
     expect[[0, 17, 4999]] = 0.0
     assert torch.equal(bad.view(torch.int64), expect.view(torch.int64))
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+def test_qsgd_hook_error_feedback_keeps_what_quantisation_left_out(path):
+    """Each step a worker sends c = g + e quantised (rank r's stream: seed + call * N + r),
+    its residual becomes c less its decoded frame, bit for bit, and the result is the frames'
+    decoded mean (worked out here from the codec by hand)."""
+    size, n, seed = 2, 20, 4
+
+    def grads(rank, step):
+        return torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + step))
+
+    def rank_fn(comm):
+        state = QsgdState(comm, bits=2, bucket_size=8, seed=seed, overlap=False)
+        p, got = torch.zeros(n), []
+        for step in range(2):
+            out = qsgd_hook(state, Bucket(0, [p], [grads(comm.rank, step)])).wait()
+            got.append((out, state.state_dict()["residuals"][0].clone()))
+        state.close()
+        return got
+
+    with forced(path):
+        got = run_local(rank_fn, size=size)
+    residual = [torch.zeros(n) for _ in range(size)]
+    for step in range(2):
+        sent = []
+        for r in range(size):
+            c = grads(r, step) + residual[r]
+            frame = qsgd.encode(c, 2, 8, seed=seed + step * size + r)
+            sent.append(qsgd.decode(frame)[0])
+            residual[r] = c - sent[r]
+        mean = (sent[0] + sent[1]) / 2
+        for r in range(size):
+            out, kept = got[r][step]
+            assert torch.equal(out, mean), (step, r)
+            assert torch.equal(kept.view(torch.int32), residual[r].view(torch.int32)), (step, r)

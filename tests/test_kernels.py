@@ -463,9 +463,15 @@ def test_qsgd_mean_is_the_rank_order_sum_of_the_decodes(nbits):
                 (n, bucket, count)
             if keep is None:
                 assert kept is None
-            else:
-                assert np.array_equal(kept.numpy().view(np.int32),
-                                      decoded[keep].view(np.int32))
+                continue
+            assert np.array_equal(kept.numpy().view(np.int32), decoded[keep].view(np.int32))
+            # the residual of x: x less the kept values, float32 subtraction
+            with forced("triton"):
+                mean2, left = qsgd.mean_all(frames, n, nbits, bucket, keep=keep,
+                                            residual_of=xs[keep])
+            assert torch.equal(mean2.view(torch.int32), mean.view(torch.int32))
+            assert np.array_equal(left.numpy().view(np.int32),
+                                  (xs[keep].numpy() - decoded[keep]).view(np.int32))
 
 
 def test_qsgd_mean_takes_one_pass_over_the_frames(launched):

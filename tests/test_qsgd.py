@@ -439,8 +439,8 @@ def test_mean_all_is_the_correctly_rounded_mean_of_the_decodes(path, monkeypatch
     g = torch.Generator().manual_seed(8)
     for n, bits, bucket, count in ((0, 4, 8, 2), (1, 2, 3, 1), (13, 4, 5, 3),
                                    (1001, 8, 100, 5), (4099, 2, 512, 6)):
-        frames = [qsgd.encode(torch.randn(n, generator=g) * 7.0 ** r, bits, bucket, seed=r)
-                  for r in range(count)]
+        xs = [torch.randn(n, generator=g) * 7.0 ** r for r in range(count)]
+        frames = [qsgd.encode(x, bits, bucket, seed=r) for r, x in enumerate(xs)]
         decoded = [qsgd.decode(f)[0].numpy() for f in frames]
         total = np.zeros(n, dtype=np.float32)
         for d in decoded:
@@ -450,6 +450,12 @@ def test_mean_all_is_the_correctly_rounded_mean_of_the_decodes(path, monkeypatch
         assert mean.dtype == torch.float32 and mean.shape == (n,)
         assert np.array_equal(mean.numpy().view(np.int32), want.view(np.int32)), (n, count)
         assert np.array_equal(kept.numpy().view(np.int32), decoded[-1].view(np.int32))
+        # error feedback's residual: x less the kept values (float32), x left as it was
+        x = xs[-1].clone()
+        _, left = qsgd.mean_all(frames, n, bits, bucket, keep=count - 1, residual_of=x)
+        assert torch.equal(x, xs[-1])
+        assert np.array_equal(left.numpy().view(np.int32),
+                              (xs[-1].numpy() - decoded[-1]).view(np.int32))
         assert qsgd.mean_all(frames, n, bits, bucket)[1] is None
         if path != "numpy":
             reads = host_reads(monkeypatch, lambda f=frames: qsgd.mean_all(f, n, bits, bucket))
@@ -461,3 +467,12 @@ def test_mean_all_is_the_correctly_rounded_mean_of_the_decodes(path, monkeypatch
     for keep in (3, -1, True, 1.0):
         with pytest.raises(ValueError, match="keep in 0..2"):
             qsgd.mean_all(frames, 1001, 4, 100, keep=keep)
+    x = torch.zeros(1001)
+    with pytest.raises(ValueError, match="residual_of needs keep"):
+        qsgd.mean_all(frames, 1001, 4, 100, residual_of=x)
+    with pytest.raises(TypeError, match="float32 tensor, got torch.float64"):
+        qsgd.mean_all(frames, 1001, 4, 100, keep=0, residual_of=x.double())
+    with pytest.raises(TypeError, match="float32 tensor, got list"):
+        qsgd.mean_all(frames, 1001, 4, 100, keep=0, residual_of=[0.0] * 1001)
+    with pytest.raises(ValueError, match="residual_of of 1001 elements on cpu, got 1000"):
+        qsgd.mean_all(frames, 1001, 4, 100, keep=0, residual_of=x[:1000])

@@ -142,6 +142,8 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
         ("finiteness check fp32", n, lambda: k.nonfinite(x)),
         ("finiteness check fp64 as fp32", n,
          lambda: k.nonfinite(meta(n, torch.float64), narrow=True)),
+        # a DDP hook's overflow screen: the check, zeroing NaN and inf in place
+        ("finiteness screen fp32, zeroing", n, lambda: k.nonfinite(x, zero=True)),
     ]
     for m in (1, 2, 3, 7, 15, 255, 65535):
         w = counts.width(m)
@@ -185,6 +187,12 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                     lambda b=bits, size=size, s=steps_: k.qsgd_mean(
                         meta(8 * size, torch.uint8).view(8, size), size - (n * b + 7) // 8, n,
                         b, qsgd.DEFAULT_BUCKET, s.expand(8, -1), keep=3)))
+        if bits == 4:  # qsgd_hook's error feedback: the residual in place of the kept values
+            out.append((f"qsgd-{bits} mean of 8 frames, residual", n,
+                        lambda b=bits, size=size, s=steps_: k.qsgd_mean(
+                            meta(8 * size, torch.uint8).view(8, size), size - (n * b + 7) // 8,
+                            n, b, qsgd.DEFAULT_BUCKET, s.expand(8, -1), keep=3,
+                            residual_of=meta(n, torch.float32))))
     out += [("redsync-1% mean, max, check, count", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
              lambda: k.count_above(x, meta(63, torch.float32), 1, runs=True)),

@@ -683,23 +683,26 @@ MAX_GRID_Y = 65535
 
 
 @triton.jit
-def _qsgd_mean_kernel(rows_ptr, steps_ptr, mean_ptr, kept_ptr, n, nbytes, stride, off, frames,
-                      divisor, nb, keep, bucket, first, BITS: tl.constexpr, SHIFT: tl.constexpr,
-                      SMALL: tl.constexpr, BLOCK: tl.constexpr, KEEP: tl.constexpr,
-                      EDGE: tl.constexpr):
+def _qsgd_mean_kernel(rows_ptr, steps_ptr, mean_ptr, kept_ptr, x_ptr, n, nbytes, stride, off,
+                      frames, divisor, nb, keep, bucket, first, BITS: tl.constexpr,
+                      SHIFT: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
+                      KEEP: tl.constexpr, EDGE: tl.constexpr):
     # Each frame's values of this tile (its codes at `off` in its row of rows_ptr, its steps in
     # its row of steps_ptr), added in frame order from +0.0 as torch adds decoded vectors, then
-    # divided by `divisor`, the number of frames (correctly rounded); with KEEP frame `keep`'s
-    # values too. The rows' pointers advance a row an iteration: 64-bit pointer arithmetic,
-    # where a row's index times the stride could overflow 32 bits.
+    # divided by `divisor`, the number of frames (correctly rounded); KEEP 1 writes frame
+    # `keep`'s values too, KEEP 2 x less them (x_ptr's float32, as torch subtracts). The rows'
+    # pointers advance a row an iteration: 64-bit pointer arithmetic, where a row's index times
+    # the stride could overflow 32 bits.
     ob, idx = _qsgd_tile(first, SMALL, BLOCK, 8 // BITS)
     acc = tl.zeros(idx.shape, dtype=tl.float32)
     codes_ptr = rows_ptr + off
     for r in range(frames):
         val = _qsgd_decoded(codes_ptr, steps_ptr, ob, idx, n, nbytes, bucket, BITS, SHIFT, EDGE)
         acc += val
-        if KEEP:
+        if KEEP != 0:
             if r == keep:
+                if KEEP == 2:
+                    val = _load(x_ptr + idx, idx < n, 0.0, EDGE) - val
                 _store(kept_ptr + idx, val, idx < n, EDGE)
         codes_ptr += stride
         steps_ptr += nb
@@ -707,7 +710,7 @@ def _qsgd_mean_kernel(rows_ptr, steps_ptr, mean_ptr, kept_ptr, n, nbytes, stride
 
 
 def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
-              steps: torch.Tensor, keep: int | None = None
+              steps: torch.Tensor, keep: int | None = None, residual_of: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return the float32 mean of the frames' values and, with ``keep``, that frame's values.
 
@@ -715,11 +718,17 @@ def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
     ``steps``: float32 ``[frames, buckets]``, each bucket's step. Each frame's values are
     :func:`qsgd_values`'s, added in row order from +0.0 and divided by the number of rows:
     the bits of torch adding the decoded vectors then dividing by a tensor. One pass reads
-    every frame's codes once; no frame's values are written but the kept one's.
+    every frame's codes once; no frame's values are written but the kept one's. With
+    ``residual_of`` (contiguous float32, ``n`` elements, and ``keep``) the second result is
+    ``residual_of`` less the kept values instead, in the same pass.
     """
     frames = rows.shape[0]
     if not frames:
         raise ValueError("expected at least one frame")
+    if residual_of is not None and (keep is None or residual_of.dtype != torch.float32
+                                    or residual_of.numel() != n
+                                    or not residual_of.is_contiguous()):
+        raise ValueError("residual_of takes keep and a contiguous float32 tensor of n elements")
     mean = torch.empty(n, dtype=torch.float32, device=rows.device)
     kept = None if keep is None else torch.empty_like(mean)
     if n:
@@ -728,10 +737,13 @@ def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
         block = per // (8 // bits)  # code bytes a tile
         tiles = _grid(nbytes, block)[0]
         launch_tiles(_qsgd_mean_kernel, tiles, n // per, rows, steps, mean,
-                     mean if kept is None else kept, n, nbytes, rows.stride(0), off, frames,
-                     float(frames), steps.stride(0), -1 if keep is None else keep, bucket,
-                     BITS=bits, SHIFT=_shift(bucket), SMALL=tiles * per < 2**31, BLOCK=block,
-                     KEEP=keep is not None, enable_fp_fusion=False, **opts)
+                     mean if kept is None else kept,
+                     mean if residual_of is None else residual_of.detach(), n, nbytes,
+                     rows.stride(0), off, frames, float(frames), steps.stride(0),
+                     -1 if keep is None else keep, bucket, BITS=bits, SHIFT=_shift(bucket),
+                     SMALL=tiles * per < 2**31, BLOCK=block,
+                     KEEP=0 if keep is None else 1 if residual_of is None else 2,
+                     enable_fp_fusion=False, **opts)
     return mean, kept
 
 

@@ -421,7 +421,8 @@ def decode_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
 
 
 def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
-             scale: str = "max", keep: int | None = None
+             scale: str = "max", keep: int | None = None,
+             residual_of: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return the float32 mean of the frames' values and, with ``keep``, frame ``keep``'s values.
 
@@ -432,6 +433,10 @@ def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
     no frame's values are written to memory and read back. For 8 frames of 4 bits that is
     12 bytes an element (4 of codes, 8 written), where decoding each frame to a float vector
     and adding them moved about 150.
+
+    With ``residual_of`` (a float32 tensor of ``n`` elements; needs ``keep``) the second result
+    is ``residual_of`` less frame ``keep``'s values (float32 subtraction): error feedback's
+    residual, in the same pass where the values would be written and then read back.
     """
     layout, bufs = _layout(frames, n, bits, bucket, scale)
     if not bufs:
@@ -439,18 +444,31 @@ def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
                              or not 0 <= keep < len(bufs)):
         raise ValueError(f"expected keep in 0..{len(bufs) - 1} or None, got {keep!r}")
+    if residual_of is not None:
+        if keep is None:
+            raise ValueError("residual_of needs keep: the frame whose values it is less")
+        if not isinstance(residual_of, torch.Tensor) or residual_of.dtype != torch.float32:
+            raise TypeError(f"expected residual_of to be a float32 tensor, got "
+                            f"{getattr(residual_of, 'dtype', type(residual_of).__name__)}")
+        if residual_of.numel() != n or residual_of.device != bufs[0].device:
+            raise ValueError(f"expected residual_of of {n} elements on {bufs[0].device}, got "
+                             f"{residual_of.numel()} on {residual_of.device}")
+        residual_of = residual_of.detach().reshape(-1).contiguous()
     if _frame.use_triton(bufs[0]):
         stacked = _stacked(bufs, layout, torch.float32)
         if stacked is not None:
             rows, steps, off = stacked
-            return _frame.kernels().qsgd_mean(rows, off, n, bits, bucket, steps, keep)
+            return _frame.kernels().qsgd_mean(rows, off, n, bits, bucket, steps, keep,
+                                              residual_of)
     values = decode_all(bufs, n, bits, bucket, scale=scale)
     total = torch.zeros(n, dtype=torch.float32, device=bufs[0].device)
     for v in values:  # in list order: the same sum on every device
         total += v
     # by a tensor on the device: CUDA divides by a Python scalar through its reciprocal
     total /= torch.full((), float(len(values)), device=total.device)
-    return total, None if keep is None else values[keep]
+    if keep is None:
+        return total, None
+    return total, values[keep] if residual_of is None else residual_of - values[keep]
 
 
 def _layout(frames: list[torch.Tensor], n: int, bits: int, bucket: int, scale: str

@@ -28,7 +28,8 @@ __all__ = ["qsgd_allgather", "qsgd_allgather_bytes"]
 
 def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
                    bucket: int = qsgd.DEFAULT_BUCKET, seed: int | None = None,
-                   check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   check: bool = True, residual: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(mean, sent)``: the mean over ranks of the quantised ``x``, and this rank's.
 
     ``sent`` is this rank's quantised ``x`` as every receiver decodes it (for error feedback).
@@ -42,6 +43,10 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
         seed: rank ``r`` quantises with ``seed + r`` (independent, reproducible streams);
             ``None`` draws from torch's default generator.
         check: agree on the input first (raises on every rank for bad input).
+        residual: return ``x - sent`` (``x`` as float32; what quantisation left out, error
+            feedback's next residual) in place of ``sent``, the same bits as subtracting
+            them; with triton it is written in the mean's pass, where ``sent`` would be
+            written there and read back.
 
     """
     def validate(v: torch.Tensor) -> None:
@@ -64,7 +69,8 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
         # decode it (for error feedback). The frames as received: where the transport gave
         # them back to back in one buffer (this rank's too), they are read there, uncopied.
         mean, sent = qsgd.mean_all([f.to(v.device) for f in frames], n, bits, bucket,
-                                   keep=comm.rank)
+                                   keep=comm.rank,
+                                   residual_of=v.float() if residual else None)
     return mean.reshape(x.shape), sent.reshape(x.shape)
 
 

@@ -660,13 +660,15 @@ def qsgd_hook(state: QsgdState, bucket: dist.GradBucket) -> Future[torch.Tensor]
         if state.error_feedback:
             e = state.residuals.get(bucket)
             c = c + e
-        mean, sent = qsgd_allgather(state.comm, c, bits=state.bits, bucket=state.bucket_size,
-                                    seed=state.seed + state.calls * state.comm.size,
-                                    check=check)
+        # with error feedback the second result is c less what was sent: what quantisation
+        # left out (with triton, written in the mean's own pass)
+        mean, dropped = qsgd_allgather(state.comm, c, bits=state.bits,
+                                       bucket=state.bucket_size,
+                                       seed=state.seed + state.calls * state.comm.size,
+                                       check=check, residual=state.error_feedback)
         state.calls += 1
         if not state.error_feedback:
             return mean.to(g.dtype), None
-        dropped = c.sub_(sent)  # what quantisation left out (c is g + e, a tensor of its own)
 
         def settle(keep: bool) -> None:
             if keep:
