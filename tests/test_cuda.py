@@ -261,6 +261,38 @@ def test_the_device_checks_and_redsyncs_top_k_read_once():
     assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
+def test_sidco_fits_as_on_the_cpu_with_one_read_a_stage():
+    """SIDCo's stages on the GPU (compiled kernels): the CPU's thresholds to rounding and its
+    selections, for every fit and 1 to 3 stages, 32-, 16- and 64-bit scores; a fit of three
+    stages waits for the device three times."""
+    import warnings
+
+    from bitcomm.codecs import sidco
+
+    g = torch.Generator().manual_seed(12)
+    laplace = torch.distributions.Laplace(0.0, 1.0).sample((1_000_003,)).abs()
+    sparse = torch.randn(500_000, generator=g).abs() * (torch.rand(500_000, generator=g) < 0.1)
+    for v in (laplace, sparse, laplace.half(), laplace.double() * 1e200):
+        for dist, stages in itertools.product(sidco.DISTRIBUTIONS, (1, 3)):
+            cpu = sidco.threshold(v, 0.001, dist, stages)
+            gpu = sidco.threshold(v.cuda(), 0.001, dist, stages)
+            assert gpu == pytest.approx(cpu, rel=1e-12), (v.dtype, dist, stages)
+            assert torch.equal(sidco.sidco(v, 1000, dist, stages),
+                               sidco.sidco(v.cuda(), 1000, dist, stages).cpu())
+    on_gpu = laplace.cuda()
+    sidco.threshold(on_gpu, 0.001, "pareto", 3)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            sidco.threshold(on_gpu, 0.001, "pareto", 3)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 3, [str(w.message) for w in syncs]
+
+
 def test_radix_selection_gives_the_cpus_sets_for_every_dtype_and_side():
     """select_abs, select_side and topk select on the GPU by radix selection (compiled, not
     interpreted): the CPU's sets, ties to lower indices, for 32-, 64- and 16-bit floats; with

@@ -474,6 +474,41 @@ def test_qsgd_mean_is_the_rank_order_sum_of_the_decodes(nbits):
                                   (xs[keep].numpy() - decoded[keep]).view(np.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_sidco_stage_sums_what_each_fit_needs_of_the_scaled_scores(dtype):
+    """sidco_stage divides each score by the largest in float64 (correctly rounded, as numpy
+    does) and sums per tile: counts, a later stage's least and largest exactly as numpy's, the
+    fits' sums
+    (a later stage's of the exceedances of eta, less eta) to float64 rounding; at awkward
+    lengths (one element, a tile less and more one, a partial last tile), with zeros."""
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 1023, 1025, 5000):
+        x = (torch.randn(n, generator=g).abs() * 3).to(dtype)
+        x[1::7] = 0.0
+        top = x.max()
+        y = x.double().numpy() / np.float64(top)  # the quotients as numpy divides
+        for eta in (None, 0.125, 2.0):
+            taken = y if eta is None else y[y >= eta]
+            z = taken - (eta or 0.0)
+            pos = taken[taken > 0]
+            want = {"exponential": [z.sum()],
+                    "pareto": [z.mean() if z.size else 0.0, ((z - z.mean()) ** 2).sum()
+                               if z.size else 0.0],
+                    "gamma": [pos.size, pos.sum(), np.log(pos).sum()]}
+            for kind in _kernels.SIDCO_KINDS:
+                got = _kernels.sidco_stage(x, kind, top if eta is None else float(top),
+                                           eta or 0.0).tolist()
+                assert got[0] == taken.size, (n, eta, kind)
+                if eta is not None and taken.size:  # the first stage's range is aminmax's
+                    assert got[1:3] == [taken.min(), taken.max()], (n, eta, kind)
+                assert got[3:] == pytest.approx(want[kind], rel=1e-12, abs=1e-12), \
+                    (n, eta, kind)
+    with pytest.raises(ValueError, match="expected kind"):
+        _kernels.sidco_stage(x, "cauchy", top)
+    with pytest.raises(TypeError, match="contiguous float"):
+        _kernels.sidco_stage(x[::2], "pareto", top)
+
+
 def test_qsgd_mean_takes_one_pass_over_the_frames(launched):
     """The Triton path decodes no frame on its own: one launch checks every frame and
     computes its steps, then one mean kernel (a full-tile launch and a last-tile one), no

@@ -1,3 +1,4 @@
+import inspect
 import math
 
 import numpy as np
@@ -6,6 +7,8 @@ import torch
 
 from bitcomm.codecs import select, sidco
 from bitcomm.codecs.sidco import StageControl
+
+from conftest import OTHER_PATHS, VIEWS, forced, host_reads, needs_interpreter
 
 
 def test_worked_example_of_the_module_docstring():
@@ -169,8 +172,6 @@ def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, 
     """On a device a stage's range, scale and moments come back in one read, and the range
     checks the scores (NaN and inf reach it, and negative scores its least); a later stage
     also keeps only the exceedances (a mask: one more), and the selection is one."""
-    from conftest import forced, host_reads
-
     s = torch.randn(20_000, generator=torch.Generator().manual_seed(0)).abs()
     with forced("numpy"):
         want = sidco.sidco(s, 200, dist, stages)
@@ -181,14 +182,12 @@ def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, 
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("path", ["numpy", "torch"])
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
 @pytest.mark.parametrize("bad, problem", [(math.nan, "finite"), (math.inf, "finite"),
                                           (-math.inf, "finite"), (-1.0, "non-negative")])
 def test_both_paths_check_the_scores(path, bad, problem):
-    """Both paths refuse NaN, inf and negative scores for every fit, from the range they read
-    anyway (the numpy path's min and max, the torch path's stage read)."""
-    from conftest import forced
-
+    """Every path refuses NaN, inf and negative scores for every fit, from the range it reads
+    anyway (the numpy path's min and max, the torch and Triton paths' first stage read)."""
     s = torch.rand(1000, generator=torch.Generator().manual_seed(0))
     s[517] = bad
     with forced(path):
@@ -218,8 +217,6 @@ def _vectors():
 def test_the_numpy_and_torch_paths_fit_alike():
     """The numpy path sums a chunk at a time, the torch path over the whole vector: the same
     thresholds to rounding, and the same selections, for every fit and stage count."""
-    from conftest import forced
-
     for name, v in _vectors().items():
         for dist in sidco.DISTRIBUTIONS:
             for stages in (1, 2, 4):
@@ -235,11 +232,9 @@ def test_the_numpy_and_torch_paths_fit_alike():
                     assert torch.equal(got["numpy"][1], got["torch"][1]), case
 
 
-@pytest.mark.parametrize("path", ["numpy", "torch"])
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
 def test_the_fits_leave_the_scores_as_they_are(path):
     """The torch path scales a float64 copy in place: float64 scores must be copied too."""
-    from conftest import forced
-
     for dtype in (torch.float32, torch.float64):
         s = _samples("laplace", 10_000).to(dtype)
         before = s.clone()
@@ -247,6 +242,74 @@ def test_the_fits_leave_the_scores_as_they_are(path):
             for dist in sidco.DISTRIBUTIONS:
                 sidco.sidco(s, 100, dist, 3)
         assert torch.equal(s, before), dtype
+
+
+@needs_interpreter
+@pytest.mark.triton
+def test_the_triton_path_fits_as_the_numpy_path_does():
+    """The Triton path divides each score by the largest in float64 as the numpy path does
+    and sums a tile at a time: the same thresholds to rounding and the same selections, for
+    every fit, at one and several stages (shorter vectors: the interpreter is slow)."""
+    for name, v in _vectors().items():
+        v = v[:10_000]
+        for dist in sidco.DISTRIBUTIONS:
+            for stages, delta in ((1, 0.01), (3, 0.01), (2, 0.001)):
+                k = max(1, int(delta * v.numel()))
+                got = {}
+                for path in ("numpy", "triton"):
+                    with forced(path):
+                        got[path] = (sidco.threshold(v, delta, dist, stages),
+                                     sidco.sidco(v, k, dist, stages))
+                case = (name, dist, stages, delta)
+                assert got["numpy"][0] == pytest.approx(got["triton"][0], rel=1e-12), case
+                assert torch.equal(got["numpy"][1], got["triton"][1]), case
+
+
+@needs_interpreter
+@pytest.mark.triton
+@pytest.mark.parametrize("dist", sidco.DISTRIBUTIONS)
+def test_a_triton_stage_is_one_read_and_writes_nothing_the_size_of_the_scores(dist,
+                                                                             monkeypatch):
+    """On a GPU each stage is one kernel over the scores and one host read: no float64 copy,
+    no exceedance mask (whose size would be one more read); the largest tensor a fit makes is
+    its tiles' rows of sums."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bitcomm.codecs import _kernels
+
+    n = 20_000
+    s = _samples("laplace", n)
+    with forced("numpy"):
+        want = sidco.threshold(s, 0.01, dist, 3)
+    sizes, inside, original = [], [], _kernels.launch
+
+    class Sizes(TorchDispatchMode):  # the interpreter's own copies while a kernel runs left out
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not inside and func.__name__.split(".")[0] not in VIEWS:
+                sizes.extend(t.numel() for t in (out if isinstance(out, (list, tuple))
+                                                 else [out]) if isinstance(t, torch.Tensor))
+            return out
+
+    def launch(*a, **k):
+        inside.append(True)
+        try:
+            original(*a, **k)
+        finally:
+            inside.pop()
+
+    with forced("triton"):
+        seen = host_reads(monkeypatch, lambda: sidco.threshold(s, 0.01, dist, 3))
+        with pytest.MonkeyPatch.context() as mp, Sizes():
+            mp.setattr(_kernels, "launch", launch)
+            got = sidco.threshold(s, 0.01, dist, 3)
+    assert sizes
+    assert got == pytest.approx(want, rel=1e-12)
+    # one a stage (the gamma fit's inverse works on host floats: CPU tensors, no device read)
+    lines, first = inspect.getsourcelines(sidco._gamma_inverse)
+    assert len([line for _, _, line in seen if not first <= line < first + len(lines)]) == 3, \
+        seen
+    assert max(sizes) <= 6 * -(-n // 1024), max(sizes)
 
 
 def test_the_pareto_variance_is_exact_to_float64():

@@ -193,6 +193,16 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                             meta(8 * size, torch.uint8).view(8, size), size - (n * b + 7) // 8,
                             n, b, qsgd.DEFAULT_BUCKET, s.expand(8, -1), keep=3,
                             residual_of=meta(n, torch.float32))))
+    # SIDCo's stages: the first over every score (its largest read on the device), a later
+    # one over the exceedances of eta, taken as it reads
+    out += [(f"sidco {kind} stage, {which}", n,
+             lambda kind=kind, top=top, first=first: k.sidco_stage(x, kind, top,
+                                                                   0.0 if first else 0.25))
+            for kind, which, first, top in (
+                ("exponential", "first", True, meta(1, torch.float32)[0]),
+                ("pareto", "first", True, meta(1, torch.float32)[0]),
+                ("gamma", "first", True, meta(1, torch.float32)[0]),
+                ("pareto", "later", False, 1.5))]
     out += [("redsync-1% mean, max, check, count", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
              lambda: k.count_above(x, meta(63, torch.float32), 1, runs=True)),

@@ -17,6 +17,8 @@ launch never waits for the device.
   bucket is a power of two up to :data:`MAX_FUSED_BUCKET`; otherwise with per-bucket factors
   computed by torch. The decoder multiplies each level by its bucket's step;
   :func:`qsgd_mean` decodes many frames at once and writes only their mean.
+* :func:`sidco_stage`: one stage of :mod:`bitcomm.codecs.sidco`'s fits, the float64 sums of
+  the scores scaled by the largest (of a later stage's exceedances) in one read.
 * :func:`score_stats` / :func:`count_above` / :func:`indices_above`: the passes of
   :mod:`bitcomm.codecs.select`'s threshold searches (mean, max and finiteness; how many scores
   exceed each of a few dozen thresholds; the indices of those above the chosen one, whose
@@ -66,7 +68,7 @@ from bitcomm.codecs import _bracket
 __all__ = ["launch", "launch_tiles", "nonfinite", "sign_pack", "sign_unpack", "partial_sums",
            "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_steps", "qsgd_values", "qsgd_mean",
            "score_stats", "count_above", "Runs", "kth_largest", "top_indices", "indices_above",
-           "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
+           "sidco_stage", "SIDCO_KINDS", "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -77,6 +79,7 @@ TUNING: dict[str, tuple[int, int]] = {
     "sign_pack": (1024, 4),
     "sign_unpack": (512, 4),
     "partial_sums": (8192, 4),
+    "sidco_stage": (1024, 4),  # elements, as float64
     "nonfinite": (4096, 4),  # elements of 32 bits or fewer (half as many of float64)
     "planes_pack": (1024, 4),
     "radix_pack": (128, 4),
@@ -321,6 +324,108 @@ def partial_sums(x: torch.Tensor, squares: bool) -> torch.Tensor:
     out = torch.empty(grid[0], dtype=torch.float64, device=x.device)
     launch(_partial_sums_kernel, grid, x, out, n, SQUARES=squares, BLOCK=block, **opts)
     return out
+
+
+# --- SIDCo's fitting stages (bitcomm.codecs.sidco) -------------------------------------------
+
+SIDCO_KINDS = ("exponential", "pareto", "gamma")
+"""What a SIDCo stage sums (:func:`sidco_stage`): the kinds of fit it feeds."""
+
+
+@triton.jit
+def _sidco_stage_kernel(x_ptr, top_ptr, top_bits, eta_bits, out_ptr, n, KIND: tl.constexpr,
+                        FIRST: tl.constexpr, WIDEN: tl.constexpr, BLOCK: tl.constexpr):
+    # One program's row of a stage's sums over y = x / top (float64, correctly rounded; the
+    # first stage's top is read from top_ptr, where the range pass left it): the first stage
+    # takes every y, a later one those with y >= eta. Row: count, least y, largest y (a later
+    # stage's: the first's range is the range pass's), then for KIND 0 (exponential) the sum
+    # of z = y - eta; 1 (pareto) the tile's mean of z and its squared deviations from that
+    # mean (combined across tiles by Chan et al.'s update); 2 (gamma) the count, sum and sum
+    # of logs of the positive y. A later stage's top and every stage's eta arrive as their
+    # float64 bits (a float argument would be float32).
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    x = tl.load(x_ptr + i, mask=live, other=0.0)
+    if WIDEN:  # 16-bit floats widen through float32 (exact; the interpreter needs it for bf16)
+        x = x.to(tl.float32)
+    eta = eta_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    if FIRST:
+        top = tl.load(top_ptr).to(tl.float64)
+    else:
+        top = top_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    y = x.to(tl.float64) / top  # float64 "/" is div.rn.f64: correctly rounded
+    if FIRST:
+        taken = live
+    else:
+        taken = live & (y >= eta)
+    count = tl.sum(taken.to(tl.int32), axis=0).to(tl.float64)
+    row = out_ptr + pid.to(tl.int64) * 6
+    tl.store(row, count)
+    if not FIRST:  # the first stage's range is the range pass's
+        tl.store(row + 1, tl.min(tl.where(taken, y, float("inf")), axis=0))
+        tl.store(row + 2, tl.max(tl.where(taken, y, -float("inf")), axis=0))
+    z = tl.where(taken, y - eta, 0.0)
+    if KIND == 0:
+        tl.store(row + 3, tl.sum(z, axis=0))
+    elif KIND == 1:
+        mean = tl.sum(z, axis=0) / tl.maximum(count, 1.0)
+        dev = tl.where(taken, z - mean, 0.0)
+        tl.store(row + 3, mean)
+        tl.store(row + 4, tl.sum(dev * dev, axis=0))
+    else:
+        pos = taken & (y > 0)
+        tl.store(row + 3, tl.sum(pos.to(tl.int32), axis=0).to(tl.float64))
+        tl.store(row + 4, tl.sum(tl.where(pos, y, 0.0), axis=0))
+        tl.store(row + 5, tl.sum(tl.log(tl.where(pos, y, 1.0)), axis=0))
+
+
+def _float64_bits(value: float) -> int:
+    # A float64 as the signed integer of its bits: a kernel argument that keeps every bit.
+    return int(np.array(float(value), dtype=np.float64).view(np.int64))
+
+
+def sidco_stage(x: torch.Tensor, kind: str, top: torch.Tensor | float, eta: float = 0.0
+                ) -> torch.Tensor:
+    """Return a SIDCo stage's float64 sums over ``y = x / top`` on ``x``'s device: one read.
+
+    ``x``: contiguous float scores; ``top``: the first stage's largest score as a 0-d device
+    tensor (every ``y`` is taken), or a later stage's as a float (the ``y >= eta`` are
+    taken). Returns ``[count, least, largest, *sums]`` (``least`` and ``largest`` of a later
+    stage's ``y``; 0 in the first, whose range the caller has read to give ``top``), the sums
+    of :data:`SIDCO_KINDS`' ``kind`` over ``z = y - eta``: ``[sum]`` (exponential),
+    ``[mean, squared deviations]`` (pareto), ``[positive count, their sum, their sum of
+    logs]`` of ``y`` (gamma). ``y`` is each score's correctly rounded float64 quotient, as
+    the numpy path divides; nothing the size of ``x`` is written (per program a row of six
+    float64, added up by torch).
+    """
+    if kind not in SIDCO_KINDS:
+        raise ValueError(f"expected kind in {SIDCO_KINDS}, got {kind!r}")
+    if x.dtype not in _EXPONENT or not x.is_contiguous():
+        raise TypeError(f"expected contiguous float scores, got {x.dtype}")
+    first = isinstance(top, torch.Tensor)
+    n = x.numel()
+    block, opts = _config("sidco_stage")
+    grid = _grid(n, block)
+    rows = torch.zeros((grid[0], 6), dtype=torch.float64, device=x.device)
+    k = SIDCO_KINDS.index(kind)
+    if n:
+        launch(_sidco_stage_kernel, grid, x.detach().reshape(-1), top if first else rows,
+               0 if first else _float64_bits(top), _float64_bits(eta), rows, n, KIND=k,
+               FIRST=first, WIDEN=x.element_size() == 2, BLOCK=block, enable_fp_fusion=False,
+               **opts)
+    count = rows[:, 0].sum()
+    ends = [rows[:, 1].min(), rows[:, 2].max()]
+    if k == 0:
+        sums = [rows[:, 3].sum()]
+    elif k == 1:
+        # Chan, Golub and LeVeque: the tiles' means and squared deviations, combined exactly
+        mean = (rows[:, 0] * rows[:, 3]).sum() / count.clamp(min=1)  # none taken: 0
+        spread = rows[:, 4].sum() + (rows[:, 0] * (rows[:, 3] - mean) ** 2).sum()
+        sums = [mean, spread]
+    else:
+        sums = [rows[:, 3].sum(), rows[:, 4].sum(), rows[:, 5].sum()]
+    return torch.stack([count, *ends, *sums])
 
 
 # --- bit planes (bits, counts fixed and radix) ------------------------------------------------

@@ -48,9 +48,13 @@ writes nothing the size of the vector where it can help it. On a CPU (numpy's fl
 range is numpy's min and max, the first stage's moments are summed in float64 a chunk of 64K
 scores at a time (the chunks' variances combined pairwise, as exact as a two-pass variance), and
 a later stage keeps the exceedances, compared in the scores' own dtype, as scaled float64 values. On
-other devices each stage is torch ops over a scaled float64 copy, with one host read a stage
-(and one for the exceedances' mask) that also carries the range, so the checks cost no read of
-their own. The two paths' thresholds agree to rounding.
+a GPU (the Triton path) each stage is one kernel that reads the scores, divides each by the
+largest in float64 as the numpy path does, and sums a tile at a time, taking a later stage's
+exceedances as it reads: one read of the scores a stage (and one reduction for the first
+stage's range), nothing the size of the vector written, one host read a stage, which also
+carries the range, so the checks cost no read of their own. Without triton, each stage is torch
+ops over a scaled float64 copy, with one host read a stage (and one for the exceedances' mask).
+The paths' thresholds agree to rounding, and their selections are the same.
 
 Example: scores ``[4, 3, 2, 1, 0, 0, 0, 0]`` with ``k = 2`` (``delta = 0.25``), exponential
 stage: scaled scores have mean ``10 / 32 = 0.3125`` of the largest (4), ``eta = 4 * 0.3125 *
@@ -222,6 +226,56 @@ class _TorchStages:
         return float(torch.where(self.y > 0, self.y, math.inf).min())
 
 
+class _TritonStages:
+    """The stages' sums on the Triton path (a GPU's): one read of the scores a stage.
+
+    Each stage is one kernel over the scores (:func:`bitcomm.codecs._kernels.sidco_stage`)
+    that divides each by the largest in float64, as the numpy path does, and sums what the
+    fit needs per tile; the first stage's range comes from one reduction before it, whose
+    largest score the kernel reads on the device. A later stage takes the exceedances of the
+    last threshold as it reads, so nothing the size of the vector is written and no mask's
+    size is read: one host read a stage.
+    """
+
+    def __init__(self, s: torch.Tensor, check: bool):
+        self.s, self.check = s.contiguous(), check
+        self.top = math.nan
+        self.taken: float | None = None  # the last stage's eta (None: it took every score)
+        self.first = True
+
+    def stage(self, eta: float, kind: str) -> _Stage | None:
+        """Return the next stage's reading (``None``: no exceedance of ``eta``)."""
+        k = _frame.kernels()
+        if self.first:
+            self.first = False
+            low, top = torch.aminmax(self.s)
+            sums = k.sidco_stage(self.s, kind, top)
+            low, high, count, _, _, *moments = torch.cat(
+                [torch.stack([low, top]).to(torch.float64), sums]).tolist()  # the stage's read
+            _check_range(low, high, self.check)
+            self.top = high
+            if not high > 0:
+                return None
+            low, high = low / high, 1.0
+        else:
+            count, low, high, *moments = k.sidco_stage(self.s, kind, self.top, eta).tolist()
+            if count == 0:
+                return None
+            self.taken = eta
+        if kind == "exponential":
+            moments = [moments[0] / count]
+        elif kind == "pareto":
+            moments = [moments[0], moments[1] / count]
+        return _Stage(int(count), low, high, _fitted(kind, moments))
+
+    def least(self) -> float:
+        """Return the least positive score of the last stage (scaled)."""
+        y = self.s.to(torch.float64)
+        y /= torch.full((), self.top, dtype=torch.float64, device=y.device)  # correctly rounded
+        taken = y > 0 if self.taken is None else (y > 0) & (y >= self.taken)
+        return float(torch.where(taken, y, math.inf).min())
+
+
 class _NumpyStages:
     """The stages' scores on the numpy path (CPU tensors of numpy's float dtypes).
 
@@ -387,7 +441,12 @@ def threshold(scores: torch.Tensor, delta: float, dist: str = "exponential", sta
         stages = 1
     ratios = [delta] if stages == 1 else \
         [first] + [(delta / first) ** (1 / (stages - 1))] * (stages - 1)
-    data = _NumpyStages(s, check) if _frame.numpy_float(s) else _TorchStages(s, check)
+    if _frame.numpy_float(s):
+        data = _NumpyStages(s, check)
+    elif _frame.use_triton(s):
+        data = _TritonStages(s, check)
+    else:
+        data = _TorchStages(s, check)
     eta = 0.0
     for m, ratio in enumerate(ratios):
         gamma = m == 0 and dist == "gamma-pareto"
