@@ -1,4 +1,5 @@
 import inspect
+import itertools
 import math
 
 import numpy as np
@@ -217,19 +218,26 @@ def _vectors():
 def test_the_numpy_and_torch_paths_fit_alike():
     """The numpy path sums a chunk at a time, the torch path over the whole vector: the same
     thresholds to rounding, and the same selections, for every fit and stage count."""
+    _assert_fits_alike("torch", None, itertools.product((1, 2, 4), (0.1, 0.01, 0.001)))
+
+
+def _assert_fits_alike(path, length, cases):
+    # Each vector (its first `length` scores), fit and (stages, delta) of cases: the numpy
+    # path's threshold to rounding on `path`, and its selection.
+    cases = list(cases)
     for name, v in _vectors().items():
+        v = v[:length]
         for dist in sidco.DISTRIBUTIONS:
-            for stages in (1, 2, 4):
-                for delta in (0.1, 0.01, 0.001):
-                    k = max(1, int(delta * v.numel()))
-                    got = {}
-                    for path in ("numpy", "torch"):
-                        with forced(path):
-                            got[path] = (sidco.threshold(v, delta, dist, stages),
-                                         sidco.sidco(v, k, dist, stages))
-                    case = (name, dist, stages, delta)
-                    assert got["numpy"][0] == pytest.approx(got["torch"][0], rel=1e-12), case
-                    assert torch.equal(got["numpy"][1], got["torch"][1]), case
+            for stages, delta in cases:
+                k = max(1, int(delta * v.numel()))
+                got = {}
+                for p in ("numpy", path):
+                    with forced(p):
+                        got[p] = (sidco.threshold(v, delta, dist, stages),
+                                  sidco.sidco(v, k, dist, stages))
+                case = (name, dist, stages, delta)
+                assert got["numpy"][0] == pytest.approx(got[path][0], rel=1e-12), case
+                assert torch.equal(got["numpy"][1], got[path][1]), case
 
 
 @pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
@@ -250,19 +258,7 @@ def test_the_triton_path_fits_as_the_numpy_path_does():
     """The Triton path divides each score by the largest in float64 as the numpy path does
     and sums a tile at a time: the same thresholds to rounding and the same selections, for
     every fit, at one and several stages (shorter vectors: the interpreter is slow)."""
-    for name, v in _vectors().items():
-        v = v[:10_000]
-        for dist in sidco.DISTRIBUTIONS:
-            for stages, delta in ((1, 0.01), (3, 0.01), (2, 0.001)):
-                k = max(1, int(delta * v.numel()))
-                got = {}
-                for path in ("numpy", "triton"):
-                    with forced(path):
-                        got[path] = (sidco.threshold(v, delta, dist, stages),
-                                     sidco.sidco(v, k, dist, stages))
-                case = (name, dist, stages, delta)
-                assert got["numpy"][0] == pytest.approx(got["triton"][0], rel=1e-12), case
-                assert torch.equal(got["numpy"][1], got["triton"][1]), case
+    _assert_fits_alike("triton", 10_000, [(1, 0.01), (3, 0.01), (2, 0.001)])
 
 
 @needs_interpreter
