@@ -456,15 +456,17 @@ def test_off_the_numpy_path_a_step_reads_its_overflow_once(path, monkeypatch):
             and first <= line < first + len(lines)] == ["tolist"], six
 
 
-@pytest.mark.parametrize("kind", ["qsgd", "ring"])
+@pytest.mark.parametrize("kind", ["qsgd", "ring", "topk"])
 def test_off_the_numpy_path_the_exchanges_checks_ride_on_the_steps_read(kind, monkeypatch):
-    """qsgd_allgather and the unfused majorities check what they received with one read at
-    the end of a call. Under check=True a step's futures wait for its agreement anyway, so
-    those checks are read there, with the overflow flags: a step reads the host as often with
-    six buckets as with one (3 ranks, 1001 elements a bucket: the ring's payloads are padded)."""
+    """qsgd_allgather, the unfused majorities and sparse_allgather check what they received
+    with one read at the end of a call. Under check=True a step's futures wait for its
+    agreement anyway, so those checks are read there, with the overflow flags: a step reads
+    the host as often with six buckets as with one (3 ranks, 1001 elements a bucket: the
+    ring's payloads are padded; top-k's frames hold fp32 values)."""
     make = {"qsgd": (qsgd_hook, lambda c: QsgdState(c, bits=4, bucket_size=64, overlap=False)),
             "ring": (sign_majority_hook,
-                     lambda c: SignState(c, collective="ring", overlap=False))}[kind]
+                     lambda c: SignState(c, collective="ring", overlap=False)),
+            "topk": (topk_hook, lambda c: TopkState(c, density=0.05, overlap=False))}[kind]
 
     def reads(buckets):
         def rank_fn(comm):

@@ -14,6 +14,7 @@ bytes; the tests check that on the CPU by forcing the torch path, and the Triton
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import importlib.metadata
@@ -205,6 +206,24 @@ def check_later(flag: torch.Tensor, fallback) -> None:
     elif bool(flag):
         fallback()
         raise AssertionError("a payload was flagged that the precise check accepted")
+
+
+def deferring() -> bool:
+    """Say whether :func:`check_later` defers here: inside a :class:`deferred` block.
+
+    A decoder that would read its checks before handing out indices may then hand them out
+    clamped into range instead (they address only memory they may until the block's read
+    raises), and leave its flags to the block.
+    """
+    return _PENDING.get() is not None
+
+
+def deferred_here():
+    """Return a :class:`deferred` block, or, inside one already, a block that does nothing.
+
+    For code whose flags may wait for whichever block encloses it: one read for all.
+    """
+    return contextlib.nullcontext() if deferring() else deferred()
 
 
 def read_checked(checks: list, values: torch.Tensor | None = None) -> list:

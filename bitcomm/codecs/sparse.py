@@ -147,8 +147,10 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
         raise ValueError(f"expected as many values as indices ({k}), got {val.numel()}")
     device = val.device
     idx = idx.to(device=device, dtype=torch.int64)
-    # qsgd values off the numpy path: the entries' check is read with the qsgd block's
-    later = isinstance(fmt, Qsgd) and not _frame.use_numpy(idx)
+    # Off the numpy path the entries' check is a device flag, read with the qsgd block's, or
+    # with the enclosing block's flags (a collective's, which reads once at its end: a broken
+    # frame then still goes out, and its receivers flag it too).
+    later = not _frame.use_numpy(idx) and (isinstance(fmt, Qsgd) or _frame.deferring())
     if k and check:
         idx, order = idx.sort()
         val = val[order]
@@ -159,23 +161,27 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
         _frame.host_bytes(HEADER.pack(n, k, code), device),
         _frame.float_bytes(idx.to(_index_dtype(n))),
     ]
-    if isinstance(fmt, Qsgd):
-        with _frame.deferred():  # one host read for both checks, the entries' first
-            if later and k and check:
-                broken = ((idx[0] < 0) | (idx[-1] >= n) | (idx[1:] == idx[:-1]).any()
-                          | _frame.nonfinite_any(val, as_float32=True))
-                _frame.check_later(broken, lambda: _check_entries(idx, val, n, fp16=False))
+    # one host read for both checks (the entries' first), unless an enclosing block reads
+    with _frame.deferred_here():
+        if later and k and check:
+            broken = ((idx[0] < 0) | (idx[-1] >= n) | (idx[1:] == idx[:-1]).any()
+                      | _frame.nonfinite_any(val, as_float32=True))
+            if fmt == "fp16":
+                broken |= (val.abs() > FP16_MAX).any()
+            _frame.check_later(broken, lambda: _check_entries(idx, val, n, fp16=fmt == "fp16"))
+        if isinstance(fmt, Qsgd):
             parts.append(qsgd.encode(val, fmt.bits, fmt.bucket, scale=fmt.scale,
                                      seed=fmt.seed))
-    elif fmt == "fp32":
-        parts.append(_frame.float_bytes(val.to(torch.float32)))
-    elif fmt == "fp16":
-        parts.append(_frame.float_bytes(val.to(torch.float16)))
-    else:
-        # Accumulated in float64, rounded once to float32, on the device: no host round trip.
-        mean = (val.to(torch.float64).mean() if k else torch.zeros((), dtype=torch.float64,
-                                                                   device=device))
-        parts.append(_frame.float_bytes(mean.to(torch.float32).reshape(1)))
+        elif fmt == "fp32":
+            parts.append(_frame.float_bytes(val.to(torch.float32)))
+        elif fmt == "fp16":
+            parts.append(_frame.float_bytes(val.to(torch.float16)))
+        else:
+            # Accumulated in float64, rounded once to float32, on the device: no host round
+            # trip.
+            mean = (val.to(torch.float64).mean() if k else torch.zeros((), dtype=torch.float64,
+                                                                       device=device))
+            parts.append(_frame.float_bytes(mean.to(torch.float32).reshape(1)))
     return torch.cat(parts)
 
 
@@ -385,9 +391,26 @@ def _rows(bufs: list[torch.Tensor], n: int, k: int, form: str, code: int, dtype:
     flags = [(rows[:, : HEADER.size] != header).any(), (idx[:, 0] < 0).any(),
              (idx[:, -1] >= n).any(), (idx[:, 1:] <= idx[:, :-1]).any(),
              _frame.nonfinite_any(parts[1])]
-    if bool(torch.stack(flags).any()):  # the one host read
-        return None
-    return [(idx[i], val[i]) for i in range(len(bufs))]
+    idx = _checked(torch.stack(flags).any(), idx, n,
+                   lambda: _one_by_one(bufs, [k] * len(bufs), n, k, code, dtype))
+    return None if idx is None else [(idx[i], val[i]) for i in range(len(bufs))]
+
+
+def _checked(flag: torch.Tensor, idx: torch.Tensor, n: int, fallback) -> torch.Tensor | None:
+    # The device paths' checks: read now (None: a rule is broken, else idx), or, inside a
+    # deferred block (a collective's, whose caller may take its flags), left to the block's
+    # read, the indices handed out in range until then.
+    if not _frame.deferring():
+        return None if bool(flag) else idx  # the one host read
+    _frame.check_later(flag, fallback)
+    return _in_range(idx, n)
+
+
+def _in_range(idx: torch.Tensor, n: int) -> torch.Tensor:
+    # Indices whose check an enclosing block reads later, clamped into [0, n): until that
+    # read raises, a broken frame's indices address only the vector's own memory. A copy:
+    # they may view the frame, which the precise check re-reads if a rule is broken.
+    return idx.clamp(0, max(n - 1, 0))
 
 
 def _qsgd_rows(bufs: list[torch.Tensor], ks: list[int | None], n: int, expected: int | None,
@@ -395,7 +418,8 @@ def _qsgd_rows(bufs: list[torch.Tensor], ks: list[int | None], n: int, expected:
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Frames of qsgd values that all hold k entries (their sizes say so), stacked: the
     # headers' and indices' checks and the qsgd blocks' (qsgd.decode_all) share one host
-    # read, made before any index is returned.
+    # read, made before any index is returned (or an enclosing block's, the indices kept in
+    # range until then).
     k = ks[0]
     assert k is not None
     rows = _frame.rows_of(bufs)
@@ -409,11 +433,14 @@ def _qsgd_rows(bufs: list[torch.Tensor], ks: list[int | None], n: int, expected:
     if k:
         flags += [(idx[:, 0] < 0).any(), (idx[:, -1] >= n).any(),
                   (idx[:, 1:] <= idx[:, :-1]).any()]
-    with _frame.deferred():
+    outer = _frame.deferring()
+    with _frame.deferred_here():  # inside a collective's block, its read is this one
         _frame.check_later(torch.stack(flags).any(),
                            lambda: _one_by_one(bufs, ks, n, expected, code, dtype))
         values = qsgd.decode_all([rows[i, end:] for i in range(len(bufs))], k, form.bits,
                                  form.bucket, scale=form.scale, dtype=dtype)
+    if outer:
+        idx = _in_range(idx, n)
     return [(idx[i], values[i]) for i in range(len(bufs))]
 
 
@@ -436,13 +463,15 @@ def _indices_flagged(b: torch.Tensor, n: int, k: int, code: int, flags: list[tor
 def _qsgd_each(bufs: list[torch.Tensor], ks: list[int], n: int, form: Qsgd, code: int,
                dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Frames of qsgd values of any sizes: each one's checks as device flags, read with every
-    # qsgd block's in one host read, made before any index is returned.
+    # qsgd block's in one host read, made before any index is returned (or an enclosing
+    # block's, the indices kept in range until then).
     flags: list[torch.Tensor] = []
     entries = []
-    with _frame.deferred():
+    outer = _frame.deferring()
+    with _frame.deferred_here():  # inside a collective's block, its read is this one
         for b, k in zip(bufs, ks, strict=True):
             idx, end = _indices_flagged(b, n, k, code, flags)
-            entries.append((idx, b[end:]))
+            entries.append((_in_range(idx, n) if outer else idx, b[end:]))
         _frame.check_later(torch.stack(flags).any(),
                            lambda: _one_by_one(bufs, ks, n, None, code, dtype))
         out = [(idx, qsgd.decode_all([block], k, form.bits, form.bucket, scale=form.scale,
@@ -494,9 +523,9 @@ def _each(bufs: list[torch.Tensor], ks: list[int], n: int, form: str, code: int,
             torch.float32 if form == "fp32" else torch.float16)
         flags.append(_frame.nonfinite_any(val))
         val = val.to(dtype)
-    if bool(torch.stack(flags).any()):  # the one host read
-        return None
-    return list(zip(idx.split(ks), val.split(ks), strict=True))
+    idx = _checked(torch.stack(flags).any(), idx, n,
+                   lambda: _one_by_one(bufs, ks, n, None, code, dtype))
+    return None if idx is None else list(zip(idx.split(ks), val.split(ks), strict=True))
 
 
 def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
-from bitcomm.codecs import redsync, select, sparse
+from bitcomm.codecs import _frame, redsync, select, sparse
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm
 
@@ -104,38 +104,44 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
         made.append(frame)
         return frame.numel()
 
-    v, lengths = _common.prepare_sized(comm, x, check, "sparse_allgather", encode, float32=True,
-                                       options=_call_options(k, fmt, method, side),
-                                       validate=validate)
-    n, frame = v.numel(), made[0]
-    fixed = _fixed_length(n, k, fmt, method)
-    if comm.size > 1:
-        if lengths is None and fixed is not None:
-            if frame.numel() != fixed:  # the selector broke its promise of exactly k
-                raise RuntimeError(f"sparse_allgather: expected a {fixed}-byte frame from "
-                                   f"{method!r}, built {frame.numel()} bytes")
-            lengths = [fixed] * comm.size
-        elif lengths is None:
-            lengths = [c for (c,) in comm.allgather_ints([frame.numel()])]
-        # Bounded before anything is allocated: no frame of n entries is longer, nor any
-        # shorter than its header (the same lengths, and the same error, on every rank).
-        most = sparse.encoded_size(n, n, fmt)
-        bad = [r for r, b in enumerate(lengths) if not sparse.HEADER.size <= b <= most]
-        if bad:
-            raise ValueError(f"sparse_allgather: rank(s) {bad} announced frames of "
-                             f"{[lengths[r] for r in bad]} bytes, beyond {sparse.HEADER.size}.."
-                             f"{most} for n={n}")
-        frames = comm.allgatherv(frame, lengths)
-    else:
-        frames = [frame]
-    dense = torch.zeros(n, dtype=torch.float32, device=v.device)
-    # Frames of one known format, each as long as its entries (the lengths are known to every
-    # rank): checked together, one host read on a device. This rank's entries come back as
-    # the receivers decode them, for the sum and the caller's residual bookkeeping.
-    entries = sparse.decode_all([f.to(v.device) for f in frames], n,
-                                k if fixed is not None else None, fmt)
-    for idx, val in entries:  # in rank order, so the sum is the same on every rank
-        dense.index_add_(0, idx, val)  # what sparse.decode(out=dense) adds
+    # The checks of the entries this rank encodes (without the agreement) and of every frame it
+    # decodes are read once, at the end (on a device, one wait per call; inside a DDP hook's
+    # step, at its agreement): until then decoded indices stay in range, and a broken frame
+    # still goes out, so every rank raises instead of waiting for it.
+    with _frame.deferred(handover=True):
+        v, lengths = _common.prepare_sized(comm, x, check, "sparse_allgather", encode,
+                                           float32=True,
+                                           options=_call_options(k, fmt, method, side),
+                                           validate=validate)
+        n, frame = v.numel(), made[0]
+        fixed = _fixed_length(n, k, fmt, method)
+        if comm.size > 1:
+            if lengths is None and fixed is not None:
+                if frame.numel() != fixed:  # the selector broke its promise of exactly k
+                    raise RuntimeError(f"sparse_allgather: expected a {fixed}-byte frame from "
+                                       f"{method!r}, built {frame.numel()} bytes")
+                lengths = [fixed] * comm.size
+            elif lengths is None:
+                lengths = [c for (c,) in comm.allgather_ints([frame.numel()])]
+            # Bounded before anything is allocated: no frame of n entries is longer, nor any
+            # shorter than its header (the same lengths, and the same error, on every rank).
+            most = sparse.encoded_size(n, n, fmt)
+            bad = [r for r, b in enumerate(lengths) if not sparse.HEADER.size <= b <= most]
+            if bad:
+                raise ValueError(f"sparse_allgather: rank(s) {bad} announced frames of "
+                                 f"{[lengths[r] for r in bad]} bytes, beyond "
+                                 f"{sparse.HEADER.size}..{most} for n={n}")
+            frames = comm.allgatherv(frame, lengths)
+        else:
+            frames = [frame]
+        dense = torch.zeros(n, dtype=torch.float32, device=v.device)
+        # Frames of one known format, each as long as its entries (the lengths are known to
+        # every rank): checked together. This rank's entries come back as the receivers decode
+        # them, for the sum and the caller's residual bookkeeping.
+        entries = sparse.decode_all([f.to(v.device) for f in frames], n,
+                                    k if fixed is not None else None, fmt)
+        for idx, val in entries:  # in rank order, so the sum is the same on every rank
+            dense.index_add_(0, idx, val)  # what sparse.decode(out=dense) adds
     return dense.reshape(x.shape), entries[comm.rank]
 
 
