@@ -130,7 +130,8 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
         n: the dense length.
         fmt: ``"fp32"``, ``"fp16"``, ``"mean"``, ``"qsgd"`` or a :class:`Qsgd` with settings.
         check: sort the entries and check them (indices in range and distinct, values finite
-            and, for fp16, in its range), which costs a host read on a GPU. ``False`` is for
+            and, for fp16, in its range), which costs a host read on a GPU (inside a
+            ``_frame.deferred`` block, a flag that the block's one read covers). ``False`` is for
             callers whose entries are already so (a selector's ascending indices of a checked
             vector); broken entries then make a broken frame.
 
@@ -300,7 +301,8 @@ def decode_all(frames: list[torch.Tensor], n: int, k: int | None, fmt: ValueForm
     (:func:`entries_in`). Off the numpy path (CUDA), where ``decode_entries`` reads each
     frame's header and rules to the host, the frames are compared with the expected header
     and checked on the device (for qsgd values, with their qsgd blocks), and one host read
-    covers them all.
+    covers them all; inside a ``_frame.deferred`` block (a collective's) that read is the
+    block's, at its end, and until then the indices are handed out clamped into ``[0, n)``.
     """
     form = value_format(fmt)
     n = _frame.check_count(n, "n")
