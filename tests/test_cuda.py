@@ -447,23 +447,30 @@ def test_the_sync_count_of_each_collective_on_the_gpu():
     assert got["oktopk"] <= 5, got
 
 
-def test_a_hook_step_waits_as_often_with_six_buckets_as_with_one():
-    """Under check=True qsgd_hook's exchanges hand their checks to the step's one read: a step
-    of six CUDA buckets synchronises as often as a step of one (3 ranks as threads)."""
+@pytest.mark.parametrize("kind", ["qsgd", "topk"])
+def test_a_hook_step_waits_as_often_with_six_buckets_as_with_one(kind):
+    """Under check=True qsgd_hook's and topk_hook's exchanges hand their checks to the step's
+    one read: a step of six CUDA buckets synchronises as often as a step of one (3 ranks as
+    threads; the top-k's radix selection reads nothing)."""
     from test_hooks import Bucket
 
     from bitcomm.comm import run_local
-    from bitcomm.train.hooks import QsgdState, qsgd_hook
+    from bitcomm.train.hooks import QsgdState, TopkState, qsgd_hook, topk_hook
+
+    hook, make = {"qsgd": (qsgd_hook, lambda c: QsgdState(c, bits=4, bucket_size=64,
+                                                          overlap=False)),
+                  "topk": (topk_hook, lambda c: TopkState(c, density=0.05,
+                                                          overlap=False))}[kind]
 
     def syncs(buckets):
         def rank_fn(comm):
-            state = QsgdState(comm, bits=4, bucket_size=64, overlap=False)
+            state = make(comm)
             params = [torch.zeros(1001, device="cuda") for _ in range(buckets)]
 
             def step(k):
                 grads = [torch.randn(1001, generator=torch.Generator().manual_seed(
                     100 * k + 10 * i + comm.rank)).cuda() for i in range(buckets)]
-                futures = [qsgd_hook(state, Bucket(i, [p], [g], last=i == buckets - 1))
+                futures = [hook(state, Bucket(i, [p], [g], last=i == buckets - 1))
                            for i, (p, g) in enumerate(zip(params, grads, strict=True))]
                 return [f.wait() for f in futures]
 
