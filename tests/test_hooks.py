@@ -26,7 +26,7 @@ from bitcomm.train.hooks import (
     topk_hook,
 )
 
-from conftest import forced, host_reads, needs_interpreter
+from conftest import OTHER_PATHS, forced, host_reads, needs_interpreter
 
 
 class Bucket:
@@ -456,8 +456,10 @@ def test_off_the_numpy_path_a_step_reads_its_overflow_once(path, monkeypatch):
             and first <= line < first + len(lines)] == ["tolist"], six
 
 
+@pytest.mark.parametrize("path", OTHER_PATHS)
 @pytest.mark.parametrize("kind", ["qsgd", "ring", "topk"])
-def test_off_the_numpy_path_the_exchanges_checks_ride_on_the_steps_read(kind, monkeypatch):
+def test_off_the_numpy_path_the_exchanges_checks_ride_on_the_steps_read(kind, path,
+                                                                       monkeypatch):
     """qsgd_allgather, the unfused majorities and sparse_allgather check what they received
     with one read at the end of a call. Under check=True a step's futures wait for its
     agreement anyway, so those checks are read there, with the overflow flags: a step reads
@@ -483,7 +485,7 @@ def test_off_the_numpy_path_the_exchanges_checks_ride_on_the_steps_read(kind, mo
             step(0)  # the layout's own agreements
             return state, step
 
-        with forced("torch"):
+        with forced(path):
             ranks = run_local(rank_fn, 3)
             got = []
             seen = host_reads(monkeypatch, lambda: got.extend(
