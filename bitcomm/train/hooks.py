@@ -49,19 +49,19 @@ bucket, instead of once per bucket: each bucket is exchanged without the collect
 agreement (a rank whose bucket holds NaN or inf, or a float64 beyond float32's range, sends
 a finite stand-in: zeros; on a device those elements are zeroed in the bucket's buffer itself,
 which the step's all-NaN result replaces anyway, as DDP's own allreduce hook works in it), the
-buckets'
-futures and buffer updates are held, and the last bucket's exchange is followed by one
-24-byte record per rank saying whether any of the rank's buckets overflowed, with the hook's
-options and the step's bucket lengths. If any rank overflowed, every bucket of the step becomes
-all-NaN on every rank and every buffer stays as it was; that is what DDP's own allreduce hands
-a ``torch.amp.GradScaler``, which then skips the step everywhere and backs off. Otherwise the
-buffers take their updates and the futures complete. On a GPU the step's overflow flags are one
-host read, and the checks the exchanges make of what they received (qsgd's frames, an unfused
-majority's payloads) come back in it rather than in a read per bucket; a corrupt payload fails
-every bucket of the step on every rank (the receiving rank with the decoder's error, through
-the agreement), and the buffers stay as they were. A bucket layout the state has not seen
-before (the first step, DDP's rebuild) is exchanged with the collective's own agreement as
-well, so ranks with different options or lengths raise on every rank before its bytes move.
+buckets' futures and buffer updates are held, and the last bucket's exchange is followed by
+one 24-byte record per rank saying whether any of the rank's buckets overflowed, with the
+hook's options and the step's bucket lengths. If any rank overflowed, every bucket of the step
+becomes all-NaN on every rank and every buffer stays as it was; that is what DDP's own
+allreduce hands a ``torch.amp.GradScaler``, which then skips the step everywhere and backs off.
+Otherwise the buffers take their updates and the futures complete. On a GPU the step's overflow
+flags are one host read, and the checks the exchanges make of what they sent and received
+(qsgd's frames, an unfused majority's payloads, the top-k hook's sparse frames) come back in it
+rather than in a read per bucket; a corrupt payload fails every bucket of the step on every
+rank (the receiving rank with the decoder's error, through the agreement), and the buffers stay
+as they were. A bucket layout the state has not seen before (the first step, DDP's rebuild) is
+exchanged with the collective's own agreement as well, so ranks with different options or
+lengths raise on every rank before its bytes move.
 DDP calls a step's hooks before it waits for any of their futures; code that calls a hook by
 hand must do the same, since a bucket's future completes only after the step's last bucket.
 Until then the state holds each bucket's next buffer values (about one float32 copy of the
