@@ -156,9 +156,11 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
 @click.option("--arch", type=click.IntRange(70), default=90, show_default=True,
               help="CUDA compute capability to compile for (90: H100).")
 @click.option("--only", default=None, help="Only the cases whose name contains this text.")
+@click.option("--jobs", type=click.IntRange(1), default=None,
+              help="Processes that compile the cases  [default: the CPUs, at most 8]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Directory for kernels-smARCH.json and .csv.")
-def bench_kernels(n: int, arch: int, only: str | None, out_dir: str) -> None:
+def bench_kernels(n: int, arch: int, only: str | None, jobs: int | None, out_dir: str) -> None:
     """Report what each Triton kernel compiles to for a GPU, without one: registers, spills.
 
     Needs triton (the dev extra), whose bundled ptxas and cuobjdump do the work; no GPU and no
@@ -183,7 +185,8 @@ def bench_kernels(n: int, arch: int, only: str | None, out_dir: str) -> None:
                    f"{row.per_element:>6.1f} {row.loads:>5.2f} {row.stores:>6.2f}  "
                    f"{row.config}")
 
-    rows = bench_mod.run(n, arch=arch, only=only, progress=show)
+    jobs = jobs or min(os.cpu_count() or 1, 8)
+    rows = bench_mod.run(n, arch=arch, only=only, progress=show, jobs=jobs)
     if not rows:
         raise click.BadParameter(f"no case name contains {only!r}", param_hint="--only")
     _save(Path(out_dir), f"kernels-sm{arch}", config, [r.as_dict() for r in rows])

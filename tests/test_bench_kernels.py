@@ -107,6 +107,18 @@ def test_only_filters_cases_and_unknown_names_fail(tmp_path):
     assert result.returncode == 2 and "no case name contains" in result.stderr
 
 
+def test_processes_give_the_rows_of_one_in_the_cases_order(tmp_path):
+    """--jobs 2 compiles the cases in two spawned processes: the same rows, in the same
+    order, as one process."""
+    got = []
+    for jobs in ("1", "2"):
+        out = tmp_path / jobs
+        result = _bench(out, "--only", "sign", "--n", "1M", "--jobs", jobs)
+        assert result.returncode == 0, result.stderr[-2000:]
+        got.append(json.loads((out / "kernels-sm90.json").read_text())["rows"])
+    assert len(got[0]) > 3 and got[0] == got[1]
+
+
 def test_interpreted_kernels_cannot_be_compiled(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert "TRITON_INTERPRET" in kernels.available()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import multiprocessing
 import os
 import re
 import subprocess
@@ -316,40 +317,62 @@ def _machine_code(cubin: bytes) -> tuple[Counter, Counter, int, int]:
 
 
 def run(n: int = 1 << 26, *, arch: int = ARCH, only: str | None = None,
-        progress: Callable[[KernelRow], None] | None = None) -> list[KernelRow]:
-    """Compile every case of :func:`cases` (names containing ``only``) and return its rows."""
+        progress: Callable[[KernelRow], None] | None = None, jobs: int = 1) -> list[KernelRow]:
+    """Compile every case of :func:`cases` (names containing ``only``) and return its rows.
+
+    With ``jobs`` above 1 that many processes compile the cases (spawned: each imports torch
+    and triton once; a compile holds the GIL, so threads would not help); the rows come back
+    in the cases' order either way, each case's as soon as it and those before it are done.
+    """
     why = available()
     if why:
         raise RuntimeError(why)
+    chosen = [(n, arch, i) for i, (name, _, _) in enumerate(cases(n))
+              if only is None or only in name]
+    rows: list[KernelRow] = []
+    with contextlib.ExitStack() as stack:
+        if jobs > 1 and len(chosen) > 1:
+            pool = stack.enter_context(
+                multiprocessing.get_context("spawn").Pool(min(jobs, len(chosen))))
+            done = pool.imap(_case_rows, chosen)
+        else:
+            done = map(_case_rows, chosen)
+        for part in done:
+            for row in part:
+                rows.append(row)
+                if progress:
+                    progress(row)
+    return rows
+
+
+def _case_rows(task: tuple[int, int, int]) -> list[KernelRow]:
+    """Return the rows of case ``index`` of :func:`cases` at ``n`` compiled for ``arch``."""
+    n, arch, index = task
+    name, elements, launch = cases(n)[index]
     rows = []
-    for name, elements, launch in cases(n):
-        if only is not None and only not in name:
-            continue
-        with _recorded() as calls:
-            launch()
-        for kernel, grid, args, kwargs in calls:
-            compiled, config = _compile(kernel, args, kwargs, arch)
-            ops, loop, regs, stack = _machine_code(compiled.asm["cubin"])
-            threads = 32 * compiled.metadata.num_warps
-            run = Counter(ops)  # what a program runs
-            covered = elements
-            if kernel.fn.__name__ in _STRIDED:  # the tile loop runs once a tile
-                tiles = -(-elements // (grid[0] * kwargs["BLOCK"]))
-                run.update({op: count * (tiles - 1) for op, count in loop.items()})
-                covered = min(elements, grid[0] * tiles * kwargs["BLOCK"])
-            if kernel.fn.__name__ in _REPEATED:  # the loop runs once an item (a frame)
-                items = args[kernel.arg_names.index(_REPEATED[kernel.fn.__name__])]
-                run.update({op: count * (items - 1) for op, count in loop.items()})
-            programs = math.prod(grid)  # a grid of frames x blocks for qsgd_steps
-            lanes = threads * programs / covered  # lane-instructions per instruction per element
-            row = KernelRow(
-                case=name, kernel=kernel.fn.__name__.strip("_").removesuffix("_kernel"),
-                config=" ".join(f"{key}={value}" for key, value in config.items()),
-                arch=arch, programs=programs, warps=compiled.metadata.num_warps,
-                registers=regs, stack=stack, instructions=sum(ops.values()),
-                per_element=sum(run.values()) * lanes, loads=run["LDG"] * lanes,
-                stores=run["STG"] * lanes)
-            rows.append(row)
-            if progress:
-                progress(row)
+    with _recorded() as calls:
+        launch()
+    for kernel, grid, args, kwargs in calls:
+        compiled, config = _compile(kernel, args, kwargs, arch)
+        ops, loop, regs, stack = _machine_code(compiled.asm["cubin"])
+        threads = 32 * compiled.metadata.num_warps
+        executed = Counter(ops)  # what a program runs
+        covered = elements
+        if kernel.fn.__name__ in _STRIDED:  # the tile loop runs once a tile
+            tiles = -(-elements // (grid[0] * kwargs["BLOCK"]))
+            executed.update({op: count * (tiles - 1) for op, count in loop.items()})
+            covered = min(elements, grid[0] * tiles * kwargs["BLOCK"])
+        if kernel.fn.__name__ in _REPEATED:  # the loop runs once an item (a frame)
+            items = args[kernel.arg_names.index(_REPEATED[kernel.fn.__name__])]
+            executed.update({op: count * (items - 1) for op, count in loop.items()})
+        programs = math.prod(grid)  # a grid of frames x blocks for qsgd_steps
+        lanes = threads * programs / covered  # lane-instructions per instruction per element
+        row = KernelRow(
+            case=name, kernel=kernel.fn.__name__.strip("_").removesuffix("_kernel"),
+            config=" ".join(f"{key}={value}" for key, value in config.items()),
+            arch=arch, programs=programs, warps=compiled.metadata.num_warps,
+            registers=regs, stack=stack, instructions=sum(ops.values()),
+            per_element=sum(executed.values()) * lanes, loads=executed["LDG"] * lanes,
+            stores=executed["STG"] * lanes)
+        rows.append(row)
     return rows
