@@ -321,7 +321,7 @@ def run(n: int = 1 << 26, *, arch: int = ARCH, only: str | None = None,
     """Compile every case of :func:`cases` (names containing ``only``) and return its rows.
 
     With ``jobs`` above 1 that many processes compile the cases (spawned: each imports torch
-    and triton once; a compile holds the GIL, so threads would not help); the rows come back
+    and triton once; two threads compiled no faster than one in a trial); the rows come back
     in the cases' order either way, each case's as soon as it and those before it are done.
     """
     why = available()
