@@ -692,3 +692,41 @@ def test_qsgd_hook_error_feedback_keeps_what_quantisation_left_out(path):
             out, kept = got[r][step]
             assert torch.equal(out, mean), (step, r)
             assert torch.equal(kept.view(torch.int32), residual[r].view(torch.int32)), (step, r)
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sign_hook_momentum_is_signums_bit_for_bit(path, dtype):
+    """Each step a worker's momentum becomes torch's ``m.mul(beta).add_(g, alpha=1 - beta)``
+    of its gradient (a float16 one rounded to float32 first), bit for bit on every path, and
+    the vote is on that momentum: where the two workers' momenta agree in sign, so does the
+    result."""
+    size, n, beta = 2, 3000, 0.9
+
+    def grads(rank, step):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + step))
+        return g.to(dtype)
+
+    def rank_fn(comm):
+        state = SignState(comm, momentum=beta, overlap=False)
+        p, got = torch.zeros(n), []
+        for step in range(3):
+            out = sign_majority_hook(state, Bucket(0, [p], [grads(comm.rank, step)])).wait()
+            got.append((out, state.state_dict()["momenta"][0].clone()))
+        state.close()
+        return got
+
+    with forced(path):
+        got = run_local(rank_fn, size=size)
+    m = [torch.zeros(n) for _ in range(size)]
+    for step in range(3):
+        for r in range(size):
+            m[r] = m[r].mul(beta).add_(grads(r, step).float(), alpha=1 - beta)
+            assert torch.equal(got[r][step][1].view(torch.int32), m[r].view(torch.int32)), \
+                (step, r)
+        agree = (m[0] >= 0) == (m[1] >= 0)
+        expect = torch.where(m[0] >= 0, 1.0, -1.0)[agree]
+        for r in range(size):
+            out = got[r][step][0]
+            assert out.dtype == dtype and torch.equal(out[agree].float(), expect), (step, r)

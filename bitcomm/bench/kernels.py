@@ -145,6 +145,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
          lambda: k.nonfinite(meta(n, torch.float64), narrow=True)),
         # a DDP hook's overflow screen: the check, zeroing NaN and inf in place
         ("finiteness screen fp32, zeroing", n, lambda: k.nonfinite(x, zero=True)),
+        # the sign hook's and Signum's momentum, of a float32 and of a bfloat16 gradient
+        ("momentum fp32", n, lambda: k.momentum(x, x, 0.9, x)),
+        ("momentum of bf16", n, lambda: k.momentum(x, meta(n, torch.bfloat16), 0.9, x)),
     ]
     for m in (1, 2, 3, 7, 15, 255, 65535):
         w = counts.width(m)

@@ -5,6 +5,8 @@ triton is installed; CPU tensors under ``TRITON_INTERPRET=1`` in the tests). The
 memory speed: every input byte is read once, in wide tiles, and sizes arrive as arguments, so a
 launch never waits for the device.
 
+* :func:`momentum`: the optimizers' and hooks' ``beta * m + (1 - beta) * g``, torch's bits, in
+  one read of ``m`` and ``g``.
 * :func:`sign_pack` / :func:`sign_unpack`: a ``[BLOCK, 8]`` tile of elements per ``BLOCK`` bytes;
   a byte is the sum of its eight shifted ``x >= 0`` bits. :func:`partial_sums`: the float64
   block sums behind a scaled frame's RMS or mean-abs scale.
@@ -65,10 +67,11 @@ import triton.language as tl
 
 from bitcomm.codecs import _bracket
 
-__all__ = ["launch", "launch_tiles", "nonfinite", "sign_pack", "sign_unpack", "partial_sums",
-           "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_steps", "qsgd_values", "qsgd_mean",
-           "score_stats", "count_above", "Runs", "kth_largest", "top_indices", "indices_above",
-           "sidco_stage", "SIDCO_KINDS", "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
+__all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign_unpack",
+           "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_steps",
+           "qsgd_values", "qsgd_mean", "score_stats", "count_above", "Runs", "kth_largest",
+           "top_indices", "indices_above", "sidco_stage", "SIDCO_KINDS", "MAX_FUSED_BUCKET",
+           "DIGIT", "SLACK"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -81,6 +84,7 @@ TUNING: dict[str, tuple[int, int]] = {
     "partial_sums": (8192, 4),
     "sidco_stage": (1024, 4),  # elements, as float64
     "nonfinite": (4096, 4),  # elements of 32 bits or fewer (half as many of float64)
+    "momentum": (2048, 4),  # elements
     "planes_pack": (1024, 4),
     "radix_pack": (128, 4),
     "planes_unpack": (128, 4),
@@ -231,6 +235,43 @@ def nonfinite(x: torch.Tensor, narrow: bool = False, zero: bool = False) -> torc
         launch(_nonfinite_kernel, _grid(n, block), x.detach().reshape(-1).view(view), flags, n,
                EXP=exp, NARROW=narrow, ZERO=zero, BLOCK=block, **opts)
     return flags
+
+
+# --- momentum (the optimizers' and hooks' running average) ---------------------------------
+
+
+@triton.jit
+def _momentum_kernel(m_ptr, g_ptr, out_ptr, beta, keep, n, BLOCK: tl.constexpr):
+    # out = beta * m + keep * g, rounded as torch's m.mul(beta).add_(g, alpha=keep) rounds it:
+    # the product, then one fused multiply-add (what torch's add with alpha is on CPU and CUDA).
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    m = tl.load(m_ptr + i, mask=live, other=0.0)
+    g = tl.load(g_ptr + i, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, tl.fma(g, keep, m * beta), mask=live)
+
+
+def momentum(m: torch.Tensor, g: torch.Tensor, beta: float, out: torch.Tensor) -> None:
+    """Write ``beta * m + (1 - beta) * g`` into ``out`` (which may be ``m``) in one pass.
+
+    ``m`` and ``out`` are contiguous float32, ``g`` a contiguous float tensor of their length,
+    rounded to float32 as it is read (a 16-bit gradient needs no widened copy). The two
+    coefficients are float32, as torch rounds a Python scalar for float32 tensors.
+    """
+    if m.dtype != torch.float32 or out.dtype != torch.float32:
+        raise TypeError(f"expected float32 momentum and output, got {m.dtype} and {out.dtype}")
+    if g.dtype not in _EXPONENT:
+        raise TypeError(f"expected a floating-point gradient, got {g.dtype}")
+    if not (m.numel() == g.numel() == out.numel()):
+        raise ValueError(f"expected momentum, gradient and output of one length, got "
+                         f"{m.numel()}, {g.numel()} and {out.numel()}")
+    if not (m.is_contiguous() and g.is_contiguous() and out.is_contiguous()):
+        raise ValueError("expected contiguous momentum, gradient and output")
+    n = m.numel()
+    if n:
+        block, opts = _config("momentum")
+        launch(_momentum_kernel, _grid(n, block), m, g.detach(), out, float(beta),
+               1.0 - float(beta), n, BLOCK=block, enable_fp_fusion=False, **opts)
 
 
 # --- sign ---------------------------------------------------------------------------------------

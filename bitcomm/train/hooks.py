@@ -103,7 +103,7 @@ from bitcomm.collectives._common import prepare
 from bitcomm.collectives.majority import check_collective, check_tie, vote_for
 from bitcomm.collectives.onebit import collective_for, padded_length
 from bitcomm.comm.base import Comm
-from bitcomm.train._common import check_comm, check_range
+from bitcomm.train._common import check_comm, check_range, momentum
 
 __all__ = ["SignState", "OneBitHookState", "QsgdState", "TopkState", "ParamBuffers",
            "sign_majority_hook", "onebit_hook", "qsgd_hook", "topk_hook"]
@@ -597,10 +597,10 @@ def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torc
     _check_state(state, SignState)
 
     def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
-        v = g.to(torch.float32)
         m = state.momenta.get(bucket) if state.momentum else None
-        if m is not None:
-            v = torch.add(m * state.momentum, v, alpha=1 - state.momentum)
+        # The momentum goes into a new buffer: a refused step leaves the old one as it was.
+        v = g.to(torch.float32) if m is None else momentum(m, g, state.momentum,
+                                                             torch.empty_like(m))
         vote = vote_for(state.collective, state.comm.size)
         out = vote(state.comm, v, tie=state.tie, phase=state.iteration, check=check).to(g.dtype)
         if m is None:

@@ -35,6 +35,7 @@ from bitcomm.train._common import (
     check_range,
     evaluate,
     flat_grads,
+    momentum,
     split_like,
     with_grads,
 )
@@ -115,7 +116,7 @@ class OneBitAdam(ExtraState, ScalerAware, torch.optim.Optimizer):
                 if not state:
                     state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                     state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-                state["exp_avg"].mul_(b1).add_(grads[at], alpha=1 - b1)
+                momentum(state["exp_avg"], grads[at], b1)
                 if not compressing:
                     state["exp_avg_sq"].mul_(b2).addcmul_(grads[at], grads[at], value=1 - b2)
                 at += 1

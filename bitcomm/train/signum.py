@@ -40,6 +40,7 @@ from bitcomm.train._common import (
     check_range,
     evaluate,
     flat_grads,
+    momentum,
     split_like,
     with_grads,
 )
@@ -110,7 +111,7 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(g)
                 m = state["momentum_buffer"]
-                m.mul_(beta).add_(g, alpha=1 - beta)
+                momentum(m, g, beta)
                 moms.append(m)
         flat = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
         vote = vote_for(self.collective, self.comm.size)
