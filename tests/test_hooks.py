@@ -82,6 +82,73 @@ def test_param_buffers_state_dict_goes_back_by_parameter_number():
         fresh.load_state_dict({"0:3": torch.zeros(3)})
 
 
+def test_param_buffers_replace_takes_the_new_tensor_as_the_parameters_values():
+    """replace() makes the new tensor the bucket's buffer (no copy), frees the old one, and
+    the parameters' values follow it into a checkpoint and across a rebuild."""
+    import gc
+    import weakref
+
+    a, b = torch.zeros(2), torch.zeros(3)
+    buffers = ParamBuffers()
+    old = buffers.get(Bucket(0, [a, b], [a, b]))
+    old.copy_(torch.tensor([1., 2., 3., 4., 5.]))
+    new = torch.tensor([10., 20., 30., 40., 50.])
+    buffers.replace(old, new)
+    assert buffers.get(Bucket(0, [a, b], [a, b])) is new
+    assert old.tolist() == [1., 2., 3., 4., 5.]  # untouched: nothing was copied
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None  # no view of the parameters keeps the old buffer alive
+    assert {k: v.tolist() for k, v in buffers.state_dict().items()} == {
+        0: [10., 20.], 1: [30., 40., 50.]}
+    assert len(buffers) == 5
+    # replaced again before anything reads the views: the latest tensor counts
+    newer = torch.tensor([6., 7., 8., 9., 0.])
+    buffers.replace(new, newer)
+    one = buffers.get(Bucket(0, [b], [b], last=False))
+    two = buffers.get(Bucket(1, [a], [a], last=True))
+    assert one.tolist() == [8., 9., 0.] and two.tolist() == [6., 7.]
+    # the old layout's buffer is no longer the bucket's: replace copies into it, as a write
+    # into it would, and the parameters keep their values
+    buffers.replace(newer, torch.ones(5))
+    assert newer.tolist() == [1.] * 5
+    assert buffers.get(Bucket(0, [b], [b], last=False)).tolist() == [8., 9., 0.]
+    with pytest.raises(TypeError, match="float32"):
+        buffers.replace(one, one.double())
+    with pytest.raises(ValueError, match="shape"):
+        buffers.replace(one, torch.zeros(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        buffers.replace(one, torch.zeros(6)[::2])
+
+
+@pytest.mark.parametrize("hook, make_state, held", [
+    (sign_majority_hook, lambda c: SignState(c, momentum=0.9, overlap=False), "momenta"),
+    (qsgd_hook, lambda c: QsgdState(c, seed=3, overlap=False), "residuals"),
+    (topk_hook, lambda c: TopkState(c, density=0.1, overlap=False), "residuals")])
+def test_hooks_take_their_new_buffers_rather_than_copying_them(hook, make_state, held):
+    """A step's momentum or residual becomes the bucket's buffer as computed: the buffer of the
+    step before is left as it was (a copy into it would have overwritten it)."""
+    n = 300
+
+    def rank_fn(comm):
+        state, p = make_state(comm), torch.zeros(n)
+        seen = []
+        for step in range(3):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(10 * comm.rank + step))
+            bucket = Bucket(0, [p], [g])
+            hook(state, bucket).wait()
+            buffer = getattr(state, held).get(bucket)
+            seen.append((buffer, buffer.clone()))
+        state.close()
+        return seen
+
+    for seen in run_local(rank_fn, size=2):
+        for (before, kept), (after, _) in zip(seen[:-1], seen[1:], strict=True):
+            assert after is not before
+            assert torch.equal(before, kept)
+
+
 def run_hook(hook, make_state, grads_of_rank, size=2, steps=1, layouts=None):
     """Run ``steps`` iterations of ``hook`` on thread ranks; return each rank's outputs."""
     def rank_fn(comm):

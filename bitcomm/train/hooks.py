@@ -40,7 +40,10 @@ DDP regroups its buckets once after the first iteration. Momentum, residuals and
 are therefore kept per parameter (a view into the bucket's flat buffer) and carried into the new
 buckets when the layout changes, so nothing is lost or left behind under a stale key. Parameters
 are numbered in the order the hooks first see them, which is the same in every run of the same
-model and bucket sizes: that number is the key in :meth:`state_dict`.
+model and bucket sizes: that number is the key in :meth:`state_dict`. The sign, qsgd and top-k
+hooks compute a bucket's next momentum or residual into a new tensor, which becomes the bucket's
+buffer once the step is agreed (:meth:`ParamBuffers.replace`), rather than being copied into the
+old one: a read and a write of the bucket fewer, and a refused step leaves the old buffer as is.
 
 Overflow and loss scaling: one agreement per step
 -------------------------------------------------
@@ -117,13 +120,16 @@ class ParamBuffers:
     values move with their parameters, and buffers of buckets that no longer exist are dropped.
     """
 
-    __slots__ = ("_number", "_views", "_layouts", "_flats")
+    __slots__ = ("_number", "_views", "_layouts", "_flats", "_unviewed")
 
     def __init__(self) -> None:
         self._number: dict[int, int] = {}          # id(parameter) -> its number
         self._views: dict[int, torch.Tensor] = {}  # number -> its values (a view, or loaded)
         self._layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> parameter numbers
         self._flats: dict[int, torch.Tensor] = {}  # bucket index -> flat buffer
+        # bucket index -> (number, offset, length) of the parameters whose views were dropped
+        # when its flat buffer was replaced; they are cut again from it when next needed
+        self._unviewed: dict[int, list[tuple[int, int, int]]] = {}
 
     def numbers(self, bucket: dist.GradBucket) -> tuple[int, ...]:
         """Return the numbers of ``bucket``'s parameters (new ones are numbered on first sight)."""
@@ -141,6 +147,7 @@ class ParamBuffers:
         index, numbers = bucket.index(), self.numbers(bucket)
         if self._layouts.get(index) == numbers:
             return self._flats[index]
+        self._view_all()
         params = bucket.parameters()
         if sum(p.numel() for p in params) != g.numel():
             raise ValueError(f"expected bucket {index}'s parameters to fill its {g.numel()} "
@@ -161,8 +168,50 @@ class ParamBuffers:
                 del self._flats[stale], self._layouts[stale]
         return flat
 
+    def replace(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Make ``new`` the values of ``old``, a buffer :meth:`get` returned, without a copy.
+
+        ``new`` (float32, ``old``'s length and device, contiguous) becomes the bucket's buffer
+        that :meth:`get` returns from then on, and its parameters' values; the caller must not
+        write to it otherwise. A hook that computes a bucket's next values into a new tensor
+        saves the copy's read and write (8 bytes an element). If ``old`` is no longer the
+        bucket's buffer (DDP regrouped the parameters since), ``new`` is copied into it, which
+        its parameters no longer see, as they would not see a write to it.
+        """
+        if not isinstance(new, torch.Tensor) or new.dtype != torch.float32:
+            raise TypeError(f"expected a float32 tensor, got "
+                            f"{getattr(new, 'dtype', type(new).__name__)}")
+        if new.shape != old.shape or new.device != old.device or not new.is_contiguous():
+            raise ValueError(f"expected a contiguous tensor of shape {tuple(old.shape)} on "
+                             f"{old.device}, got {tuple(new.shape)} on {new.device}")
+        index = next((i for i, flat in self._flats.items() if flat is old), None)
+        if index is None:
+            old.copy_(new)
+            return
+        if new is old:
+            return
+        # The parameters' views into the old buffer would keep it alive: drop them, and cut
+        # them from the new one when they are read (a layout change, a checkpoint).
+        start, end = old.data_ptr(), old.data_ptr() + 4 * old.numel()
+        dropped = self._unviewed.setdefault(index, [])
+        for number in self._layouts[index]:
+            view = self._views.get(number)
+            if view is not None and view.device == old.device and start <= view.data_ptr() < end:
+                dropped.append((number, (view.data_ptr() - start) // 4, view.numel()))
+                del self._views[number]
+        self._flats[index] = new
+
+    def _view_all(self) -> None:
+        # Cut the views that replace() dropped from their buckets' current buffers.
+        for index, dropped in self._unviewed.items():
+            flat = self._flats[index]
+            for number, at, length in dropped:
+                self._views[number] = flat[at:at + length]
+        self._unviewed.clear()
+
     def state_dict(self) -> dict[int, torch.Tensor]:
         """Return a copy of every parameter's values, by parameter number."""
+        self._view_all()
         return {n: v.clone() for n, v in self._views.items()}
 
     def load_state_dict(self, state: dict[int, torch.Tensor]) -> None:
@@ -172,7 +221,7 @@ class ParamBuffers:
             raise TypeError("expected a dict of parameter number -> tensor from "
                             "ParamBuffers.state_dict()")
         self._views = {k: v.clone() for k, v in state.items()}
-        self._layouts, self._flats = {}, {}
+        self._layouts, self._flats, self._unviewed = {}, {}, {}
 
     def __getstate__(self) -> dict:
         # Parameters are known by id() only within this process: keep the values by number,
@@ -185,6 +234,7 @@ class ParamBuffers:
 
     def __len__(self) -> int:
         """Return the number of elements held (every parameter's, counted once)."""
+        self._view_all()
         return sum(v.numel() for v in self._views.values())
 
 
@@ -608,7 +658,7 @@ def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torc
 
         def settle(keep: bool) -> None:
             if keep:
-                m.copy_(v)
+                state.momenta.replace(m, v)
 
         return out, settle
 
@@ -672,7 +722,7 @@ def qsgd_hook(state: QsgdState, bucket: dist.GradBucket) -> Future[torch.Tensor]
 
         def settle(keep: bool) -> None:
             if keep:
-                e.copy_(dropped)
+                state.residuals.replace(e, dropped)
 
         return mean.to(g.dtype), settle
 
@@ -692,7 +742,7 @@ def topk_hook(state: TopkState, bucket: dist.GradBucket) -> Future[torch.Tensor]
 
         def settle(keep: bool) -> None:
             if keep:
-                residual.copy_(v)
+                state.residuals.replace(residual, v)
 
         return total.div_(state.comm.size).to(g.dtype), settle
 
