@@ -392,6 +392,33 @@ def test_onebit_numpy_path_gives_the_torch_paths_bits(collective):
         assert identical([sa[r].server_error, sb[r].server_error])
 
 
+@pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+@pytest.mark.parametrize("collective", ["alltoall", "allgather"])
+def test_onebit_allreduce_binds_new_errors_and_leaves_the_old_ones(path, collective):
+    """A call's errors are new tensors bound to the state: the tensors it held before keep
+    their values (a caller goes back to them without a copy), and the new ones are the
+    errors of DeepSpeed's algorithm."""
+    size, n = 3, 1001
+    states = [OneBitState(n, size, collective=collective) for _ in range(size)]
+    werr = [torch.zeros_like(states[0].worker_error) for _ in range(size)]
+    serr = [torch.zeros(states[0].worker_error.numel() // size) for _ in range(size)]
+    for step in range(2):
+        xs = inputs(size, n, seed=500 + step)
+        old = [(s.worker_error, s.server_error, s.worker_error.clone(), s.server_error.clone())
+               for s in states]
+        with forced(path):
+            run_local(lambda c: onebit_allreduce(c, xs[c.rank], states[c.rank]), size)
+        onebit_reference(xs, werr, serr)
+        for r, (w, s, w_was, s_was) in enumerate(old):
+            assert states[r].worker_error is not w and states[r].server_error is not s
+            assert torch.equal(w, w_was) and torch.equal(s, s_was), (step, r)
+            torch.testing.assert_close(states[r].worker_error, werr[r], rtol=1e-5, atol=1e-6)
+            served = (states[r].server_error if collective == "alltoall" else
+                      states[r].server_error.reshape(size, -1)[r])
+            torch.testing.assert_close(served, serr[r], rtol=1e-5, atol=1e-6)
+
+
 def test_onebit_collective_names():
     assert collective_for("auto", 2) == "allgather"
     assert collective_for("auto", 3) == collective_for("alltoall", 2) == "alltoall"

@@ -125,10 +125,12 @@ def test_param_buffers_replace_takes_the_new_tensor_as_the_parameters_values():
 @pytest.mark.parametrize("hook, make_state, held", [
     (sign_majority_hook, lambda c: SignState(c, momentum=0.9, overlap=False), "momenta"),
     (qsgd_hook, lambda c: QsgdState(c, seed=3, overlap=False), "residuals"),
-    (topk_hook, lambda c: TopkState(c, density=0.1, overlap=False), "residuals")])
+    (topk_hook, lambda c: TopkState(c, density=0.1, overlap=False), "residuals"),
+    (onebit_hook, lambda c: OneBitHookState(c, overlap=False), "worker_errors")])
 def test_hooks_take_their_new_buffers_rather_than_copying_them(hook, make_state, held):
-    """A step's momentum or residual becomes the bucket's buffer as computed: the buffer of the
-    step before is left as it was (a copy into it would have overwritten it)."""
+    """A step's momentum, residual or worker error becomes the bucket's buffer as computed:
+    the buffer of the step before is left as it was (a copy into it would have overwritten
+    it)."""
     n = 300
 
     def rank_fn(comm):

@@ -202,10 +202,16 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
                      ) -> torch.Tensor:
     """Return the 1-bit compressed average of ``x`` over ranks, updating ``state``'s errors.
 
+    The new errors are new tensors, bound to ``state.worker_error`` and ``state.server_error``
+    when the call returns: they are written where the call computed the values they are
+    taken from, and the old tensors are left as they were, so a caller that keeps them can go
+    back to them (a DDP hook's refused step) without a copy. A call that raises leaves
+    ``state`` as it was.
+
     Args:
         comm: the transport.
         x: float tensor with ``state.numel`` elements.
-        state: this tensor's :class:`OneBitState` (one per rank, updated in place).
+        state: this tensor's :class:`OneBitState` (one per rank).
         check: agree on the input first (raises on every rank for bad input).
 
     Returns:
@@ -225,7 +231,6 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
             else (None, None))
     v = _common.prepare(comm, x, check, "onebit_allreduce", float32=True,
                         options={"length": mine[0], "collective": mine[1]}, validate=validate)
-    size = comm.size
     length, k = state.worker_error.numel(), v.numel()
     # The padded x plus the worker error: v + e, then 0 + e past x (e + 0.0 is the same float,
     # -0.0 becoming +0.0), in one pass instead of zeroing, copying and adding.
@@ -233,14 +238,27 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     torch.add(v.reshape(-1), state.worker_error[:k], out=buf[:k])
     torch.add(state.worker_error[k:], 0.0, out=buf[k:])
     worker_scale = _rms(buf)
+    # buf becomes the new worker error (each element written where it was read).
     one_round = state.collective == "allgather"
     if _frame.use_triton(v):
-        return (_fused_allgather if one_round else _fused)(comm, x, v, state, buf, worker_scale)
-    packed = _sign_error(buf, worker_scale, state.worker_error)
-    if one_round:
-        return _allgather(comm, x, v, state, packed, worker_scale)
+        out, server_error = (_fused_allgather if one_round else _fused)(
+            comm, x, v, state, buf, worker_scale)
+    elif one_round:
+        out, server_error = _allgather(comm, x, v, state, _sign_error(buf, worker_scale, buf),
+                                       worker_scale)
+    else:
+        out, server_error = _alltoall(comm, x, v, state, _sign_error(buf, worker_scale, buf),
+                                      worker_scale)
+    state.worker_error, state.server_error = buf, server_error
+    return out
 
-    chunk = length // size
+
+def _alltoall(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState,
+              packed: torch.Tensor, worker_scale: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    # Returns the output and the new server error (the compensated chunk, in place).
+    size = comm.size
+    chunk = state.worker_error.numel() // size
     nbytes = chunk // 8
     got, scales = _exchange(comm, [packed[j * nbytes : (j + 1) * nbytes] for j in range(size)],
                             worker_scale, nbytes)
@@ -249,77 +267,84 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     compensated = received.sum(0)
     compensated.add_(state.server_error)
     server_scale = _rms(compensated)
-    mine = _sign_error(compensated, server_scale, state.server_error)
+    mine = _sign_error(compensated, server_scale, compensated)
 
     every, server_scales = _exchange(comm, mine, server_scale, nbytes)
     out = _scaled_signs(torch.cat(every), size, chunk, server_scales).flatten()
-    return out[:k].reshape(x.shape)
+    return out[:v.numel()].reshape(x.shape), compensated
 
 
 def _allgather(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState,
-               packed: torch.Tensor, worker_scale: torch.Tensor) -> torch.Tensor:
+               packed: torch.Tensor, worker_scale: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     # Every rank serves every chunk: the all-to-all's server step, chunk by chunk on the same
-    # (size, chunk) tensors, so the floats and their order are the all-to-all's.
+    # (size, chunk) tensors, so the floats and their order are the all-to-all's. Returns the
+    # output and the new server error.
     size, length = comm.size, state.worker_error.numel()
     chunk = length // size
     nbytes = chunk // 8
     got, scales = _exchange(comm, packed, worker_scale, length // 8)
     weights = scales.mul_(1 / size)
     out = torch.empty(size, chunk, dtype=torch.float32, device=v.device)
+    server_error = torch.empty_like(state.server_error)
     for j in range(size):
-        error = state.server_error[j * chunk : (j + 1) * chunk]
+        error = server_error[j * chunk : (j + 1) * chunk]
         # (rank, element): every rank's signs of chunk j, weighted, as the server receives them
         chunk_signs = torch.cat([g[j * nbytes : (j + 1) * nbytes] for g in got])
         compensated = _scaled_signs(chunk_signs, size, chunk, weights).sum(0)
-        compensated.add_(error)
+        compensated.add_(state.server_error[j * chunk : (j + 1) * chunk])
         server_scale = _rms(compensated)
         mine = _sign_error(compensated, server_scale, error)
         # What the all-to-all's receivers make of the server's signs and its float32 scale.
         out[j] = _scaled_signs(mine, 1, chunk, server_scale.reshape(1))[0]
-    return out.flatten()[: v.numel()].reshape(x.shape)
+    return out.flatten()[: v.numel()].reshape(x.shape), server_error
 
 
 def _fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState, buf: torch.Tensor,
-           worker_scale: torch.Tensor) -> torch.Tensor:
+           worker_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # The same exchange and arithmetic with one kernel per compress / decompress step
-    # (bitcomm.collectives._kernels); nothing is read back to the host.
+    # (bitcomm.collectives._kernels); nothing is read back to the host. Writes the new worker
+    # error into buf; returns the output and the new server error.
     from bitcomm.collectives import _kernels
 
     size = comm.size
     chunk = state.worker_error.numel() // size
     nbytes = chunk // 8  # chunks are multiples of 8 elements: byte-aligned slices of one pack
-    packed = _kernels.sign_error(buf, worker_scale, state.worker_error)
+    packed = _kernels.sign_error(buf, worker_scale, buf)
     got, weights = _exchange(comm, [packed[j * nbytes : (j + 1) * nbytes] for j in range(size)],
                              worker_scale, nbytes)
     compensated = _kernels.weighted_votes(torch.stack(got), weights.mul_(1 / size),
                                           state.server_error)
     server_scale = _rms(compensated)
-    mine = _kernels.sign_error(compensated, server_scale, state.server_error)
+    mine = _kernels.sign_error(compensated, server_scale, compensated)
     every, server_scales = _exchange(comm, mine, server_scale, nbytes)
     out = _kernels.scaled_signs(torch.cat(every), server_scales, v.numel(), chunk)
-    return out.reshape(x.shape)
+    return out.reshape(x.shape), compensated
 
 
 def _fused_allgather(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState,
-                     buf: torch.Tensor, worker_scale: torch.Tensor) -> torch.Tensor:
+                     buf: torch.Tensor, worker_scale: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     # _fused's kernels with every rank serving every chunk (see _allgather).
     from bitcomm.collectives import _kernels
 
     size, length = comm.size, state.worker_error.numel()
     chunk, nbytes = length // size, length // (8 * size)
-    packed = _kernels.sign_error(buf, worker_scale, state.worker_error)
+    packed = _kernels.sign_error(buf, worker_scale, buf)
     got, weights = _exchange(comm, packed, worker_scale, length // 8)
     weights = weights.mul_(1 / size)
     votes = torch.stack(got)
     served, scales = [], []
+    server_error = torch.empty_like(state.server_error)
     for j in range(size):
-        error = state.server_error[j * chunk : (j + 1) * chunk]
+        error = server_error[j * chunk : (j + 1) * chunk]
         compensated = _kernels.weighted_votes(
-            votes[:, j * nbytes : (j + 1) * nbytes].contiguous(), weights, error)
+            votes[:, j * nbytes : (j + 1) * nbytes].contiguous(), weights,
+            state.server_error[j * chunk : (j + 1) * chunk])
         scales.append(_rms(compensated).reshape(1))
         served.append(_kernels.sign_error(compensated, scales[-1], error))
     out = _kernels.scaled_signs(torch.cat(served), torch.cat(scales), v.numel(), chunk)
-    return out.reshape(x.shape)
+    return out.reshape(x.shape), server_error
 
 
 def _exchange(comm: Comm, packed: torch.Tensor | list[torch.Tensor], scale: torch.Tensor,

@@ -682,19 +682,19 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
             one = state.server_errors[index] = OneBitState(g.numel(), size, g.device,
                                                            collective=state.collective)
             one.worker_error = worker_error
-        # The collective updates both errors in place: what a refused step restores.
-        saved = (one.worker_error.clone(), one.server_error.clone()) if state.check else None
+        # The collective binds new errors to the state and leaves the old ones as they were:
+        # what a refused step goes back to.
+        old = (one.worker_error, one.server_error)
         out = onebit_allreduce(state.comm, v, one, check=check)
         if bucket.is_last():
             for stale in [i for i in state.server_errors if i > index]:
                 del state.server_errors[stale]
-        if saved is None:
-            return out.to(g.dtype), None
 
         def settle(keep: bool) -> None:
-            if not keep:
-                one.worker_error.copy_(saved[0])
-                one.server_error.copy_(saved[1])
+            if keep:
+                state.worker_errors.replace(old[0], one.worker_error)
+            else:
+                one.worker_error, one.server_error = old
 
         return out.to(g.dtype), settle
 
