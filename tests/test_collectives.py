@@ -419,6 +419,33 @@ def test_onebit_allreduce_binds_new_errors_and_leaves_the_old_ones(path, collect
             torch.testing.assert_close(served, serr[r], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("collective", ["alltoall", "allgather"])
+def test_a_failed_onebit_call_leaves_the_state_as_it_was(collective):
+    """An exchange that fails after the worker error was computed leaves the state's errors
+    the tensors and values they were."""
+    state = OneBitState(100, 2, collective=collective)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("link down")
+
+    def rank_fn(comm):
+        x = torch.randn(100, generator=torch.Generator().manual_seed(comm.rank))
+        onebit_allreduce(comm, x, state if comm.rank == 0 else OneBitState(
+            100, 2, collective=collective), check=False)
+        comm.barrier()
+        if comm.rank == 0:
+            was = (state.worker_error, state.server_error, state.worker_error.clone(),
+                   state.server_error.clone())
+            comm.alltoallv = comm.allgatherv = fail
+            with pytest.raises(RuntimeError, match="link down"):
+                onebit_allreduce(comm, x, state, check=False)
+            assert state.worker_error is was[0] and state.server_error is was[1]
+            assert torch.equal(was[0], was[2]) and torch.equal(was[1], was[3])
+            assert was[2].abs().sum() > 0  # the first call left errors to keep
+
+    run_local(rank_fn, 2)
+
+
 def test_onebit_collective_names():
     assert collective_for("auto", 2) == "allgather"
     assert collective_for("auto", 3) == collective_for("alltoall", 2) == "alltoall"
