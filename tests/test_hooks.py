@@ -765,6 +765,48 @@ def test_qsgd_hook_error_feedback_keeps_what_quantisation_left_out(path):
 
 @pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("collective", ["allgather", "ring", "alltoall"])
+def test_sign_hook_votes_a_16_bit_gradient_without_widening_it(path, dtype, collective,
+                                                               monkeypatch):
+    """Without momentum a 16-bit bucket goes to the vote as it is, with no widened copy, and
+    the result is its float32 cast's (signed zeros and subnormals included), in its dtype."""
+    from bitcomm.train import hooks
+
+    size, n = 3, 2000
+    voted, vote_for = [], hooks.vote_for
+
+    def recording(name, ranks):
+        vote = vote_for(name, ranks)
+
+        def wrapped(comm, x, **kwargs):
+            voted.append(x.dtype)
+            return vote(comm, x, **kwargs)
+        return wrapped
+
+    def grad(rank):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        g[:4] = torch.tensor([0.0, -0.0, 1e-7, -1e-7]).to(dtype)  # zeros and subnormals
+        return g
+
+    def rank_fn(comm, widen):
+        state = SignState(comm, collective=collective, overlap=False)
+        g = grad(comm.rank)
+        out = sign_majority_hook(state, Bucket(0, [torch.zeros(n)], [g.float() if widen else g]))
+        state.close()
+        return out.wait()
+
+    with forced(path):
+        want = run_local(lambda c: rank_fn(c, True), size=size)
+        monkeypatch.setattr(hooks, "vote_for", recording)
+        got = run_local(lambda c: rank_fn(c, False), size=size)
+    assert voted == [dtype] * size
+    for out, expect in zip(got, want, strict=True):
+        assert out.dtype == dtype and torch.equal(out.float(), expect)
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_sign_hook_momentum_is_signums_bit_for_bit(path, dtype):
     """Each step a worker's momentum becomes torch's ``m.mul(beta).add_(g, alpha=1 - beta)``

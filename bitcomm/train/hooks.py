@@ -648,9 +648,12 @@ def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torc
 
     def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
         m = state.momenta.get(bucket) if state.momentum else None
-        # The momentum goes into a new buffer: a refused step leaves the old one as it was.
-        v = g.to(torch.float32) if m is None else momentum(m, g, state.momentum,
-                                                             torch.empty_like(m))
+        if m is not None:  # into a new buffer: a refused step leaves the old one as it was
+            v = momentum(m, g, state.momentum, torch.empty_like(m))
+        elif g.dtype in (torch.float16, torch.bfloat16):
+            v = g  # widening is exact, so the signs are the float32 cast's: no widened copy
+        else:
+            v = g.to(torch.float32)  # float64: the float32 cast's signs (-1e-50 becomes -0.0)
         vote = vote_for(state.collective, state.comm.size)
         out = vote(state.comm, v, tie=state.tie, phase=state.iteration, check=check).to(g.dtype)
         if m is None:
