@@ -805,6 +805,55 @@ def test_sign_hook_votes_a_16_bit_gradient_without_widening_it(path, dtype, coll
         assert out.dtype == dtype and torch.equal(out.float(), expect)
 
 
+def test_a_float32_operand_is_a_16_bit_gradient_itself():
+    """float32_operand hands 16-bit floats and float32 over as they are (torch widens them
+    exactly as it adds: the bits of adding the cast) and rounds float64 to float32."""
+    from bitcomm.train._common import float32_operand
+
+    gen = torch.Generator().manual_seed(5)
+    e = torch.randn(5000, generator=gen)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        g = (torch.randn(5000, generator=gen) * 100).to(dtype)
+        assert float32_operand(g) is g
+        got = torch.add(e, float32_operand(g))
+        assert got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), (e + g.float()).view(torch.int32)), dtype
+    g = torch.tensor([1e-50, -1e-50, 1 + 2 ** -40], dtype=torch.float64)
+    assert float32_operand(g).dtype == torch.float32
+    assert torch.equal(float32_operand(g), g.float())
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
+    "triton", marks=[needs_interpreter, pytest.mark.triton])])
+@pytest.mark.parametrize("hook, make_state", [
+    (qsgd_hook, lambda c: QsgdState(c, bits=4, bucket_size=64, seed=1, overlap=False)),
+    (topk_hook, lambda c: TopkState(c, density=0.05, overlap=False))])
+def test_residual_hooks_on_a_16_bit_bucket_give_its_float32_casts_bits(path, hook,
+                                                                       make_state):
+    """A bfloat16 bucket's residual and result over steps are those of its float32 cast,
+    bit for bit (the residual is added to the 16-bit gradient as torch widens it)."""
+    n = 1500
+
+    def rank_fn(comm, widen):
+        state, p, got = make_state(comm), torch.zeros(n), []
+        for step in range(3):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(10 * comm.rank + step))
+            g = g.to(torch.bfloat16)
+            bucket = Bucket(0, [p], [g.float() if widen else g])
+            out = hook(state, bucket).wait()
+            got.append((out.float(), state.residuals.get(bucket).clone()))
+        state.close()
+        return got
+
+    with forced(path):
+        want = run_local(lambda c: rank_fn(c, True), size=2)
+        got = run_local(lambda c: rank_fn(c, False), size=2)
+    for rank_got, rank_want in zip(got, want, strict=True):
+        for (out, residual), (out32, residual32) in zip(rank_got, rank_want, strict=True):
+            assert torch.equal(out, out32.bfloat16().float())
+            assert torch.equal(residual.view(torch.int32), residual32.view(torch.int32))
+
+
 @pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

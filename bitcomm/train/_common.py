@@ -62,6 +62,16 @@ def with_grads(params: list[torch.Tensor]) -> tuple[list[bool], bytes]:
     return has, packed
 
 
+def float32_operand(g: torch.Tensor) -> torch.Tensor:
+    """Return ``g`` as an operand of float32 arithmetic with a float32 tensor.
+
+    A 16-bit float or float32 tensor is returned as it is: torch widens it exactly as it reads
+    it, so ``e + g`` gives the bits of ``e + g.float()`` without a widened copy (6 bytes an
+    element). A float64 one is rounded to float32 first (torch would compute in float64).
+    """
+    return g.to(torch.float32) if g.dtype == torch.float64 else g
+
+
 def momentum(m: torch.Tensor, g: torch.Tensor, beta: float,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``beta * m + (1 - beta) * g`` into ``out`` (default: ``m``, in place); return it.
@@ -70,15 +80,14 @@ def momentum(m: torch.Tensor, g: torch.Tensor, beta: float,
     float32 first. Every path gives the bits of torch's ``m.mul(beta).add_(g, alpha=1 - beta)``
     (the product rounded, then one fused multiply-add: torch's add with ``alpha`` is one on CPU
     and CUDA). On the Triton path one kernel reads ``m`` and ``g`` and writes ``out``, 12 bytes
-    an element for a float32 gradient, where the torch ops move 20 (and 6 more to widen a
-    16-bit one).
+    an element for a float32 gradient, where the torch ops move 20.
     """
     out = m if out is None else out
     if (_frame.use_triton(m) and m.is_contiguous() and g.is_contiguous()
             and out.is_contiguous()):
         _frame.kernels().momentum(m, g, beta, out)
         return out
-    return torch.mul(m, beta, out=out).add_(g.to(torch.float32), alpha=1 - beta)
+    return torch.mul(m, beta, out=out).add_(float32_operand(g), alpha=1 - beta)
 
 
 def flat_grads(params: list[torch.Tensor]) -> torch.Tensor:

@@ -106,7 +106,7 @@ from bitcomm.collectives._common import prepare
 from bitcomm.collectives.majority import check_collective, check_tie, vote_for
 from bitcomm.collectives.onebit import collective_for, padded_length
 from bitcomm.comm.base import Comm
-from bitcomm.train._common import check_comm, check_range, momentum
+from bitcomm.train._common import check_comm, check_range, float32_operand, momentum
 
 __all__ = ["SignState", "OneBitHookState", "QsgdState", "TopkState", "ParamBuffers",
            "sign_majority_hook", "onebit_hook", "qsgd_hook", "topk_hook"]
@@ -709,10 +709,11 @@ def qsgd_hook(state: QsgdState, bucket: dist.GradBucket) -> Future[torch.Tensor]
     _check_state(state, QsgdState)
 
     def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
-        c = g.to(torch.float32)
         if state.error_feedback:
             e = state.residuals.get(bucket)
-            c = c + e
+            c = torch.add(e, float32_operand(g))
+        else:
+            c = g.to(torch.float32)
         # with error feedback the second result is c less what was sent: what quantisation
         # left out (with triton, written in the mean's own pass)
         mean, dropped = qsgd_allgather(state.comm, c, bits=state.bits,
@@ -738,7 +739,7 @@ def topk_hook(state: TopkState, bucket: dist.GradBucket) -> Future[torch.Tensor]
 
     def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
         residual = state.residuals.get(bucket)
-        v = residual + g.to(torch.float32)
+        v = torch.add(residual, float32_operand(g))
         k = max(1, math.ceil(state.density * v.numel()))
         total, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method, check=check)
         v[idx] = 0
