@@ -88,20 +88,20 @@ def test_param_buffers_replace_takes_the_new_tensor_as_the_parameters_values():
     import gc
     import weakref
 
-    a, b = torch.zeros(2), torch.zeros(3)
+    a, b, empty = torch.zeros(2), torch.zeros(3), torch.zeros(0)
     buffers = ParamBuffers()
-    old = buffers.get(Bucket(0, [a, b], [a, b]))
+    old = buffers.get(Bucket(0, [a, b, empty], [a, b, empty]))
     old.copy_(torch.tensor([1., 2., 3., 4., 5.]))
     new = torch.tensor([10., 20., 30., 40., 50.])
     buffers.replace(old, new)
-    assert buffers.get(Bucket(0, [a, b], [a, b])) is new
+    assert buffers.get(Bucket(0, [a, b, empty], [a, b, empty])) is new
     assert old.tolist() == [1., 2., 3., 4., 5.]  # untouched: nothing was copied
     gone = weakref.ref(old)
     del old
     gc.collect()
     assert gone() is None  # no view of the parameters keeps the old buffer alive
     assert {k: v.tolist() for k, v in buffers.state_dict().items()} == {
-        0: [10., 20.], 1: [30., 40., 50.]}
+        0: [10., 20.], 1: [30., 40., 50.], 2: []}
     assert len(buffers) == 5
     # replaced again before anything reads the views: the latest tensor counts
     newer = torch.tensor([6., 7., 8., 9., 0.])

@@ -192,12 +192,15 @@ class ParamBuffers:
             return
         # The parameters' views into the old buffer would keep it alive: drop them, and cut
         # them from the new one when they are read (a layout change, a checkpoint).
-        start, end = old.data_ptr(), old.data_ptr() + 4 * old.numel()
+        # (Positions by storage offset: an empty parameter's view has no data pointer.)
+        storage, start = old.untyped_storage().data_ptr(), old.storage_offset()
         dropped = self._unviewed.setdefault(index, [])
         for number in self._layouts[index]:
             view = self._views.get(number)
-            if view is not None and view.device == old.device and start <= view.data_ptr() < end:
-                dropped.append((number, (view.data_ptr() - start) // 4, view.numel()))
+            if (view is not None and view.device == old.device
+                    and view.untyped_storage().data_ptr() == storage
+                    and 0 <= view.storage_offset() - start <= old.numel()):
+                dropped.append((number, view.storage_offset() - start, view.numel()))
                 del self._views[number]
         self._flats[index] = new
 
