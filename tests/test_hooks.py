@@ -122,6 +122,29 @@ def test_param_buffers_replace_takes_the_new_tensor_as_the_parameters_values():
         buffers.replace(one, torch.zeros(6)[::2])
 
 
+def one_bucket_steps(hook, make_state, grads, held, steps, size=2):
+    """Run ``steps`` steps of ``hook`` on one bucket of one parameter on ``size`` thread ranks,
+    ``grads(rank, step)`` its gradient; return, per rank and step, the output, the state's
+    buffer ``held`` of the bucket after the step, and a copy of its values."""
+    def rank_fn(comm):
+        state, got = make_state(comm), []
+        p = torch.zeros(grads(0, 0).numel())
+        for step in range(steps):
+            bucket = Bucket(0, [p], [grads(comm.rank, step)])
+            out = hook(state, bucket).wait()
+            buffer = getattr(state, held).get(bucket)
+            got.append((out, buffer, buffer.clone()))
+        state.close()
+        return got
+    return run_local(rank_fn, size=size)
+
+
+def randn_grads(n, dtype=torch.float32):
+    """Gradients of ``n`` elements drawn from a seed of the rank and the step."""
+    return lambda rank, step: torch.randn(
+        n, generator=torch.Generator().manual_seed(10 * rank + step)).to(dtype)
+
+
 @pytest.mark.parametrize("hook, make_state, held", [
     (sign_majority_hook, lambda c: SignState(c, momentum=0.9, overlap=False), "momenta"),
     (qsgd_hook, lambda c: QsgdState(c, seed=3, overlap=False), "residuals"),
@@ -131,22 +154,8 @@ def test_hooks_take_their_new_buffers_rather_than_copying_them(hook, make_state,
     """A step's momentum, residual or worker error becomes the bucket's buffer as computed:
     the buffer of the step before is left as it was (a copy into it would have overwritten
     it)."""
-    n = 300
-
-    def rank_fn(comm):
-        state, p = make_state(comm), torch.zeros(n)
-        seen = []
-        for step in range(3):
-            g = torch.randn(n, generator=torch.Generator().manual_seed(10 * comm.rank + step))
-            bucket = Bucket(0, [p], [g])
-            hook(state, bucket).wait()
-            buffer = getattr(state, held).get(bucket)
-            seen.append((buffer, buffer.clone()))
-        state.close()
-        return seen
-
-    for seen in run_local(rank_fn, size=2):
-        for (before, kept), (after, _) in zip(seen[:-1], seen[1:], strict=True):
+    for seen in one_bucket_steps(hook, make_state, randn_grads(300), held, 3):
+        for (_, before, kept), (_, after, _) in zip(seen[:-1], seen[1:], strict=True):
             assert after is not before
             assert torch.equal(before, kept)
 
@@ -733,21 +742,10 @@ def test_qsgd_hook_error_feedback_keeps_what_quantisation_left_out(path):
     its residual becomes c less its decoded frame, bit for bit, and the result is the frames'
     decoded mean (worked out here from the codec by hand)."""
     size, n, seed = 2, 20, 4
-
-    def grads(rank, step):
-        return torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + step))
-
-    def rank_fn(comm):
-        state = QsgdState(comm, bits=2, bucket_size=8, seed=seed, overlap=False)
-        p, got = torch.zeros(n), []
-        for step in range(2):
-            out = qsgd_hook(state, Bucket(0, [p], [grads(comm.rank, step)])).wait()
-            got.append((out, state.state_dict()["residuals"][0].clone()))
-        state.close()
-        return got
-
+    grads = randn_grads(n)
     with forced(path):
-        got = run_local(rank_fn, size=size)
+        got = one_bucket_steps(qsgd_hook, lambda c: QsgdState(
+            c, bits=2, bucket_size=8, seed=seed, overlap=False), grads, "residuals", 2, size)
     residual = [torch.zeros(n) for _ in range(size)]
     for step in range(2):
         sent = []
@@ -758,7 +756,7 @@ def test_qsgd_hook_error_feedback_keeps_what_quantisation_left_out(path):
             residual[r] = c - sent[r]
         mean = (sent[0] + sent[1]) / 2
         for r in range(size):
-            out, kept = got[r][step]
+            out, _, kept = got[r][step]
             assert torch.equal(out, mean), (step, r)
             assert torch.equal(kept.view(torch.int32), residual[r].view(torch.int32)), (step, r)
 
@@ -832,25 +830,14 @@ def test_residual_hooks_on_a_16_bit_bucket_give_its_float32_casts_bits(path, hoo
                                                                        make_state):
     """A bfloat16 bucket's residual and result over steps are those of its float32 cast,
     bit for bit (the residual is added to the 16-bit gradient as torch widens it)."""
-    n = 1500
-
-    def rank_fn(comm, widen):
-        state, p, got = make_state(comm), torch.zeros(n), []
-        for step in range(3):
-            g = torch.randn(n, generator=torch.Generator().manual_seed(10 * comm.rank + step))
-            g = g.to(torch.bfloat16)
-            bucket = Bucket(0, [p], [g.float() if widen else g])
-            out = hook(state, bucket).wait()
-            got.append((out.float(), state.residuals.get(bucket).clone()))
-        state.close()
-        return got
-
+    grads = randn_grads(1500, torch.bfloat16)
     with forced(path):
-        want = run_local(lambda c: rank_fn(c, True), size=2)
-        got = run_local(lambda c: rank_fn(c, False), size=2)
+        want = one_bucket_steps(hook, make_state, lambda r, s: grads(r, s).float(),
+                                "residuals", 3)
+        got = one_bucket_steps(hook, make_state, grads, "residuals", 3)
     for rank_got, rank_want in zip(got, want, strict=True):
-        for (out, residual), (out32, residual32) in zip(rank_got, rank_want, strict=True):
-            assert torch.equal(out, out32.bfloat16().float())
+        for (out, _, residual), (out32, _, residual32) in zip(rank_got, rank_want, strict=True):
+            assert out.dtype == torch.bfloat16 and torch.equal(out, out32.bfloat16())
             assert torch.equal(residual.view(torch.int32), residual32.view(torch.int32))
 
 
@@ -863,27 +850,15 @@ def test_sign_hook_momentum_is_signums_bit_for_bit(path, dtype):
     the vote is on that momentum: where the two workers' momenta agree in sign, so does the
     result."""
     size, n, beta = 2, 3000, 0.9
-
-    def grads(rank, step):
-        g = torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + step))
-        return g.to(dtype)
-
-    def rank_fn(comm):
-        state = SignState(comm, momentum=beta, overlap=False)
-        p, got = torch.zeros(n), []
-        for step in range(3):
-            out = sign_majority_hook(state, Bucket(0, [p], [grads(comm.rank, step)])).wait()
-            got.append((out, state.state_dict()["momenta"][0].clone()))
-        state.close()
-        return got
-
+    grads = randn_grads(n, dtype)
     with forced(path):
-        got = run_local(rank_fn, size=size)
+        got = one_bucket_steps(sign_majority_hook, lambda c: SignState(
+            c, momentum=beta, overlap=False), grads, "momenta", 3, size)
     m = [torch.zeros(n) for _ in range(size)]
     for step in range(3):
         for r in range(size):
             m[r] = m[r].mul(beta).add_(grads(r, step).float(), alpha=1 - beta)
-            assert torch.equal(got[r][step][1].view(torch.int32), m[r].view(torch.int32)), \
+            assert torch.equal(got[r][step][2].view(torch.int32), m[r].view(torch.int32)), \
                 (step, r)
         agree = (m[0] >= 0) == (m[1] >= 0)
         expect = torch.where(m[0] >= 0, 1.0, -1.0)[agree]
