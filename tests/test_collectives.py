@@ -61,6 +61,42 @@ def identical(results):
     return all(torch.equal(first, r.contiguous().view(torch.uint8)) for r in results[1:])
 
 
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
+@pytest.mark.parametrize("fn, kwargs", [
+    (ring_majority, {}), (ring_majority, {"packing": "radix"}), (alltoall_majority, {}),
+    (allgather_majority, {})])
+def test_a_majority_writes_into_out_even_when_it_is_the_input(path, fn, kwargs):
+    """out= receives the result and is what the call returns, also when it is x itself (a DDP
+    bucket voted in place): the same +-1 as a new tensor, at 1 to 3 ranks and for float32 and
+    bfloat16; an out of another dtype or shape is refused on every rank before any bytes move."""
+    for size in (1, 2, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = [x.reshape(3, 333).to(dtype) for x in inputs(size, 999, seed=40 + size)]
+            with forced(path):
+                want = run_local(lambda c, xs=xs: fn(c, xs[c.rank], **kwargs), size)
+
+                def into(c, xs=xs):
+                    out = torch.full_like(xs[c.rank], 5.0)
+                    return out, fn(c, xs[c.rank], out=out, **kwargs)
+
+                def in_place(c, xs=xs):
+                    x = xs[c.rank].clone()
+                    return x, fn(c, x, out=x, **kwargs)
+
+                for got in (run_local(into, size), run_local(in_place, size)):
+                    for (out, result), expect in zip(got, want, strict=True):
+                        assert result is out
+                        assert torch.equal(out, expect), (size, dtype)
+    xs = inputs(2, 100, seed=1)
+    for bad, error, message in [(torch.zeros(100, dtype=torch.float64), TypeError, "float32"),
+                                (torch.zeros(99), ValueError, "shape"),
+                                (torch.zeros(200)[::2], ValueError, "contiguous")]:
+        outs = [bad if r == 1 else torch.zeros(100) for r in range(2)]
+        got = run_local(lambda c, outs=outs: fn(c, xs[c.rank], out=outs[c.rank], **kwargs), 2,
+                        return_exceptions=True, timeout=20)
+        assert all(isinstance(e, error) for e in got) and message in str(got[1]), got
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_majority_equals_brute_force(size):
     for n in sorted({0, 1, max(size - 1, 0), size, 1000, 2**20 + 3}):

@@ -91,6 +91,31 @@ def fingerprint(name: str, options: Mapping[str, object]) -> int:
                           signed=True)
 
 
+def check_out(out: object, x: torch.Tensor, dtype: torch.dtype) -> None:
+    """Check a collective's ``out`` (``None``, or where it writes its result).
+
+    ``out`` must be a contiguous tensor of ``x``'s shape and device and of the result's
+    ``dtype``; it may be ``x`` itself, since a collective reads all of its input before it
+    writes its result. Raises ``TypeError`` (not a tensor, another dtype) or ``ValueError``;
+    called from a collective's validation, so the error is raised on every rank.
+    """
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor) or out.dtype != dtype:
+        raise TypeError(f"expected out to be a {dtype} tensor, got "
+                        f"{getattr(out, 'dtype', type(out).__name__)}")
+    if out.shape != x.shape or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"expected out to be a contiguous tensor of shape {tuple(x.shape)} on "
+                         f"{x.device}, got shape {tuple(out.shape)} on {out.device}"
+                         f"{'' if out.is_contiguous() else ', not contiguous'}")
+
+
+def result_buffer(out: torch.Tensor | None, n: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """Return the flat tensor a collective writes its result into: ``out``'s elements, or new."""
+    return torch.empty(n, dtype=dtype, device=device) if out is None else out.view(-1)
+
+
 def _status_of(error: BaseException) -> int:
     # the validation raises only these types; an exception of two of them reports the narrower
     return next(s for s, kind in sorted(_ARGUMENT_ERRORS.items(), reverse=True)

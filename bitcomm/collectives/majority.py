@@ -112,20 +112,32 @@ def _decide(total: torch.Tensor | np.ndarray, size: int, tie: str, start: int = 
     return plus
 
 
-def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool) -> torch.Tensor:
+def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    # The decisions as packed bytes, or as +-1 in x's dtype (into out, where given).
     if packed:
         return sign.pack_mask(decided)
+    if out is not None:
+        flat = out.view(-1)
+        if x.dtype == torch.float32 and decided.numel() and _frame.use_numpy(decided):
+            o = flat.numpy()
+            np.copyto(o, decided.numpy())
+            o *= 2
+            o -= 1
+        else:
+            flat.copy_(decided).mul_(2).sub_(1)
+        return out
     if x.dtype == torch.float32 and decided.numel() and _frame.use_numpy(decided):
-        out = decided.numpy().astype(np.float32)
-        out *= 2
-        out -= 1
-        return torch.from_numpy(out).reshape(x.shape)
-    out = decided.to(x.dtype).mul_(2).sub_(1)
-    return out.reshape(x.shape)
+        result = decided.numpy().astype(np.float32)
+        result *= 2
+        result -= 1
+        return torch.from_numpy(result).reshape(x.shape)
+    return decided.to(x.dtype).mul_(2).sub_(1).reshape(x.shape)
 
 
 def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
-                  tie: str = "negative", phase: int = 0, check: bool = True) -> torch.Tensor:
+                  tie: str = "negative", phase: int = 0, check: bool = True,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Return the elementwise majority of ``x >= 0`` over ranks, computed on a ring.
 
     Args:
@@ -137,12 +149,16 @@ def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
         phase: the offset of the alternating tie (an int >= 0, the same on every rank).
         check: agree on the input first (raises on every rank for bad input; see
             :mod:`bitcomm.collectives._common`).
+        out: where to write the result (a contiguous tensor of ``x``'s shape, dtype and
+            device; ``x`` itself may be given): a DDP hook's bucket, which DDP then need not
+            copy.
 
     Returns:
-        +-1 tensor like ``x`` (its shape and dtype), identical on every rank.
+        +-1 tensor like ``x`` (its shape and dtype; ``out`` where given), identical on every
+        rank.
 
     """
-    return _ring_majority(comm, x, packing, tie, phase, check, packed=False)
+    return _ring_majority(comm, x, packing, tie, phase, check, packed=False, out=out)
 
 
 def ring_majority_packed(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
@@ -157,15 +173,20 @@ def ring_majority_packed(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
 
 
 def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: int,
-                   check: bool, packed: bool) -> torch.Tensor:
+                   check: bool, packed: bool, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    def validate(v: torch.Tensor) -> None:
+        _check_options(tie, phase, packing)
+        _common.check_out(out, x, x.dtype)
+
     v = _common.prepare(comm, x, check, "ring_majority",
                         options={"packing": packing, "tie": tie, "phase": phase},
-                        validate=lambda v: _check_options(tie, phase, packing))
+                        validate=validate)
     size, rank, n = comm.size, comm.rank, v.numel()
     if size == 1:
-        return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
+        return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed, out)
     if packing == "fixed" and _frame.use_triton(v):
-        return _ring_fused(comm, x, v, tie, phase, packed)
+        return _ring_fused(comm, x, v, tie, phase, packed, out)
     part = _ring_chunks(n, size)
     nxt, prv = (rank + 1) % size, (rank - 1) % size
 
@@ -206,21 +227,23 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
                               device=v.device)
             sends.append(comm.shift(counts.pack(running, i, packing, check=False), nxt, got, prv))
             running = counts.unpack(got, length, i, packing, dtype=tally).add_(votes(c))
-        # Then the ring allgather of the 1-bit decisions (_ring_allgather).
+        # Then the ring allgather of the 1-bit decisions (_ring_allgather); every chunk of v
+        # has been read by now, so out may be x.
         decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
-        out = None if packed else torch.empty(n, dtype=x.dtype, device=v.device)
-        cpu_float = out is not None and x.dtype == torch.float32 and _frame.use_numpy(out)
+        result = None if packed else _common.result_buffer(out, n, x.dtype, v.device)
+        cpu_float = (result is not None and x.dtype == torch.float32
+                     and _frame.use_numpy(result))
 
         def keep(c: int, chunk: torch.Tensor) -> None:
             if decided is not None:
                 part(decided, c).copy_(chunk)
             elif cpu_float:  # numpy's passes: several times torch's speed on a CPU chunk
-                o = part(out, c).numpy()
+                o = part(result, c).numpy()
                 np.copyto(o, chunk.numpy())
                 o *= 2
                 o -= 1
             else:
-                part(out, c).copy_(chunk).mul_(2).sub_(1)
+                part(result, c).copy_(chunk).mul_(2).sub_(1)
 
         mine = _decide(running, size, tie, _ring_start(n, size, rank + 1), phase)
         keep(rank + 1, mine)
@@ -229,7 +252,7 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
         Request.wait_all(sends)
     if decided is not None:
         return sign.pack_mask(decided)
-    return out.reshape(x.shape)
+    return result.reshape(x.shape) if out is None else out
 
 
 def _ring_start(n: int, size: int, c: int) -> int:
@@ -264,7 +287,7 @@ def _ring_allgather(comm: Comm, forward: torch.Tensor, part, v: torch.Tensor,
 
 
 def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, phase: int,
-                packed: bool) -> torch.Tensor:
+                packed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     # ring_majority's schedule with one kernel per step (bitcomm.collectives._kernels): the
     # same bytes on the wire, and no host synchronisation between the steps.
     from bitcomm.collectives import _kernels
@@ -287,19 +310,20 @@ def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, phase: i
         else:
             message = _kernels.count_step(got, part(v, c), counts.width(i), 1, decide=size,
                                           tie=tie, tie_base=_ring_start(n, size, c) + phase)
-    # The decisions, as +-1 (in x's dtype, or float32 to be packed at the end).
-    out = torch.empty(n, dtype=torch.float32 if packed else x.dtype, device=v.device)
-    unpack(message, part(v, rank + 1).numel(), out.dtype, out=part(out, rank + 1))
+    # The decisions, as +-1 (in x's dtype, or float32 to be packed at the end); the steps
+    # have read v, so out may be x.
+    result = _common.result_buffer(out, n, torch.float32 if packed else x.dtype, v.device)
+    unpack(message, part(v, rank + 1).numel(), result.dtype, out=part(result, rank + 1))
     _ring_allgather(comm, message, part, v, sends, lambda c, got, length: unpack(
-        got, length, out.dtype, out=part(out, c)))
+        got, length, result.dtype, out=part(result, c)))
     Request.wait_all(sends)
     if packed:
-        return _frame.kernels().sign_pack(out)
-    return out.reshape(x.shape)
+        return _frame.kernels().sign_pack(result)
+    return result.reshape(x.shape) if out is None else out
 
 
 def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative", phase: int = 0,
-                      check: bool = True) -> torch.Tensor:
+                      check: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """Return the same majority as :func:`ring_majority`, exchanged the 1-bit Adam way.
 
     Args:
@@ -308,12 +332,13 @@ def alltoall_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative", pha
         tie: ``"negative"``, ``"positive"`` or ``"alternate"`` (as :func:`ring_majority`).
         phase: the offset of the alternating tie.
         check: agree on the input first.
+        out: where to write the result (as :func:`ring_majority`).
 
     Returns:
-        +-1 tensor like ``x``, identical on every rank.
+        +-1 tensor like ``x`` (``out`` where given), identical on every rank.
 
     """
-    return _alltoall_majority(comm, x, tie, phase, check, packed=False)
+    return _alltoall_majority(comm, x, tie, phase, check, packed=False, out=out)
 
 
 def alltoall_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
@@ -323,11 +348,11 @@ def alltoall_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negativ
 
 
 def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check: bool,
-                       packed: bool) -> torch.Tensor:
-    v = _prepare_vote(comm, x, check, "alltoall_majority", tie, phase)
+                       packed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    v = _prepare_vote(comm, x, check, "alltoall_majority", tie, phase, out)
     size, rank, n = comm.size, comm.rank, v.numel()
     if size == 1:
-        return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
+        return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed, out)
     chunks = _common.bounds(n, size)
     lengths = [hi - lo for lo, hi in chunks]
     sends = [sign.pack(v[lo:hi]) for lo, hi in chunks]
@@ -341,10 +366,12 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check:
         decision = _kernels.vote_count(torch.stack(got), lengths[rank], tie=tie,
                                        tie_base=chunks[rank][0] + phase)
         every = comm.allgatherv(decision, every_size)
-        out = torch.empty(n, dtype=torch.float32 if packed else x.dtype, device=v.device)
+        result = _common.result_buffer(out, n, torch.float32 if packed else x.dtype, v.device)
         for p, (lo, hi) in zip(every, chunks, strict=True):
-            _frame.kernels().sign_unpack(p, hi - lo, out.dtype, out=out[lo:hi])
-        return _frame.kernels().sign_pack(out) if packed else out.reshape(x.shape)
+            _frame.kernels().sign_unpack(p, hi - lo, result.dtype, out=result[lo:hi])
+        if packed:
+            return _frame.kernels().sign_pack(result)
+        return result.reshape(x.shape) if out is None else out
     # Off the numpy path every payload's padding check is a flag, read once at the end.
     with _frame.deferred(handover=True):
         decision = sign.pack_mask(_majority(got, lengths[rank], v.device, size, tie,
@@ -352,16 +379,16 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check:
         every = comm.allgatherv(decision, every_size)
         decided = torch.cat([sign.unpack_mask(p, length)
                              for p, length in zip(every, lengths, strict=True)])
-    return _finish(x, decided, packed)
+    return _finish(x, decided, packed, out)
 
 
 def allgather_majority(comm: Comm, x: torch.Tensor, *, tie: str = "negative", phase: int = 0,
-                       check: bool = True) -> torch.Tensor:
+                       check: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """Return the same majority as :func:`ring_majority`, from one allgather of 1-bit votes.
 
     The arguments and the result are :func:`alltoall_majority`'s.
     """
-    return _allgather_majority(comm, x, tie, phase, check, packed=False)
+    return _allgather_majority(comm, x, tie, phase, check, packed=False, out=out)
 
 
 def allgather_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negative",
@@ -371,11 +398,11 @@ def allgather_majority_packed(comm: Comm, x: torch.Tensor, *, tie: str = "negati
 
 
 def _allgather_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check: bool,
-                        packed: bool) -> torch.Tensor:
-    v = _prepare_vote(comm, x, check, "allgather_majority", tie, phase)
+                        packed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    v = _prepare_vote(comm, x, check, "allgather_majority", tie, phase, out)
     size, n = comm.size, v.numel()
     if size == 1:
-        return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed)
+        return _finish(x, _decide((v >= 0).to(torch.int32), 1, tie), packed, out)
     every = comm.allgatherv(sign.pack(v), [sign.packed_size(n)] * size)
     if _frame.use_triton(v):
         # One kernel sums every rank's votes, decides and packs (no host sync).
@@ -384,18 +411,23 @@ def _allgather_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check
         decision = _kernels.vote_count(torch.stack(every), n, tie=tie, tie_base=phase)
         if packed:
             return decision
-        out, _ = _frame.kernels().sign_unpack(decision, n, x.dtype)  # our own padding: zero
-        return out.reshape(x.shape)
+        result = _common.result_buffer(out, n, x.dtype, v.device)
+        _frame.kernels().sign_unpack(decision, n, x.dtype, out=result)  # our own padding: 0
+        return result.reshape(x.shape) if out is None else out
     with _frame.deferred(handover=True):  # the payloads' padding checks: one read at the end
         decided = _majority(every, n, v.device, size, tie, 0, phase)
-    return _finish(x, decided, packed)
+    return _finish(x, decided, packed, out)
 
 
-def _prepare_vote(comm: Comm, x: torch.Tensor, check: bool, name: str, tie: str, phase: int
-                  ) -> torch.Tensor:
+def _prepare_vote(comm: Comm, x: torch.Tensor, check: bool, name: str, tie: str, phase: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     # The agreement of the one-round and two-round majorities: the tie rule shapes the result.
+    def validate(v: torch.Tensor) -> None:
+        _check_options(tie, phase)
+        _common.check_out(out, x, x.dtype)
+
     return _common.prepare(comm, x, check, name, options={"tie": tie, "phase": phase},
-                           validate=lambda v: _check_options(tie, phase))
+                           validate=validate)
 
 
 def _majority(payloads: list[torch.Tensor], n: int, device: torch.device, size: int, tie: str,
