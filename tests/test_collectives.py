@@ -455,6 +455,39 @@ def test_onebit_allreduce_binds_new_errors_and_leaves_the_old_ones(path, collect
             torch.testing.assert_close(served, serr[r], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
+@pytest.mark.parametrize("collective", ["alltoall", "allgather"])
+def test_onebit_allreduce_writes_into_out_even_when_it_is_the_input(path, collective):
+    """out= receives the result and is returned, also when it is x itself: the bits of a new
+    tensor, and the same new errors; an out of another dtype is refused on every rank."""
+    size, n = 3, 1001
+    xs = [x.reshape(7, 143) for x in inputs(size, n, seed=14)]
+
+    def run(make_out):
+        states = [OneBitState(n, size, collective=collective) for _ in range(size)]
+
+        def rank_fn(c):
+            x = xs[c.rank].clone()
+            out = make_out(x)
+            return out, onebit_allreduce(c, x, states[c.rank], out=out)
+
+        with forced(path):
+            return run_local(rank_fn, size), states
+
+    want, errors = run(lambda x: None)
+    for make_out in (lambda x: torch.full_like(x, 5.0), lambda x: x):
+        got, states = run(make_out)
+        for r, ((out, result), (_, expect)) in enumerate(zip(got, want, strict=True)):
+            assert result is out and torch.equal(result, expect)
+            assert torch.equal(states[r].worker_error, errors[r].worker_error)
+            assert torch.equal(states[r].server_error, errors[r].server_error)
+    states = [OneBitState(n, size, collective=collective) for _ in range(size)]
+    got = run_local(lambda c: onebit_allreduce(c, xs[c.rank], states[c.rank], out=torch.zeros(
+        7, 143, dtype=torch.float16) if c.rank == 1 else None), size,
+        return_exceptions=True, timeout=20)
+    assert all(isinstance(e, TypeError) for e in got) and "float32" in str(got[1]), got
+
+
 @pytest.mark.parametrize("collective", ["alltoall", "allgather"])
 def test_a_failed_onebit_call_leaves_the_state_as_it_was(collective):
     """An exchange that fails after the worker error was computed leaves the state's errors
@@ -690,6 +723,73 @@ def test_qsgd_allgather_mean_and_bytes(size, check):
         assert nbytes == qsgd_allgather_bytes(n, size, bits=bits, bucket=bucket, check=check)
     if size == 4 and check:
         assert qsgd_allgather_bytes(n, size, bits=bits, bucket=bucket) == 3 * 522 + 3 * 24
+
+
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
+@pytest.mark.parametrize("fmt, method", [("fp32", "topk"), ("mean", "topk"),
+                                         ("fp32", "threshold")])
+def test_sparse_allgather_writes_its_sum_into_out_even_when_it_is_the_input(path, fmt, method):
+    """out= receives the dense sum and is returned, also when it is x itself: the bits of a
+    new tensor, and the same entries; an out of another shape is refused on every rank."""
+    size = 3
+    xs = [x.reshape(3, 333) for x in inputs(size, 999, seed=13)]
+
+    def call(c, x, out=None):
+        return sparse_allgather(c, x, 20, fmt=fmt, method=method, out=out)
+
+    with forced(path):
+        want = run_local(lambda c: call(c, xs[c.rank]), size)
+
+        def into(c):
+            out = torch.full_like(xs[c.rank], 5.0)
+            return out, call(c, xs[c.rank], out)
+
+        def in_place(c):
+            x = xs[c.rank].clone()
+            return x, call(c, x, x)
+
+        for got in (run_local(into, size), run_local(in_place, size)):
+            for (out, (dense, (idx, val))), (dense0, (idx0, val0)) in zip(got, want,
+                                                                          strict=True):
+                assert dense is out and torch.equal(dense, dense0)
+                assert torch.equal(idx, idx0) and torch.equal(val, val0)
+    got = run_local(lambda c: call(c, xs[c.rank], torch.zeros(999) if c.rank == 0 else None),
+                    size, return_exceptions=True, timeout=20)
+    assert all(isinstance(e, ValueError) for e in got) and "shape" in str(got[0]), got
+
+
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
+@pytest.mark.parametrize("residual", [False, True])
+def test_qsgd_allgather_writes_its_mean_into_out_even_when_it_is_the_input(path, residual):
+    """out= receives the mean and is returned, also when it is x itself (then the residual is
+    still x less what was sent, x as it was): the bits of a new tensor; an out of another
+    dtype is refused on every rank."""
+    size, n = 3, 1001
+    xs = [x.reshape(7, 143) for x in inputs(size, n, seed=12)]
+
+    def call(c, x, out=None):
+        return qsgd_allgather(c, x, bits=4, bucket=100, seed=2, residual=residual, out=out)
+
+    with forced(path):
+        want = run_local(lambda c: call(c, xs[c.rank]), size)
+
+        def into(c):
+            out = torch.full_like(xs[c.rank], 5.0)
+            return out, call(c, xs[c.rank], out)
+
+        def in_place(c):
+            x = xs[c.rank].clone()
+            return x, call(c, x, x)
+
+        for got in (run_local(into, size), run_local(in_place, size)):
+            for (out, (mean, second)), (mean0, second0) in zip(got, want, strict=True):
+                assert mean is out and torch.equal(mean.view(torch.int32),
+                                                   mean0.view(torch.int32))
+                assert torch.equal(second.view(torch.int32), second0.view(torch.int32))
+    got = run_local(lambda c: call(c, xs[c.rank], torch.zeros(7, 143, dtype=torch.float64)
+                                   if c.rank == 2 else None), size,
+                    return_exceptions=True, timeout=20)
+    assert all(isinstance(e, TypeError) for e in got) and "float32" in str(got[2]), got
 
 
 @pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(

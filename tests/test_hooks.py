@@ -803,6 +803,36 @@ def test_sign_hook_votes_a_16_bit_gradient_without_widening_it(path, dtype, coll
         assert out.dtype == dtype and torch.equal(out.float(), expect)
 
 
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
+def test_hooks_hand_back_a_float32_bucket_itself_holding_the_result(path):
+    """Each hook writes its exchange's result into a float32 bucket's buffer and hands that
+    buffer back, as DDP's own allreduce does (DDP with gradient_as_bucket_view then copies
+    nothing): the values of the exchange into a new tensor (a bucket of the same gradient
+    that is not float32 gets a new tensor, rounded to its dtype)."""
+    n = 500
+    makes = {sign_majority_hook: lambda c: SignState(c, overlap=False),
+             onebit_hook: lambda c: OneBitHookState(c, overlap=False),
+             qsgd_hook: lambda c: QsgdState(c, bits=4, bucket_size=50, overlap=False),
+             topk_hook: lambda c: TopkState(c, density=0.1, overlap=False)}
+    for hook, make in makes.items():
+        def rank_fn(comm, hook=hook, make=make):
+            got = []
+            for dtype in (torch.float32, torch.float64):
+                state = make(comm)
+                g = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank))
+                bucket = Bucket(0, [torch.zeros(n)], [g.to(dtype)])
+                got.append((bucket.buffer(), hook(state, bucket).wait()))
+                state.close()
+            return got
+
+        with forced(path):
+            got = run_local(rank_fn, size=2)
+        for (g32, out32), (g64, out64) in got:
+            assert out32 is g32, hook.__name__
+            assert out64 is not g64 and out64.dtype == torch.float64
+            assert torch.equal(out32, out64.float()), hook.__name__
+
+
 def test_a_float32_operand_is_a_16_bit_gradient_itself():
     """float32_operand hands 16-bit floats and float32 over as they are (torch widens them
     exactly as it adds: the bits of adding the cast) and rounds float64 to float32."""

@@ -856,8 +856,8 @@ def _qsgd_mean_kernel(rows_ptr, steps_ptr, mean_ptr, kept_ptr, x_ptr, n, nbytes,
 
 
 def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
-              steps: torch.Tensor, keep: int | None = None, residual_of: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+              steps: torch.Tensor, keep: int | None = None, residual_of: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return the float32 mean of the frames' values and, with ``keep``, that frame's values.
 
     ``rows``: the frames, one a row (uint8, contiguous), their packed codes from byte ``off``;
@@ -866,7 +866,8 @@ def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
     the bits of torch adding the decoded vectors then dividing by a tensor. One pass reads
     every frame's codes once; no frame's values are written but the kept one's. With
     ``residual_of`` (contiguous float32, ``n`` elements, and ``keep``) the second result is
-    ``residual_of`` less the kept values instead, in the same pass.
+    ``residual_of`` less the kept values instead, in the same pass. ``out`` (contiguous float32,
+    ``n`` elements) receives the mean instead of a new tensor.
     """
     frames = rows.shape[0]
     if not frames:
@@ -875,7 +876,7 @@ def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
                                     or residual_of.numel() != n
                                     or not residual_of.is_contiguous()):
         raise ValueError("residual_of takes keep and a contiguous float32 tensor of n elements")
-    mean = torch.empty(n, dtype=torch.float32, device=rows.device)
+    mean = torch.empty(n, dtype=torch.float32, device=rows.device) if out is None else out
     kept = None if keep is None else torch.empty_like(mean)
     if n:
         nbytes = (n * bits + 7) // 8

@@ -422,7 +422,7 @@ def decode_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
 
 def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
              scale: str = "max", keep: int | None = None,
-             residual_of: torch.Tensor | None = None
+             residual_of: torch.Tensor | None = None, out: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return the float32 mean of the frames' values and, with ``keep``, frame ``keep``'s values.
 
@@ -437,6 +437,9 @@ def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
     With ``residual_of`` (a float32 tensor of ``n`` elements; needs ``keep``) the second result
     is ``residual_of`` less frame ``keep``'s values (float32 subtraction): error feedback's
     residual, in the same pass where the values would be written and then read back.
+
+    ``out`` (a contiguous float32 tensor of ``n`` elements on the frames' device) receives the
+    mean, and is returned, in place of a new tensor.
     """
     layout, bufs = _layout(frames, n, bits, bucket, scale)
     if not bufs:
@@ -454,18 +457,29 @@ def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
             raise ValueError(f"expected residual_of of {n} elements on {bufs[0].device}, got "
                              f"{residual_of.numel()} on {residual_of.device}")
         residual_of = residual_of.detach().reshape(-1).contiguous()
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32):
+        raise TypeError(f"expected out to be a float32 tensor, got "
+                        f"{getattr(out, 'dtype', type(out).__name__)}")
+    if out is not None and (out.numel() != n or out.device != bufs[0].device
+                            or not out.is_contiguous()):
+        raise ValueError(f"expected out to be a contiguous tensor of {n} elements on "
+                         f"{bufs[0].device}, got {out.numel()} on {out.device}")
+    flat = None if out is None else out.view(-1)
     if _frame.use_triton(bufs[0]):
         stacked = _stacked(bufs, layout, torch.float32)
         if stacked is not None:
             rows, steps, off = stacked
-            return _frame.kernels().qsgd_mean(rows, off, n, bits, bucket, steps, keep,
-                                              residual_of)
+            mean, kept = _frame.kernels().qsgd_mean(rows, off, n, bits, bucket, steps, keep,
+                                                    residual_of, flat)
+            return mean if out is None else out, kept
     values = decode_all(bufs, n, bits, bucket, scale=scale)
-    total = torch.zeros(n, dtype=torch.float32, device=bufs[0].device)
+    total = (torch.zeros(n, dtype=torch.float32, device=bufs[0].device) if flat is None
+             else flat.zero_())
     for v in values:  # in list order: the same sum on every device
         total += v
     # by a tensor on the device: CUDA divides by a Python scalar through its reciprocal
     total /= torch.full((), float(len(values)), device=total.device)
+    total = total if out is None else out
     if keep is None:
         return total, None
     return total, values[keep] if residual_of is None else residual_of - values[keep]

@@ -225,10 +225,14 @@ def _scaled_signs_kernel(packed_ptr, scales_ptr, out_ptr, n, nbytes, chunk, firs
     _store(out_ptr + idx, val, idx < n, EDGE)
 
 
-def scaled_signs(packed: torch.Tensor, scales: torch.Tensor, n: int, chunk: int
-                 ) -> torch.Tensor:
-    """Return the first ``n`` of ``scales[i // chunk] * (+-1)_i`` for packed signs ``packed``."""
-    out = torch.empty(n, dtype=torch.float32, device=packed.device)
+def scaled_signs(packed: torch.Tensor, scales: torch.Tensor, n: int, chunk: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Return the first ``n`` of ``scales[i // chunk] * (+-1)_i`` for packed signs ``packed``.
+
+    ``out`` (contiguous float32, ``n`` elements) receives them instead of a new tensor.
+    """
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=packed.device)
     nbytes = packed.numel()
     if n:
         block = TUNING["scaled_signs"][0]

@@ -198,8 +198,8 @@ def _rms(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.norm(t) / np.sqrt(t.numel())
 
 
-def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: bool = True
-                     ) -> torch.Tensor:
+def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: bool = True,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Return the 1-bit compressed average of ``x`` over ranks, updating ``state``'s errors.
 
     The new errors are new tensors, bound to ``state.worker_error`` and ``state.server_error``
@@ -213,6 +213,8 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
         x: float tensor with ``state.numel`` elements.
         state: this tensor's :class:`OneBitState` (one per rank).
         check: agree on the input first (raises on every rank for bad input).
+        out: where to write the result (a contiguous float32 tensor of ``x``'s shape and
+            device; ``x`` itself may be given), returned in its place.
 
     Returns:
         float32 tensor of ``x``'s shape, identical on every rank.
@@ -224,6 +226,7 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
         if v.numel() != state.numel or state.size != comm.size:
             raise ValueError(f"expected a state for numel={v.numel()}, size={comm.size}, got "
                              f"numel={state.numel}, size={state.size}")
+        _common.check_out(out, x, torch.float32)
 
     # The padded length sets every message's size, and the collective its rounds: ranks must
     # agree on both.
@@ -238,19 +241,20 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     torch.add(v.reshape(-1), state.worker_error[:k], out=buf[:k])
     torch.add(state.worker_error[k:], 0.0, out=buf[k:])
     worker_scale = _rms(buf)
-    # buf becomes the new worker error (each element written where it was read).
+    # buf becomes the new worker error (each element written where it was read). x has been
+    # read into buf: out may be x.
     one_round = state.collective == "allgather"
     if _frame.use_triton(v):
-        out, server_error = (_fused_allgather if one_round else _fused)(
-            comm, x, v, state, buf, worker_scale)
-    elif one_round:
-        out, server_error = _allgather(comm, x, v, state, _sign_error(buf, worker_scale, buf),
-                                       worker_scale)
+        result, server_error = (_fused_allgather if one_round else _fused)(
+            comm, x, v, state, buf, worker_scale, out)
     else:
-        out, server_error = _alltoall(comm, x, v, state, _sign_error(buf, worker_scale, buf),
-                                      worker_scale)
+        result, server_error = (_allgather if one_round else _alltoall)(
+            comm, x, v, state, _sign_error(buf, worker_scale, buf), worker_scale)
+        if out is not None:  # the padded output's first elements, copied
+            out.view(-1).copy_(result.reshape(-1))
+            result = out
     state.worker_error, state.server_error = buf, server_error
-    return out
+    return result
 
 
 def _alltoall(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState,
@@ -301,7 +305,8 @@ def _allgather(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState,
 
 
 def _fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState, buf: torch.Tensor,
-           worker_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           worker_scale: torch.Tensor, out: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     # The same exchange and arithmetic with one kernel per compress / decompress step
     # (bitcomm.collectives._kernels); nothing is read back to the host. Writes the new worker
     # error into buf; returns the output and the new server error.
@@ -318,13 +323,14 @@ def _fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState, buf
     server_scale = _rms(compensated)
     mine = _kernels.sign_error(compensated, server_scale, compensated)
     every, server_scales = _exchange(comm, mine, server_scale, nbytes)
-    out = _kernels.scaled_signs(torch.cat(every), server_scales, v.numel(), chunk)
-    return out.reshape(x.shape), compensated
+    result = _kernels.scaled_signs(torch.cat(every), server_scales, v.numel(), chunk,
+                                   None if out is None else out.view(-1))
+    return result.reshape(x.shape) if out is None else out, compensated
 
 
 def _fused_allgather(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState,
-                     buf: torch.Tensor, worker_scale: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     buf: torch.Tensor, worker_scale: torch.Tensor,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     # _fused's kernels with every rank serving every chunk (see _allgather).
     from bitcomm.collectives import _kernels
 
@@ -343,8 +349,9 @@ def _fused_allgather(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBit
             state.server_error[j * chunk : (j + 1) * chunk])
         scales.append(_rms(compensated).reshape(1))
         served.append(_kernels.sign_error(compensated, scales[-1], error))
-    out = _kernels.scaled_signs(torch.cat(served), torch.cat(scales), v.numel(), chunk)
-    return out.reshape(x.shape), server_error
+    result = _kernels.scaled_signs(torch.cat(served), torch.cat(scales), v.numel(), chunk,
+                                   None if out is None else out.view(-1))
+    return result.reshape(x.shape) if out is None else out, server_error
 
 
 def _exchange(comm: Comm, packed: torch.Tensor | list[torch.Tensor], scale: torch.Tensor,

@@ -28,8 +28,8 @@ __all__ = ["qsgd_allgather", "qsgd_allgather_bytes"]
 
 def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
                    bucket: int = qsgd.DEFAULT_BUCKET, seed: int | None = None,
-                   check: bool = True, residual: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   check: bool = True, residual: bool = False,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(mean, sent)``: the mean over ranks of the quantised ``x``, and this rank's.
 
     ``sent`` is this rank's quantised ``x`` as every receiver decodes it (for error feedback).
@@ -47,11 +47,14 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
             feedback's next residual) in place of ``sent``, the same bits as subtracting
             them; with triton it is written in the mean's pass, where ``sent`` would be
             written there and read back.
+        out: where to write the mean (a contiguous float32 tensor of ``x``'s shape and
+            device; ``x`` itself may be given), returned in its place.
 
     """
     def validate(v: torch.Tensor) -> None:
         qsgd.check_config(bits, bucket, "max")
         qsgd.check_seed(seed)
+        _common.check_out(out, x, torch.float32)
 
     # The seed is left out of the call's fingerprint: ranks offset it anyway.
     v = _common.prepare(comm, x, check, "qsgd_allgather", float32=True,
@@ -68,10 +71,16 @@ def qsgd_allgather(comm: Comm, x: torch.Tensor, *, bits: int = 4,
         # rank order (the same sum on every rank); this rank's own is decoded as the peers
         # decode it (for error feedback). The frames as received: where the transport gave
         # them back to back in one buffer (this rank's too), they are read there, uncopied.
+        # x has been encoded: out may be x, unless the residual still reads x as it is
+        # written (then from a copy).
+        less = v.float() if residual else None
+        if less is not None and out is not None and (
+                less.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()):
+            less = less.clone()
         mean, sent = qsgd.mean_all([f.to(v.device) for f in frames], n, bits, bucket,
-                                   keep=comm.rank,
-                                   residual_of=v.float() if residual else None)
-    return mean.reshape(x.shape), sent.reshape(x.shape)
+                                   keep=comm.rank, residual_of=less,
+                                   out=None if out is None else out.view(-1))
+    return mean.reshape(x.shape) if out is None else out, sent.reshape(x.shape)
 
 
 def qsgd_allgather_bytes(n: int, size: int, *, bits: int = 4, bucket: int = qsgd.DEFAULT_BUCKET,

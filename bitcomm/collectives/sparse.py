@@ -39,7 +39,8 @@ _LEN = struct.Struct("<q")
 
 def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFormat = "fp32",
                      method: str = "topk", side: str | None = None,
-                     options: Mapping[str, float] | None = None, check: bool = True
+                     options: Mapping[str, float] | None = None, check: bool = True,
+                     out: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Sum every rank's k selected elements into a dense tensor.
 
@@ -60,6 +61,8 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
         side: ``"top"`` (default) or ``"bottom"``: the signed tail a ``fmt="mean"`` frame
             sends (RedSync alternates them); other formats select by ``|x|`` and take none.
         check: agree on the input first (raises on every rank for bad input).
+        out: where to write the dense sum (a contiguous float32 tensor of ``x``'s shape and
+            device; ``x`` itself may be given), returned in its place.
 
     Returns:
         ``(dense, (indices, values))``: the float32 sum of all frames (shape of ``x``), and the
@@ -79,6 +82,7 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
                              f"fmt={fmt!r}")
         if side is not None and side not in redsync.SIDES:
             raise ValueError(f"expected side in {redsync.SIDES}, got {side!r}")
+        _common.check_out(out, x, torch.float32)
         if form == "fp16" and k and v.numel():
             # the k selected include the largest |x|: it must fit fp16 (a NaN is reported later)
             top = float(v.abs().max())
@@ -134,7 +138,8 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
             frames = comm.allgatherv(frame, lengths)
         else:
             frames = [frame]
-        dense = torch.zeros(n, dtype=torch.float32, device=v.device)
+        # x was read when this rank's frame was made: out may be x.
+        dense = _common.result_buffer(out, n, torch.float32, v.device).zero_()
         # Frames of one known format, each as long as its entries (the lengths are known to
         # every rank): checked together. This rank's entries come back as the receivers decode
         # them, for the sum and the caller's residual bookkeeping.
@@ -142,7 +147,7 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
                                     k if fixed is not None else None, fmt)
         for idx, val in entries:  # in rank order, so the sum is the same on every rank
             dense.index_add_(0, idx, val)  # what sparse.decode(out=dense) adds
-    return dense.reshape(x.shape), entries[comm.rank]
+    return dense.reshape(x.shape) if out is None else out, entries[comm.rank]
 
 
 def _fixed_length(n: int, k: int, fmt: sparse.ValueFormat, method: str) -> int | None:

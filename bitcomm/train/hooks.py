@@ -20,6 +20,14 @@ hook                       state                       the bucket's gradient bec
                                                        momentum correction)
 =========================  ==========================  ======================================
 
+Results in the bucket
+---------------------
+A float32 bucket's result is written into the bucket's own buffer, which the future then
+holds, as DDP's allreduce does with its result: with ``gradient_as_bucket_view=True`` DDP's
+gradients are views of that buffer, and DDP copies a hook's result into them only when it is
+another tensor (a read and a write of the bucket). Other dtypes get a new tensor: the
+exchanges compute in float32.
+
 Overlap
 -------
 A hook returns at once with a future of work that runs on a thread of the state's own (and, for
@@ -645,6 +653,12 @@ def _exact_mean(comm: Comm, v: torch.Tensor) -> torch.Tensor:
     return total.div_(comm.size)
 
 
+def _into(g: torch.Tensor) -> torch.Tensor | None:
+    # A float32 bucket receives its exchange's float32 result in place: DDP, whose own
+    # allreduce works in the bucket, then need not copy the result into it.
+    return g if g.dtype == torch.float32 else None
+
+
 def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Replace the bucket's gradient by the workers' majority sign (signSGD / Signum)."""
     _check_state(state, SignState)
@@ -658,7 +672,9 @@ def sign_majority_hook(state: SignState, bucket: dist.GradBucket) -> Future[torc
         else:
             v = g.to(torch.float32)  # float64: the float32 cast's signs (-1e-50 becomes -0.0)
         vote = vote_for(state.collective, state.comm.size)
-        out = vote(state.comm, v, tie=state.tie, phase=state.iteration, check=check).to(g.dtype)
+        # Into the bucket itself where the dtypes allow: DDP need not copy it back.
+        out = vote(state.comm, v, tie=state.tie, phase=state.iteration, check=check,
+                   out=g if v.dtype == g.dtype else None).to(g.dtype)
         if m is None:
             return out, None
 
@@ -691,7 +707,7 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
         # The collective binds new errors to the state and leaves the old ones as they were:
         # what a refused step goes back to.
         old = (one.worker_error, one.server_error)
-        out = onebit_allreduce(state.comm, v, one, check=check)
+        out = onebit_allreduce(state.comm, v, one, check=check, out=_into(g))
         if bucket.is_last():
             for stale in [i for i in state.server_errors if i > index]:
                 del state.server_errors[stale]
@@ -722,7 +738,8 @@ def qsgd_hook(state: QsgdState, bucket: dist.GradBucket) -> Future[torch.Tensor]
         mean, dropped = qsgd_allgather(state.comm, c, bits=state.bits,
                                        bucket=state.bucket_size,
                                        seed=state.seed + state.calls * state.comm.size,
-                                       check=check, residual=state.error_feedback)
+                                       check=check, residual=state.error_feedback,
+                                       out=_into(g))
         state.calls += 1
         if not state.error_feedback:
             return mean.to(g.dtype), None
@@ -744,7 +761,8 @@ def topk_hook(state: TopkState, bucket: dist.GradBucket) -> Future[torch.Tensor]
         residual = state.residuals.get(bucket)
         v = torch.add(residual, float32_operand(g))
         k = max(1, math.ceil(state.density * v.numel()))
-        total, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method, check=check)
+        total, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method, check=check,
+                                           out=_into(g))
         v[idx] = 0
 
         def settle(keep: bool) -> None:
