@@ -41,10 +41,11 @@ def batches(rank, steps):
     return out
 
 
-def train(hook, state, opt_kind, rank):
+def train(hook, state, opt_kind, rank, view=False):
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
-                                    torch.nn.Linear(32, 1)), bucket_cap_mb=BUCKET_MB)
+                                    torch.nn.Linear(32, 1)), bucket_cap_mb=BUCKET_MB,
+                gradient_as_bucket_view=view)
     if hook is not None:
         model.register_comm_hook(state, hook)
     opt = (torch.optim.SGD(model.parameters(), lr=0.01) if opt_kind == "sign"
@@ -94,6 +95,16 @@ def main():
     same = all(torch.equal(a, b) for a, b in zip(finals["qsgd8"], finals["qsgd8-blocking"],
                                                  strict=True))
     print(json.dumps({"rank": rank, "qsgd_overlap_equals_blocking": same}), flush=True)
+    # With gradient_as_bucket_view the gradients are the buckets the hooks write their results
+    # into: the same training, bit for bit.
+    for name, make in {"qsgd8": lambda: QsgdState(comm, bits=8, bucket_size=64),
+                       "onebit": lambda: OneBitHookState(comm),
+                       "topk": lambda: TopkState(comm, density=0.1),
+                       "sign": lambda: SignState(comm, momentum=0.9)}.items():
+        hook, _, kind = cases[name]
+        _, viewed = train(hook, make(), kind, rank, view=True)
+        same = all(torch.equal(a, b) for a, b in zip(viewed, finals[name], strict=True))
+        print(json.dumps({"rank": rank, "bucket_view": name, "same": same}), flush=True)
     for name, (hook, make) in {"sign": (sign_majority_hook, lambda: SignState(comm)),
                                "onebit": (onebit_hook, lambda: OneBitHookState(comm)),
                                "qsgd": (qsgd_hook, lambda: QsgdState(comm)),

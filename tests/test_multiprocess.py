@@ -188,6 +188,8 @@ def test_ddp_hooks_train_on_two_gloo_processes(tmp_path):
         # as DDP has (not the first iteration's layout as well)
         assert all(h in (0, r["params"]) for h in r["held"]), r
         assert all(b == 2 for b, h in zip(r["buckets"], r["held"], strict=True) if h), r
+    views = {(r["bucket_view"], r["rank"]): r["same"] for r in rows if "bucket_view" in r}
+    assert len(views) == 8 and all(views.values()), views
     # GradScaler under DDP: rank 1 overflows in one parameter at step 1, and on both ranks every
     # bucket comes back NaN, the step is skipped and the scale halves; the other steps move
     flows = {(r["overflow"], r["rank"]): r for r in rows if "overflow" in r}
