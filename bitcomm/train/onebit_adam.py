@@ -125,7 +125,7 @@ class OneBitAdam(ExtraState, ScalerAware, torch.optim.Optimizer):
                            torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
                            for p, h in zip(params, has, strict=True)])
             with agree_on(("grads", mask)):
-                m = onebit_allreduce(self.comm, m, self.onebit, check=self.check)
+                m = onebit_allreduce(self.comm, m, self.onebit, check=self.check, out=m)
             for p, h, avg in zip(params, has, split_like(m, params), strict=True):
                 if h:
                     self.state[p]["exp_avg"].copy_(avg)

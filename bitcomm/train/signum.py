@@ -116,7 +116,9 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
         flat = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
         vote = vote_for(self.collective, self.comm.size)
         with agree_on(("grads", mask)):
-            majority = vote(self.comm, flat, tie=self.tie, phase=self.steps, check=self.check)
+            # into the momenta's concatenation, read by then: no second vector of n floats
+            majority = vote(self.comm, flat, tie=self.tie, phase=self.steps, check=self.check,
+                            out=flat)
         self.steps += 1
         votes = split_like(majority, params)
         at = 0
