@@ -61,6 +61,31 @@ def identical(results):
     return all(torch.equal(first, r.contiguous().view(torch.uint8)) for r in results[1:])
 
 
+def out_runs(call, xs):
+    """Run ``call(comm, x, out)`` on thread ranks (``x`` a copy of the rank's input) with
+    ``out=None``; then into a separate tensor and in place (``out`` is ``x``). Return the
+    first run's results and, for the other two, each rank's ``(out, result)``."""
+    size = len(xs)
+
+    def into(c):
+        out = torch.full_like(xs[c.rank], 5.0)
+        return out, call(c, xs[c.rank].clone(), out)
+
+    def in_place(c):
+        x = xs[c.rank].clone()
+        return x, call(c, x, x)
+
+    want = run_local(lambda c: call(c, xs[c.rank].clone(), None), size)
+    return want, [run_local(into, size), run_local(in_place, size)]
+
+
+def refused_out(call, xs, rank, bad):
+    """Run ``call(comm, x, out)`` with ``out=bad`` on ``rank`` alone; return what each rank
+    raised (or returned)."""
+    return run_local(lambda c: call(c, xs[c.rank], bad if c.rank == rank else None), len(xs),
+                     return_exceptions=True, timeout=20)
+
+
 @pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
 @pytest.mark.parametrize("fn, kwargs", [
     (ring_majority, {}), (ring_majority, {"packing": "radix"}), (alltoall_majority, {}),
@@ -69,31 +94,23 @@ def test_a_majority_writes_into_out_even_when_it_is_the_input(path, fn, kwargs):
     """out= receives the result and is what the call returns, also when it is x itself (a DDP
     bucket voted in place): the same +-1 as a new tensor, at 1 to 3 ranks and for float32 and
     bfloat16; an out of another dtype or shape is refused on every rank before any bytes move."""
+    def call(c, x, out):
+        return fn(c, x, out=out, **kwargs)
+
     for size in (1, 2, 3):
         for dtype in (torch.float32, torch.bfloat16):
             xs = [x.reshape(3, 333).to(dtype) for x in inputs(size, 999, seed=40 + size)]
             with forced(path):
-                want = run_local(lambda c, xs=xs: fn(c, xs[c.rank], **kwargs), size)
-
-                def into(c, xs=xs):
-                    out = torch.full_like(xs[c.rank], 5.0)
-                    return out, fn(c, xs[c.rank], out=out, **kwargs)
-
-                def in_place(c, xs=xs):
-                    x = xs[c.rank].clone()
-                    return x, fn(c, x, out=x, **kwargs)
-
-                for got in (run_local(into, size), run_local(in_place, size)):
-                    for (out, result), expect in zip(got, want, strict=True):
-                        assert result is out
-                        assert torch.equal(out, expect), (size, dtype)
+                want, runs = out_runs(call, xs)
+            for got in runs:
+                for (out, result), expect in zip(got, want, strict=True):
+                    assert result is out
+                    assert torch.equal(out, expect), (size, dtype)
     xs = inputs(2, 100, seed=1)
     for bad, error, message in [(torch.zeros(100, dtype=torch.float64), TypeError, "float32"),
                                 (torch.zeros(99), ValueError, "shape"),
                                 (torch.zeros(200)[::2], ValueError, "contiguous")]:
-        outs = [bad if r == 1 else torch.zeros(100) for r in range(2)]
-        got = run_local(lambda c, outs=outs: fn(c, xs[c.rank], out=outs[c.rank], **kwargs), 2,
-                        return_exceptions=True, timeout=20)
+        got = refused_out(call, xs, 1, bad)
         assert all(isinstance(e, error) for e in got) and message in str(got[1]), got
 
 
@@ -482,9 +499,8 @@ def test_onebit_allreduce_writes_into_out_even_when_it_is_the_input(path, collec
             assert torch.equal(states[r].worker_error, errors[r].worker_error)
             assert torch.equal(states[r].server_error, errors[r].server_error)
     states = [OneBitState(n, size, collective=collective) for _ in range(size)]
-    got = run_local(lambda c: onebit_allreduce(c, xs[c.rank], states[c.rank], out=torch.zeros(
-        7, 143, dtype=torch.float16) if c.rank == 1 else None), size,
-        return_exceptions=True, timeout=20)
+    got = refused_out(lambda c, x, out: onebit_allreduce(c, x, states[c.rank], out=out), xs, 1,
+                      torch.zeros(7, 143, dtype=torch.float16))
     assert all(isinstance(e, TypeError) for e in got) and "float32" in str(got[1]), got
 
 
@@ -734,27 +750,16 @@ def test_sparse_allgather_writes_its_sum_into_out_even_when_it_is_the_input(path
     size = 3
     xs = [x.reshape(3, 333) for x in inputs(size, 999, seed=13)]
 
-    def call(c, x, out=None):
+    def call(c, x, out):
         return sparse_allgather(c, x, 20, fmt=fmt, method=method, out=out)
 
     with forced(path):
-        want = run_local(lambda c: call(c, xs[c.rank]), size)
-
-        def into(c):
-            out = torch.full_like(xs[c.rank], 5.0)
-            return out, call(c, xs[c.rank], out)
-
-        def in_place(c):
-            x = xs[c.rank].clone()
-            return x, call(c, x, x)
-
-        for got in (run_local(into, size), run_local(in_place, size)):
-            for (out, (dense, (idx, val))), (dense0, (idx0, val0)) in zip(got, want,
-                                                                          strict=True):
-                assert dense is out and torch.equal(dense, dense0)
-                assert torch.equal(idx, idx0) and torch.equal(val, val0)
-    got = run_local(lambda c: call(c, xs[c.rank], torch.zeros(999) if c.rank == 0 else None),
-                    size, return_exceptions=True, timeout=20)
+        want, runs = out_runs(call, xs)
+    for got in runs:
+        for (out, (dense, (idx, val))), (dense0, (idx0, val0)) in zip(got, want, strict=True):
+            assert dense is out and torch.equal(dense, dense0)
+            assert torch.equal(idx, idx0) and torch.equal(val, val0)
+    got = refused_out(call, xs, 0, torch.zeros(999))
     assert all(isinstance(e, ValueError) for e in got) and "shape" in str(got[0]), got
 
 
@@ -767,28 +772,16 @@ def test_qsgd_allgather_writes_its_mean_into_out_even_when_it_is_the_input(path,
     size, n = 3, 1001
     xs = [x.reshape(7, 143) for x in inputs(size, n, seed=12)]
 
-    def call(c, x, out=None):
+    def call(c, x, out):
         return qsgd_allgather(c, x, bits=4, bucket=100, seed=2, residual=residual, out=out)
 
     with forced(path):
-        want = run_local(lambda c: call(c, xs[c.rank]), size)
-
-        def into(c):
-            out = torch.full_like(xs[c.rank], 5.0)
-            return out, call(c, xs[c.rank], out)
-
-        def in_place(c):
-            x = xs[c.rank].clone()
-            return x, call(c, x, x)
-
-        for got in (run_local(into, size), run_local(in_place, size)):
-            for (out, (mean, second)), (mean0, second0) in zip(got, want, strict=True):
-                assert mean is out and torch.equal(mean.view(torch.int32),
-                                                   mean0.view(torch.int32))
-                assert torch.equal(second.view(torch.int32), second0.view(torch.int32))
-    got = run_local(lambda c: call(c, xs[c.rank], torch.zeros(7, 143, dtype=torch.float64)
-                                   if c.rank == 2 else None), size,
-                    return_exceptions=True, timeout=20)
+        want, runs = out_runs(call, xs)
+    for got in runs:
+        for (out, (mean, second)), (mean0, second0) in zip(got, want, strict=True):
+            assert mean is out and torch.equal(mean.view(torch.int32), mean0.view(torch.int32))
+            assert torch.equal(second.view(torch.int32), second0.view(torch.int32))
+    got = refused_out(call, xs, 2, torch.zeros(7, 143, dtype=torch.float64))
     assert all(isinstance(e, TypeError) for e in got) and "float32" in str(got[2]), got
 
 
