@@ -853,18 +853,19 @@ def test_a_float32_operand_is_a_16_bit_gradient_itself():
 
 @pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-@pytest.mark.parametrize("hook, make_state", [
-    (qsgd_hook, lambda c: QsgdState(c, bits=4, bucket_size=64, seed=1, overlap=False)),
-    (topk_hook, lambda c: TopkState(c, density=0.05, overlap=False))])
-def test_residual_hooks_on_a_16_bit_bucket_give_its_float32_casts_bits(path, hook,
-                                                                       make_state):
-    """A bfloat16 bucket's residual and result over steps are those of its float32 cast,
-    bit for bit (the residual is added to the 16-bit gradient as torch widens it)."""
-    grads = randn_grads(1500, torch.bfloat16)
+@pytest.mark.parametrize("hook, make_state, held", [
+    (qsgd_hook, lambda c: QsgdState(c, bits=4, bucket_size=64, seed=1, overlap=False),
+     "residuals"),
+    (topk_hook, lambda c: TopkState(c, density=0.05, overlap=False), "residuals"),
+    (onebit_hook, lambda c: OneBitHookState(c, overlap=False), "worker_errors")])
+def test_error_feedback_hooks_on_a_16_bit_bucket_give_its_float32_casts_bits(path, hook,
+                                                                             make_state, held):
+    """A bfloat16 bucket's residual (or worker error) and result over steps are those of its
+    float32 cast, bit for bit (they are added to the 16-bit gradient as torch widens it)."""
+    grads = randn_grads(1504, torch.bfloat16)
     with forced(path):
-        want = one_bucket_steps(hook, make_state, lambda r, s: grads(r, s).float(),
-                                "residuals", 3)
-        got = one_bucket_steps(hook, make_state, grads, "residuals", 3)
+        want = one_bucket_steps(hook, make_state, lambda r, s: grads(r, s).float(), held, 3)
+        got = one_bucket_steps(hook, make_state, grads, held, 3)
     for rank_got, rank_want in zip(got, want, strict=True):
         for (out, _, residual), (out32, _, residual32) in zip(rank_got, rank_want, strict=True):
             assert out.dtype == torch.bfloat16 and torch.equal(out, out32.bfloat16())

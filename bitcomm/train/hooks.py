@@ -692,9 +692,8 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
     _check_state(state, OneBitHookState)
 
     def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
-        v = g.to(torch.float32)
         if state.iteration < state.freeze_step:
-            return _exact_mean(state.comm, v).to(g.dtype), None
+            return _exact_mean(state.comm, g.to(torch.float32)).to(g.dtype), None
         index, size = bucket.index(), state.comm.size
         # The worker error is the parameters' (it follows a rebuild); the padding's stays zero.
         # A new layout gives a new buffer, and the bucket's server error starts again.
@@ -707,7 +706,8 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
         # The collective binds new errors to the state and leaves the old ones as they were:
         # what a refused step goes back to.
         old = (one.worker_error, one.server_error)
-        out = onebit_allreduce(state.comm, v, one, check=check, out=_into(g))
+        # a 16-bit bucket is added to the worker error as torch widens it: no widened copy
+        out = onebit_allreduce(state.comm, float32_operand(g), one, check=check, out=_into(g))
         if bucket.is_last():
             for stale in [i for i in state.server_errors if i > index]:
                 del state.server_errors[stale]
