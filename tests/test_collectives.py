@@ -764,6 +764,33 @@ def test_sparse_allgather_writes_its_sum_into_out_even_when_it_is_the_input(path
 
 
 @pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
+@pytest.mark.parametrize("fmt", ["fp32", "mean", "qsgd"])
+def test_sparse_allgather_average_is_the_dense_sum_divided(path, fmt):
+    """average=True gives the bits of the sum divided by N (torch's division by a Python
+    number) at 1 and 3 ranks, where frames share indices (k is a third of n) and where they do
+    not; ranks that disagree on it raise on every rank."""
+    for size in (1, 3):
+        for n, k in ((300, 100), (3000, 10)):
+            xs = inputs(size, n, seed=size + n)
+            form = sparse.Qsgd(seed=3) if fmt == "qsgd" else fmt
+            with forced(path):
+                summed = run_local(lambda c, xs=xs, k=k, form=form: sparse_allgather(
+                    c, xs[c.rank], k, fmt=form), size)
+                averaged = run_local(lambda c, xs=xs, k=k, form=form: sparse_allgather(
+                    c, xs[c.rank], k, fmt=form, average=True), size)
+            for (total, entries), (mean, entries2) in zip(summed, averaged, strict=True):
+                assert torch.equal(mean.view(torch.int32),
+                                   total.div(size).view(torch.int32)), (size, n)
+                assert all(torch.equal(a, b) for a, b in zip(entries, entries2, strict=True))
+    xs = inputs(2, 300, seed=1)
+    got = run_local(lambda c: sparse_allgather(c, xs[c.rank], 10, average=c.rank == 0), 2,
+                    return_exceptions=True, timeout=20)
+    assert all(isinstance(e, ValueError) for e in got), got
+    with pytest.raises(TypeError, match="average"):
+        run_local(lambda c: sparse_allgather(c, xs[c.rank], 10, average=1), 1)
+
+
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
 @pytest.mark.parametrize("residual", [False, True])
 def test_qsgd_allgather_writes_its_mean_into_out_even_when_it_is_the_input(path, residual):
     """out= receives the mean and is returned, also when it is x itself (then the residual is

@@ -6,6 +6,7 @@ driven exactly.
 """
 
 import inspect
+import math
 import pickle
 import struct
 
@@ -870,6 +871,34 @@ def test_error_feedback_hooks_on_a_16_bit_bucket_give_its_float32_casts_bits(pat
         for (out, _, residual), (out32, _, residual32) in zip(rank_got, rank_want, strict=True):
             assert out.dtype == torch.bfloat16 and torch.equal(out, out32.bfloat16())
             assert torch.equal(residual.view(torch.int32), residual32.view(torch.int32))
+
+
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
+def test_topk_hook_averages_the_workers_top_k_and_keeps_the_rest(path):
+    """Each step a worker adds its gradient to its residual, sends the k largest |values|, and
+    keeps the rest as its residual; the result is the sum of every worker's sent entries over
+    the number of workers, bit for bit (worked out here with torch.topk, k of 3 workers
+    overlapping)."""
+    size, n, density = 3, 200, 0.2
+    k = math.ceil(density * n)
+    grads = randn_grads(n)
+    with forced(path):
+        got = one_bucket_steps(topk_hook, lambda c: TopkState(c, density=density,
+                                                                overlap=False),
+                               grads, "residuals", 3, size)
+    residual = [torch.zeros(n) for _ in range(size)]
+    for step in range(3):
+        total = torch.zeros(n)
+        for r in range(size):
+            v = residual[r] + grads(r, step)
+            idx = torch.topk(v.abs(), k).indices
+            total[idx] += v[idx]
+            v[idx] = 0
+            residual[r] = v
+        for r in range(size):
+            out, _, kept = got[r][step]
+            assert torch.equal(out, total / size), (step, r)
+            assert torch.equal(kept, residual[r]), (step, r)
 
 
 @pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(

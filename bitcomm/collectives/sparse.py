@@ -40,7 +40,7 @@ _LEN = struct.Struct("<q")
 def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFormat = "fp32",
                      method: str = "topk", side: str | None = None,
                      options: Mapping[str, float] | None = None, check: bool = True,
-                     out: torch.Tensor | None = None
+                     average: bool = False, out: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Sum every rank's k selected elements into a dense tensor.
 
@@ -61,6 +61,10 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
         side: ``"top"`` (default) or ``"bottom"``: the signed tail a ``fmt="mean"`` frame
             sends (RedSync alternates them); other formats select by ``|x|`` and take none.
         check: agree on the input first (raises on every rank for bad input).
+        average: return the sum divided by the number of ranks, the bits of ``dense / N``
+            (torch's division by a Python number), dividing only the entries some rank sent:
+            about ``N * k`` elements read and written where dividing the dense sum moves all
+            ``n`` twice.
         out: where to write the dense sum (a contiguous float32 tensor of ``x``'s shape and
             device; ``x`` itself may be given), returned in its place.
 
@@ -82,6 +86,8 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
                              f"fmt={fmt!r}")
         if side is not None and side not in redsync.SIDES:
             raise ValueError(f"expected side in {redsync.SIDES}, got {side!r}")
+        if not isinstance(average, bool):
+            raise TypeError(f"expected average to be a bool, got {type(average).__name__}")
         _common.check_out(out, x, torch.float32)
         if form == "fp16" and k and v.numel():
             # the k selected include the largest |x|: it must fit fp16 (a NaN is reported later)
@@ -115,7 +121,8 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
     with _frame.deferred(handover=True):
         v, lengths = _common.prepare_sized(comm, x, check, "sparse_allgather", encode,
                                            float32=True,
-                                           options=_call_options(k, fmt, method, side),
+                                           options={**_call_options(k, fmt, method, side),
+                                                    "average": average},
                                            validate=validate)
         n, frame = v.numel(), made[0]
         fixed = _fixed_length(n, k, fmt, method)
@@ -147,6 +154,11 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
                                     k if fixed is not None else None, fmt)
         for idx, val in entries:  # in rank order, so the sum is the same on every rank
             dense.index_add_(0, idx, val)  # what sparse.decode(out=dense) adds
+        if average and comm.size > 1:
+            # Every index some frame holds, repeated where frames share it: each copy writes
+            # the same quotient, so the order of the writes does not matter.
+            touched = torch.cat([idx for idx, _ in entries])
+            dense.index_put_((touched,), dense[touched].div_(comm.size))
     return dense.reshape(x.shape) if out is None else out, entries[comm.rank]
 
 

@@ -761,14 +761,14 @@ def topk_hook(state: TopkState, bucket: dist.GradBucket) -> Future[torch.Tensor]
         residual = state.residuals.get(bucket)
         v = torch.add(residual, float32_operand(g))
         k = max(1, math.ceil(state.density * v.numel()))
-        total, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method, check=check,
-                                           out=_into(g))
+        mean, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method, check=check,
+                                          average=True, out=_into(g))
         v[idx] = 0
 
         def settle(keep: bool) -> None:
             if keep:
                 state.residuals.replace(residual, v)
 
-        return total.div_(state.comm.size).to(g.dtype), settle
+        return mean.to(g.dtype), settle
 
     return state._submit(bucket, work)
