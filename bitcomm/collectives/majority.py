@@ -112,27 +112,26 @@ def _decide(total: torch.Tensor | np.ndarray, size: int, tie: str, start: int = 
     return plus
 
 
+def _plus_minus(decided: torch.Tensor, dst: torch.Tensor) -> None:
+    # Write +1 where decided, else -1, into dst. A float32 CPU tensor takes numpy's passes:
+    # several times torch's speed there.
+    if dst.dtype == torch.float32 and decided.numel() and _frame.use_numpy(dst):
+        o = dst.numpy()
+        np.copyto(o, decided.numpy())
+        o *= 2
+        o -= 1
+    else:
+        dst.copy_(decided).mul_(2).sub_(1)
+
+
 def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool,
             out: torch.Tensor | None = None) -> torch.Tensor:
     # The decisions as packed bytes, or as +-1 in x's dtype (into out, where given).
     if packed:
         return sign.pack_mask(decided)
-    if out is not None:
-        flat = out.view(-1)
-        if x.dtype == torch.float32 and decided.numel() and _frame.use_numpy(decided):
-            o = flat.numpy()
-            np.copyto(o, decided.numpy())
-            o *= 2
-            o -= 1
-        else:
-            flat.copy_(decided).mul_(2).sub_(1)
-        return out
-    if x.dtype == torch.float32 and decided.numel() and _frame.use_numpy(decided):
-        result = decided.numpy().astype(np.float32)
-        result *= 2
-        result -= 1
-        return torch.from_numpy(result).reshape(x.shape)
-    return decided.to(x.dtype).mul_(2).sub_(1).reshape(x.shape)
+    result = _common.result_buffer(out, decided.numel(), x.dtype, decided.device)
+    _plus_minus(decided, result)
+    return result.reshape(x.shape) if out is None else out
 
 
 def ring_majority(comm: Comm, x: torch.Tensor, *, packing: str = "fixed",
@@ -231,19 +230,12 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
         # has been read by now, so out may be x.
         decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
         result = None if packed else _common.result_buffer(out, n, x.dtype, v.device)
-        cpu_float = (result is not None and x.dtype == torch.float32
-                     and _frame.use_numpy(result))
 
         def keep(c: int, chunk: torch.Tensor) -> None:
             if decided is not None:
                 part(decided, c).copy_(chunk)
-            elif cpu_float:  # numpy's passes: several times torch's speed on a CPU chunk
-                o = part(result, c).numpy()
-                np.copyto(o, chunk.numpy())
-                o *= 2
-                o -= 1
             else:
-                part(result, c).copy_(chunk).mul_(2).sub_(1)
+                _plus_minus(chunk, part(result, c))
 
         mine = _decide(running, size, tie, _ring_start(n, size, rank + 1), phase)
         keep(rank + 1, mine)
