@@ -14,7 +14,7 @@ DEEPSPEED_SPEC ?= deepspeed==0.17.6
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.bitcomm-installed
 
-.PHONY: run test bench lint clean
+.PHONY: run test bench lint clean gpu-wheels
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,16 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check bitcomm tests
+
+# The packages a lent GPU machine's image lacks, as wheels for its Python (3.12, x86-64), for
+# tools/gpu-check.sh there: that machine cannot reach a package index. Versions: this venv's.
+GPU_PYTHON ?= 3.12
+gpu-wheels: $(STAMP)
+	rm -rf .whl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl \
+	  $$($(BIN)/python -m pip list --format=freeze | grep -i -E '^(bitarray|mpich|mpi4py)==')
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# bitcomm's GPU checks in one command, for a lent CUDA machine: the CUDA tests and the GPU
+# benchmarks, each step under its share of one deadline, everything written under one folder.
+#
+#   tools/gpu-check.sh OUT [STEP...]
+#
+# STEP is any of: tests codecs collectives select hooks (default: all of them, in that order;
+# the tests come first because they compile the kernels the benchmarks then find cached).
+#
+# Why a script: a lent machine is held for minutes of a fixed budget, starts bare and cannot
+# reach a package index. So the packages its image lacks travel as wheels (`make gpu-wheels`
+# here puts bitarray, mpich and mpi4py in .whl/; name .whl in the call's carry), the commands
+# are the ones the docs quote, and a step that hangs or fails is cut off or reported and the
+# next one runs.
+#
+# Environment:
+#   GPU_CHECK_SECONDS  the deadline for all steps together (default 480); a step gets at most
+#                      its own cap and what is left of the deadline, and is skipped when under
+#                      30 s is left.
+#   GPU_CHECK_PYTHON   the Python that holds a CUDA torch (default python3).
+#
+# Writes OUT/gpu-check.log (each step's command, output, exit status and seconds) and
+# OUT/gpu-check.tar.gz (the benchmarks' .json/.csv/.md files and the tests' junit XML): two
+# files, since a lent machine hands back only a few. Exits 1 if a step failed or was cut off.
+set -uo pipefail
+
+usage() {
+    echo "usage: $0 OUT [tests|codecs|collectives|select|hooks ...]" >&2
+    exit 2
+}
+[ $# -ge 1 ] || usage
+out=$1
+shift
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(tests codecs collectives select hooks)
+for s in "${steps[@]}"; do
+    case $s in tests|codecs|collectives|select|hooks) ;; *) echo "unknown step: $s" >&2; usage ;; esac
+done
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 2
+mkdir -p "$out" || exit 2
+out=$(cd "$out" && pwd)
+log=$out/gpu-check.log
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+py=${GPU_CHECK_PYTHON:-python3}
+deadline=${GPU_CHECK_SECONDS:-480}
+status=0
+
+say() { echo "$*" | tee -a "$log"; }
+
+# The carried wheels go into a folder of their own on PYTHONPATH (the image's environment is
+# left as it is). bitcomm's MPI launcher runs the mpiexec next to the running Python, and
+# MPICH's mpiexec needs its hydra_pmi_proxy beside it, so the wheel's programs are linked into
+# that Python's folder (only names not already there).
+setup() {
+    export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    if compgen -G "$root/.whl/*.whl" > /dev/null; then
+        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/bitcomm-site "$root"/.whl/*.whl >> "$log" 2>&1 || return 1
+        export PYTHONPATH="/tmp/bitcomm-site:$PYTHONPATH"
+        local bin
+        bin=$(dirname "$("$py" -c 'import sys; print(sys.executable)')") || return 1
+        say "# wheels installed in /tmp/bitcomm-site; their programs linked into $bin"
+        for f in /tmp/bitcomm-site/bin/*; do
+            [ -e "$f" ] && [ ! -e "$bin/$(basename "$f")" ] && ln -s "$f" "$bin/"
+        done
+    else
+        say "# no .whl/ carried: using the image's packages"
+    fi
+    "$py" - >> "$log" 2>&1 <<'EOF'
+import sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "devices", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+if not torch.cuda.is_available():  # every step would skip or refuse: say so once
+    sys.exit("no CUDA device: these are the GPU checks")
+for name in ("triton", "bitarray", "mpi4py", "numba"):
+    try:
+        print(name, __import__(name).__version__)
+    except ImportError as e:
+        print(name, "missing:", e)
+EOF
+}
+
+# step NAME CAP COMMAND...: run COMMAND under min(CAP, what is left of the deadline).
+step() {
+    local name=$1 cap=$2
+    shift 2
+    local left=$((deadline - SECONDS))
+    local limit=$((cap < left ? cap : left))
+    if [ "$limit" -lt 30 ]; then
+        say "## $name: skipped, ${left}s left of the ${deadline}s deadline"
+        status=1
+        return
+    fi
+    say "## $name (at most ${limit}s): $*"
+    local start=$SECONDS rc
+    timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
+    rc=$?
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        say "## $name: cut off after $((SECONDS - start))s"
+        status=1
+    elif [ $rc -ne 0 ]; then
+        say "## $name: failed (exit $rc) after $((SECONDS - start))s"
+        status=1
+    else
+        say "## $name: ok in $((SECONDS - start))s"
+    fi
+}
+
+: > "$log"
+say "# bitcomm gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), steps: ${steps[*]}"
+nvidia-smi -L >> "$log" 2>&1 || say "# nvidia-smi: not found or failed"
+if ! setup; then
+    say "## setup: failed (see above: the carried wheels did not install, or no CUDA device)"
+    exit 1
+fi
+
+cli=("$py" -m bitcomm.cli)
+for s in "${steps[@]}"; do
+    case $s in
+        tests) step tests 300 "$py" -m pytest -v -rfEs -p no:cacheprovider \
+            --junitxml="$work/test_cuda.xml" tests/test_cuda.py ;;
+        codecs) step codecs 180 "${cli[@]}" bench codecs --device cuda --sizes 64M,256M \
+            --repeat 10 --out "$work" ;;
+        collectives) step collectives 120 "${cli[@]}" bench collectives --device cuda \
+            --ranks 8 --sizes 64M --repeat 10 --link-gbps 100 --out "$work" ;;
+        select) step select 120 "${cli[@]}" bench select --device cuda --sizes 25600K \
+            --dists laplace,gauss --out "$work" ;;
+        hooks) step hooks 180 "${cli[@]}" bench hooks --transport nccl --ranks 1 \
+            --out "$work" ;;
+    esac
+done
+
+tar -czf "$out/gpu-check.tar.gz" -C "$work" . 2>> "$log"
+say "# done in ${SECONDS}s; results: $(cd "$work" && find . -type f | sort | tr '\n' ' ')"
+exit $status
