@@ -141,9 +141,10 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
     cpus = os.cpu_count() or 1
     if misses and load > 0.5 * cpus:
         click.echo(f"# warning: {misses} MISS on a loaded machine (load average {load:.2f} over "
-                   f"{cpus} CPUs in the minute before the run): a codec and its anchor are "
-                   "timed moments apart, so other processes can cost one and not the other; "
-                   "re-run when the machine is idle, or with more --repeat", err=True)
+                   f"{cpus} CPUs in the minute before the run): a codec's calls alternate "
+                   "with its anchor's, but other processes can still cost some of one and "
+                   "not of the other; re-run when the machine is idle, or with more "
+                   "--repeat", err=True)
     wrong = sum(r.wrong for r in rows)
     if wrong:
         click.echo(f"# {wrong} wrong results: a codec is broken", err=True)

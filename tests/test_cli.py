@@ -56,9 +56,15 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
     assert all(r["wrong"] == 0 for r in rows)
     by = {(r["codec"], r["op"], r["n"]): r for r in rows}
     for n in (65536, 1000):
-        anchor = by[("anchor", "packbits", n)]["seconds"]
+        # each ratio from the anchor timed beside the row, which is the anchor its target names
+        for (codec, _, size), row in by.items():
+            if size == n and codec != "anchor":
+                assert row["ratio"] == row["anchor_seconds"] / row["seconds"], row
+                assert ("anchor", row["anchor"], n) in by or row["anchor"] == "sign.encode"
         row = by[("sign", "encode", n)]
-        assert row["ratio"] == anchor / row["seconds"]
+        assert row["anchor"] == "packbits" and by[("sign", "decode", n)]["anchor"] == "unpackbits"
+        assert by[("counts-w2", "encode", n)]["anchor"] == "sign.encode"
+        assert by[("counts-w2", "encode", n)]["target"] == 0.5
         assert row["wire_bytes"] == (n + 7) // 8
         assert by[("qsgd-4", "encode", n)]["wire_bytes"] == 14 + 4 * -(-n // 512) + n // 2
     assert "sign" in result.output and "#wrong" in result.output
@@ -82,6 +88,31 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
         assert vs.strip() == ("" if codec == "anchor" else by[(codec, op, 1000)]["anchor"])
         want = by[(codec, op, 1000)]["target"]
         assert target.strip() == ("" if want is None else f">= {want:.2f}")
+
+
+def test_a_codec_and_its_anchor_are_timed_in_alternation(monkeypatch):
+    """The machine slows down threefold after four calls: medians of calls taken one after the
+    other would give the anchor the fast calls and the codec the slow ones (a ratio of 1/6);
+    alternating, each pair sees the same speed and the ratio is the true 1/2."""
+    from types import SimpleNamespace
+
+    from bitcomm.bench import codecs as bench_codecs
+
+    clock, order = [0.0], []
+
+    def costing(name, units):
+        def fn():
+            order.append(name)
+            clock[0] += units * (1 if len(order) <= 4 else 3)
+        return fn
+
+    monkeypatch.setattr(bench_codecs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    t, anchor = bench_codecs.time_against(costing("codec", 2.0), costing("anchor", 1.0), 5)
+    assert order == ["codec", "anchor"] * 6  # the warm-ups, then five timed pairs
+    assert anchor / t == 0.5
+    order.clear()
+    assert bench_codecs.time_call(costing("codec", 2.0), 3) == 2.0
+    assert order == ["codec"] * 4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
