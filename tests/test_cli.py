@@ -125,6 +125,27 @@ def test_bench_device_cuda_without_a_gpu_is_a_usage_error(what, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_bench_select_times_each_selector_beside_topk_on_the_scores_device(monkeypatch):
+    """Every selector's time comes from calls alternating with the exact top-k's, timed on
+    the device the scores live on (CUDA events there: a host clock alone would time a GPU
+    selection's launches, not its work)."""
+    from bitcomm.bench import select as bench_select
+
+    seen = []
+
+    def timing(fn, anchor, repeat, device):  # no default device: each call must name it
+        seen.append((torch.device(device), repeat))
+        return 2.0, 1.0
+
+    monkeypatch.setattr(bench_select, "time_against", timing)
+    monkeypatch.setattr(bench_select, "time_call", lambda fn, repeat, device: 1.0)
+    rows = bench_select.run([4096], [0.01], ["laplace"], repeat=2)
+    assert seen and all(s == (torch.device("cpu"), 2) for s in seen)
+    assert len(seen) == len(rows) - 1  # all but the top-k's own row
+    for r in rows:
+        assert (r.seconds, r.vs_topk) == ((1.0, 1.0) if r.selector == "topk" else (2.0, 0.5))
+
+
 def test_bench_select_prints_and_saves_every_selector(tmp_path):
     result = CliRunner().invoke(main, ["bench", "select", "--sizes", "8K", "--deltas", "0.01",
                                        "--dists", "laplace,t3", "--repeat", "1", "--out",

@@ -5,7 +5,8 @@ vector, and every selector picks from them:
 
 * ``topk``: bitcomm's exact top-k (:func:`bitcomm.codecs.select.topk`: numpy's introselect
   over the scores above a sampled bound on the CPU, a radix selection on a GPU with triton);
-  its time is the anchor of the ``vs_topk`` column. ``torch-topk``: ``torch.topk`` itself,
+  its time is the anchor of the ``vs_topk`` column, each selector's calls alternating with
+  its calls. ``torch-topk``: ``torch.topk`` itself,
   unsorted, for comparison (on a GPU it sorts a vector of 100000 or more elements).
 * ``trimmed``, ``threshold``: RedSync's trimmed top-k and threshold binary search.
 * ``sidco-e``, ``sidco-p``, ``sidco-gp``: SIDCo's fits, at one stage (``stages=1``), and after
@@ -20,7 +21,8 @@ Distributions: ``laplace``, ``gauss``, ``t3`` (Student-t with 3 degrees of freed
 Figures 1 and 3 use such synthetic vectors) and ``digits``: the flattened gradient of the
 64-1024-10 train-digits MLP after 50 steps of dense SGD, repeated to the size asked (needs
 the ``experiments`` extra for the data).
-Rows: ``ratio`` is ``k_hat / k``; ``seconds`` the median time of one selection.
+Rows: ``ratio`` is ``k_hat / k``; ``seconds`` the median time of one selection (CUDA events
+on a GPU).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from bitcomm._sizes import human
 from bitcomm.bench import heading
-from bitcomm.bench.codecs import time_call
+from bitcomm.bench.codecs import time_against, time_call
 from bitcomm.codecs import select, sidco
 
 __all__ = ["Row", "run", "markdown", "DISTRIBUTIONS", "SELECTORS", "sample"]
@@ -103,32 +105,41 @@ def _measure(dist: str, n: int, delta: float, scores: torch.Tensor,
              later_scores: torch.Tensor, repeat: int) -> list[Row]:
     """Every selector's rows on one vector's scores at one target ratio."""
     k = max(1, math.ceil(delta * n))
-    anchor = time_call(lambda: select.topk(scores, k, check=False), repeat)
+    device = scores.device
 
-    def row(selector: str, mode: str, stages: int, best: int, got: int, seconds: float) -> Row:
+    def top() -> object:
+        return select.topk(scores, k, check=False)
+
+    def timed(fn: Callable[[], object]) -> tuple[float, float]:
+        # the selector's and the exact top-k's medians, their calls alternating
+        return time_against(fn, top, repeat, device)
+
+    def row(selector: str, mode: str, stages: int, best: int, got: int,
+            times: tuple[float, float]) -> Row:
+        seconds, anchor = times
         return Row(dist, n, delta, selector, mode, stages, best, k, got, got / k, seconds,
                    anchor / seconds)
 
-    rows = [row("topk", "exact", 0, 0, k, anchor),
+    alone = time_call(top, repeat, device)
+    rows = [row("topk", "exact", 0, 0, k, (alone, alone)),
             row("torch-topk", "exact", 0, 0, k,
-                time_call(lambda: torch.topk(scores, k, sorted=False), repeat))]
+                timed(lambda: torch.topk(scores, k, sorted=False)))]
     for name in ("trimmed", "threshold"):
         got = select.select(scores, k, name, check=False).numel()
-        t = time_call(lambda name=name: select.select(scores, k, name, check=False), repeat)
-        rows.append(row(name, "exact" if name == "trimmed" else "search", 0, 0, got, t))
+        times = timed(lambda name=name: select.select(scores, k, name, check=False))
+        rows.append(row(name, "exact" if name == "trimmed" else "search", 0, 0, got, times))
     for name, fit in select.SIDCO.items():
         by = {m: sidco.sidco(scores, k, fit, m, check=False).numel()
               for m in range(1, sidco.max_stages(k / n) + 1)}
         best = min(by, key=lambda m: (abs(by[m] / k - 1), m))
         adapted = _adapt(scores, k, fit)
         for mode, m in (("one-stage", 1), ("adapted", adapted)):
-            t = time_call(lambda fit=fit, m=m: sidco.sidco(scores, k, fit, m, check=False),
-                          repeat)
-            rows.append(row(name, mode, m, best, by[m], t))
+            times = timed(lambda fit=fit, m=m: sidco.sidco(scores, k, fit, m, check=False))
+            rows.append(row(name, mode, m, best, by[m], times))
     th = float(torch.topk(scores, k).values.min())
     got = int((later_scores >= th).sum())
-    t = time_call(lambda: torch.nonzero(later_scores >= th), repeat)
-    rows.append(row("oktopk-reuse", "reused", 0, 0, got, t))
+    rows.append(row("oktopk-reuse", "reused", 0, 0, got,
+                    timed(lambda: torch.nonzero(later_scores >= th))))
     return rows
 
 
