@@ -721,6 +721,13 @@ def test_ring_steps_benchmark_rows():
     assert by["rank-total"].wire_seconds == 256 * 8 / 100e9
     assert by["rank-total"].seconds == pytest.approx(sum(r.seconds for r in rows[:8]))
     assert all(r.seconds > 0 and r.vs_hbm > 0 for r in rows)
+    # each kernel's bytes at the read speed of the sum timed beside it (4 bytes an element)
+    for r in rows[:8] + rows[9:]:
+        assert r.hbm_seconds == pytest.approx(r.moved * r.sum_seconds / 4000), r
+        assert r.vs_hbm == pytest.approx(r.seconds / r.hbm_seconds)
+    assert by["rank-total"].hbm_seconds == pytest.approx(sum(r.hbm_seconds for r in rows[:8]))
+    assert by["call"].moved == 4 * by["rank-total"].moved
+    assert by["call"].wire_bytes == by["rank-total"].wire_bytes
     # the table `bench collectives --device cuda` saves: a line a row, the rows' figures
     from bitcomm.bench.collectives import steps_markdown
 

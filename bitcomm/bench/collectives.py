@@ -28,7 +28,7 @@ import torch
 from bitcomm import collectives as col
 from bitcomm._sizes import human
 from bitcomm.bench import heading
-from bitcomm.bench.codecs import time_call
+from bitcomm.bench.codecs import time_against
 from bitcomm.codecs import _frame, counts, sign
 from bitcomm.collectives import _common, registry
 from bitcomm.comm import run_local
@@ -125,10 +125,11 @@ class StepRow:
     """One kernel of one rank's :func:`~bitcomm.collectives.ring_majority`, or a whole call.
 
     ``moved`` is the bytes the kernel reads and writes, ``hbm_seconds`` the time they take at
-    the HBM read speed measured in the same run (``torch.sum``), and ``vs_hbm`` = seconds /
-    hbm_seconds. The ``rank-total`` row sums one rank's kernels; ``wire_seconds`` is the time
-    that rank's wire bytes take at the stated link rate. The ``call`` row is a whole call with
-    every rank a thread of this process on one device.
+    the HBM read speed of ``torch.sum`` over the whole vector, timed in calls alternating with
+    the kernel's (``sum_seconds``: that sum's median), and ``vs_hbm`` = seconds / hbm_seconds.
+    The ``rank-total`` row sums one rank's kernels (their seconds and their hbm_seconds);
+    ``wire_seconds`` is the time that rank's wire bytes take at the stated link rate. The
+    ``call`` row is a whole call with every rank a thread of this process on one device.
     """
 
     what: str
@@ -141,6 +142,7 @@ class StepRow:
     vs_hbm: float
     wire_bytes: int = 0
     wire_seconds: float = float("nan")
+    sum_seconds: float = float("nan")
 
     def as_dict(self) -> dict:
         """Return the row as a JSON-friendly dict."""
@@ -162,15 +164,21 @@ def ring_steps(n: int, size: int, *, device: str | torch.device = "cuda", repeat
         raise RuntimeError("ring_steps times the Triton kernels: expected a CUDA device with "
                            "triton installed")
     from bitcomm.collectives import _kernels  # imports triton
-    hbm = 4 * n / time_call(lambda: torch.sum(x), repeat, device)  # bytes per second
     unpack = _frame.kernels().sign_unpack
     lengths = [hi - lo for lo, hi in _common.bounds(n, size)]
     gen = torch.Generator().manual_seed(seed)
     rows: list[StepRow] = []
 
+    def timed(what: str, length: int, fn, moved: int, calls: int = repeat, **wire) -> StepRow:
+        # the HBM read speed from torch.sum's calls alternating with fn's: a GPU left idle
+        # between measurements clocks down, and an anchor timed once would carry that
+        t, s = time_against(fn, lambda: torch.sum(x), calls, device)
+        hbm_seconds = moved * s / (4 * n)
+        return StepRow(what, size, n, length, t, moved, hbm_seconds, t / hbm_seconds,
+                       sum_seconds=s, **wire)
+
     def add(what: str, length: int, fn, moved: int) -> None:
-        t = time_call(fn, repeat, device)
-        rows.append(StepRow(what, size, n, length, t, moved, moved / hbm, t * hbm / moved))
+        rows.append(timed(what, length, fn, moved))
 
     def received(length: int, i: int) -> torch.Tensor:
         c = torch.randint(0, i + 1, (length,), generator=gen).to(device)
@@ -203,17 +211,18 @@ def ring_steps(n: int, size: int, *, device: str | torch.device = "cuda", repeat
         lo += length
     total = sum(r.seconds for r in rows)
     moved = sum(r.moved for r in rows)
+    at_hbm = sum(r.hbm_seconds for r in rows)
     wire = col.ring_majority_bytes(n, size, 0, check=False)
-    rows.append(StepRow("rank-total", size, n, n, total, moved, moved / hbm, total * hbm / moved,
-                        wire, wire * 8 / (link_gbps * 1e9)))
+    wire_seconds = wire * 8 / (link_gbps * 1e9)
+    rows.append(StepRow("rank-total", size, n, n, total, moved, at_hbm, total / at_hbm,
+                        wire, wire_seconds))
     xs = [registry.standard_input(seed, r, n).to(device) for r in range(size)]
 
     def call() -> None:
         run_local(lambda comm: col.ring_majority(comm, xs[comm.rank], check=False), size)
 
-    t = time_call(call, max(1, repeat // 5), device)
-    rows.append(StepRow("call", size, n, n, t, moved * size, moved * size / hbm,
-                        t * hbm / (moved * size), wire, wire * 8 / (link_gbps * 1e9)))
+    rows.append(timed("call", n, call, moved * size, max(1, repeat // 5), wire_bytes=wire,
+                      wire_seconds=wire_seconds))
     return rows
 
 
