@@ -275,6 +275,29 @@ def test_onebit_freeze_step_averages_exactly_then_compresses():
     assert outs[2][0].tolist() != [0., 0., 0., 0.5]
 
 
+def test_onebit_warm_up_averages_through_the_transports_allreduce(monkeypatch):
+    """DDP's own average while 1-bit Adam warms up: one allreduce of the bucket, whose
+    transport's algorithm moves 2(N-1)/N of it a rank on a ring, not a gather of every rank's
+    bucket (N - 1 of them): N/2 times the traffic, 4x at 8 ranks."""
+    from bitcomm.comm.local import LocalComm
+
+    calls = []
+    allreduce, allgatherv = LocalComm.allreduce, LocalComm.allgatherv
+
+    def counted(name, real):
+        def method(self, *args):
+            calls.append(name)
+            return real(self, *args)
+        return method
+
+    monkeypatch.setattr(LocalComm, "allreduce", counted("allreduce", allreduce))
+    monkeypatch.setattr(LocalComm, "allgatherv", counted("allgatherv", allgatherv))
+    res = run_hook(onebit_hook, lambda c: OneBitHookState(c, freeze_step=1, check=False,
+                                                          overlap=False), opposite)
+    assert calls == ["allreduce"] * 2
+    assert [r[0][0][0].tolist() for r in res] == [[0., 0., 0., 0.5]] * 2
+
+
 def test_topk_residual_follows_the_parameters_across_a_rebuild():
     # step 0: one bucket [a, b]; step 1: two buckets [b] and [a] (DDP's rebuild)
     def layouts(step, params, grads):

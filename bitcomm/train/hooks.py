@@ -106,6 +106,7 @@ from bitcomm.codecs._frame import all_finite, use_numpy, zero_nonfinite_
 from bitcomm.collectives import (
     NonFiniteError,
     OneBitState,
+    allreduce,
     onebit_allreduce,
     qsgd_allgather,
     sparse_allgather,
@@ -534,9 +535,12 @@ class OneBitHookState(_HookState):
 
     Args:
         comm: the transport.
-        freeze_step: iterations that average the gradients exactly (fp32, summed in rank order)
-            before compression starts: DeepSpeed's warm-up (its ``freeze_step``), and the
-            first iteration's buckets are DDP's provisional ones.
+        freeze_step: iterations that average the gradients exactly before compression starts
+            (the float32 sum of :func:`~bitcomm.collectives.allreduce`, the transport's own
+            allreduce, divided by the number of ranks: what DDP's allreduce hook gives, with
+            its traffic, where gathering every rank's bucket would move ``N / 2`` times as
+            much): DeepSpeed's warm-up (its ``freeze_step``), and the first iteration's
+            buckets are DDP's provisional ones.
         collective: the exchange of :func:`~bitcomm.collectives.onebit_allreduce`:
             ``"alltoall"`` (DeepSpeed's two rounds), ``"allgather"`` (one round, every rank
             serving every chunk; the same result) or ``"auto"`` (the default: the allgather at
@@ -644,15 +648,6 @@ def _check_state(state: object, kind: type) -> None:
                            "state.comm to a TorchComm first")
 
 
-def _exact_mean(comm: Comm, v: torch.Tensor) -> torch.Tensor:
-    # Every rank's float32 values, summed in rank order: the same bits on every rank.
-    every = comm.allgatherv(v.contiguous().view(torch.uint8), [v.numel() * 4] * comm.size)
-    total = torch.zeros_like(v)
-    for t in every:
-        total += t.view(torch.float32)
-    return total.div_(comm.size)
-
-
 def _into(g: torch.Tensor) -> torch.Tensor | None:
     # A float32 bucket receives its exchange's float32 result in place: DDP, whose own
     # allreduce works in the bucket, then need not copy the result into it.
@@ -692,8 +687,8 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> Future[torch
     _check_state(state, OneBitHookState)
 
     def work(g: torch.Tensor, check: bool) -> tuple[torch.Tensor, Settle | None]:
-        if state.iteration < state.freeze_step:
-            return _exact_mean(state.comm, g.to(torch.float32)).to(g.dtype), None
+        if state.iteration < state.freeze_step:  # DDP's own average: the transport's allreduce
+            return allreduce(state.comm, g, check=check).div_(state.comm.size).to(g.dtype), None
         index, size = bucket.index(), state.comm.size
         # The worker error is the parameters' (it follows a rebuild); the padding's stays zero.
         # A new layout gives a new buffer, and the bucket's server error starts again.
