@@ -139,6 +139,31 @@ def test_momentum_gives_torchs_bits_in_one_kernel(dtype):
         _kernels.momentum(m, g[1:], 0.9, out)
 
 
+def test_momenta_launch_a_kernel_only_for_large_tensors():
+    """train._common.momenta: an optimizer's many small tensors go through torch's
+    multi-tensor ops together (two ops for all of them), each tensor of KERNEL_MIN elements
+    or more through the one-pass kernel; every tensor gets momentum()'s bits either way."""
+    from bitcomm.train._common import KERNEL_MIN, momenta
+
+    gen = torch.Generator().manual_seed(13)
+    sizes = [1, 7, 300, KERNEL_MIN - 1, KERNEL_MIN, KERNEL_MIN + 9]
+    ms = [torch.randn(n, generator=gen) for n in sizes]
+    gs = [torch.randn(n, generator=gen).to(dt) for n, dt in
+          zip(sizes, [torch.float32, torch.bfloat16] * 3, strict=True)]
+    expect = [m.mul(0.9).add_(g.float(), alpha=1 - 0.9) for m, g in zip(ms, gs, strict=True)]
+    for path in ("numpy", "torch", "triton"):
+        got = [m.clone() for m in ms]
+        if path == "triton":
+            ops = _ops_on_the_triton_path(lambda got=got: momenta(got, gs, 0.9))
+            assert ops.count("_momentum_kernel") == 2, ops
+            assert len(ops) == 4, ops  # and the two multi-tensor ops for the other four
+        else:
+            with forced(path):
+                momenta(got, gs, 0.9)
+        for a, b, n in zip(got, expect, sizes, strict=True):
+            _assert_same_bits(a, b, (path, n))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_sign_pack_and_unpack(dtype):
     g = torch.Generator().manual_seed(1)

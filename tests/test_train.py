@@ -151,6 +151,94 @@ def test_onebit_adam_one_worker_by_hand():
     assert werr.tolist() == pytest.approx([m2 - m_avg] + [-m_avg] * 7, rel=1e-5)
 
 
+def _many_params(rank, step):
+    """Two groups of parameters (one bfloat16, one without a gradient) and rank's gradients."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    shapes = [(300,), (2, 2), (50, 10), (400,), (1,)]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    grads[1] = None  # no gradient on any rank: no step, no state
+    grads[2] = grads[2].to(torch.bfloat16)
+    return shapes, grads
+
+
+def _many_groups(shapes):
+    ps = [torch.nn.Parameter(torch.linspace(-1, 1, math.prod(s)).reshape(s)) for s in shapes]
+    ps[2] = torch.nn.Parameter(ps[2].detach().to(torch.bfloat16))
+    return ps, [{"params": ps[:3], "lr": 0.1, "weight_decay": 0.01},
+                {"params": ps[3:], "lr": 0.05}]
+
+
+def _run_many(make, steps=2, size=3):
+    def fn(c):
+        ps, groups = _many_groups(_many_params(0, 0)[0])
+        opt = make(groups, c)
+        for t in range(steps):
+            for p, g in zip(ps, _many_params(c.rank, t)[1], strict=True):
+                p.grad = g
+            opt.step()
+        return [p.detach().clone() for p in ps]
+    return run_local(fn, size)
+
+
+def test_signum_steps_every_parameter_as_its_own_formula():
+    """Parameters of two groups, one bfloat16 and one without a gradient: each moves by
+    -lr * majority(sign(m)) with m = beta * m + (1 - beta) * (g + wd * p) computed with
+    torch's ops for that tensor alone, bit for bit, whether the optimizer goes through
+    torch's multi-tensor ops or not."""
+    got = _run_many(lambda groups, c: MajoritySignSGD(groups, c, lr=0.1, momentum=0.9))
+    shapes, _ = _many_params(0, 0)
+    ps, groups = _many_groups(shapes)
+    ms = [[torch.zeros(s) for s in shapes] for _ in range(3)]
+    hyper = [(0.1, 0.01)] * 3 + [(0.05, 0.0)] * 2
+    for t in range(2):
+        grads = [_many_params(r, t)[1] for r in range(3)]
+        for i, (p, (lr, wd)) in enumerate(zip(ps, hyper, strict=True)):
+            if grads[0][i] is None:
+                continue
+            for r in range(3):
+                g = grads[r][i].float() + wd * p.detach().float() if wd else grads[r][i].float()
+                ms[r][i] = ms[r][i].mul(0.9).add_(g, alpha=1 - 0.9)
+            votes = sum(torch.where(ms[r][i] >= 0, 1.0, -1.0) for r in range(3))
+            with torch.no_grad():
+                p.add_(torch.where(votes > 0, 1.0, -1.0).to(p.dtype), alpha=-lr)
+    for rank_ps in got:
+        for a, b in zip(rank_ps, ps, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b.detach()), (a, b)
+    assert torch.equal(got[0][1], torch.linspace(-1, 1, 4).reshape(2, 2))  # never moved
+    assert any(not torch.equal(a, b) for a, b in zip(got[0], _many_groups(shapes)[0],
+                                                      strict=True))
+
+
+def test_onebit_adam_warm_up_steps_every_parameter_as_its_own_formula():
+    """As above for OneBitAdam's dense warm-up: Adam without bias correction on the float32
+    mean (summed in rank order, as LocalComm's allreduce adds), per tensor, bit for bit."""
+    got = _run_many(lambda groups, c: OneBitAdam(groups, c, lr=0.1, freeze_step=10))
+    shapes, _ = _many_params(0, 0)
+    ps, groups = _many_groups(shapes)
+    m = [torch.zeros(s) for s in shapes]
+    v = [torch.zeros(s) for s in shapes]
+    hyper = [(0.1, 0.01)] * 3 + [(0.05, 0.0)] * 2
+    for t in range(2):
+        grads = [_many_params(r, t)[1] for r in range(3)]
+        for i, (p, (lr, wd)) in enumerate(zip(ps, hyper, strict=True)):
+            if grads[0][i] is None:
+                continue
+            g = grads[0][i].float().clone()
+            for r in (1, 2):
+                g += grads[r][i].float()
+            g.div_(3)
+            m[i] = m[i].mul(0.9).add_(g, alpha=1 - 0.9)
+            v[i] = v[i].mul(0.999).addcmul_(g, g, value=1 - 0.999)
+            update = m[i] / (v[i].sqrt() + 1e-8)
+            if wd:
+                update += wd * p.detach().float()
+            with torch.no_grad():
+                p.add_(update.to(p.dtype), alpha=-lr)
+    for rank_ps in got:
+        for a, b in zip(rank_ps, ps, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b.detach()), (a, b)
+
+
 @pytest.mark.parametrize("collective", ["auto", "alltoall"])
 def test_onebit_adam_two_workers_against_the_reference(collective):
     """At 2 ranks ``auto`` is the one-round allgather; both exchanges follow DeepSpeed."""

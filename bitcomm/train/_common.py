@@ -90,22 +90,57 @@ def momentum(m: torch.Tensor, g: torch.Tensor, beta: float,
     return torch.mul(m, beta, out=out).add_(float32_operand(g), alpha=1 - beta)
 
 
+KERNEL_MIN = 1 << 16
+"""Elements from which :func:`momenta` gives a tensor a Triton launch of its own."""
+
+
+def momenta(ms: list[torch.Tensor], gs: list[torch.Tensor], beta: float) -> None:
+    """Apply :func:`momentum` to each pair ``(ms[i], gs[i])`` in place.
+
+    An optimizer's parameters are often hundreds of tensors, most of them small, where a launch
+    each costs the host more than the device's work: tensors under :data:`KERNEL_MIN` elements,
+    and every tensor off the Triton path, go through torch's multi-tensor ops
+    (``torch._foreach_mul_`` then ``torch._foreach_add_`` with ``alpha``, as ``torch.optim``'s
+    default implementations do): two launches for all of them, the operations of
+    :func:`momentum`'s torch path (on a CPU that path itself, one tensor after another). A
+    larger tensor on the Triton path takes the one-pass kernel.
+    """
+    small_m, small_g = [], []
+    for m, g in zip(ms, gs, strict=True):
+        if m.numel() >= KERNEL_MIN and _frame.use_triton(m):
+            momentum(m, g, beta)
+        else:
+            small_m.append(m)
+            small_g.append(float32_operand(g))
+    if small_m:
+        torch._foreach_mul_(small_m, beta)
+        torch._foreach_add_(small_m, small_g, alpha=1 - beta)
+
+
 def flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate the gradients of ``params`` (zeros where None) into one float32 vector."""
-    parts = [p.grad.detach().reshape(-1).to(torch.float32) if p.grad is not None
-             else torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for p in params]
+    parts = []
+    for p in params:  # per parameter, only the calls it needs: hundreds of them a step
+        g = p.grad
+        if g is None:
+            parts.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+            continue
+        g = g.reshape(-1)
+        if g.requires_grad:  # a gradient with a graph (backward's create_graph)
+            g = g.detach()
+        parts.append(g if g.dtype == torch.float32 else g.to(torch.float32))
     if not parts:
         return torch.zeros(0)
     return torch.cat(parts)
 
 
 def split_like(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Split ``flat`` into views shaped like ``params``."""
-    out, at = [], 0
-    for p in params:
-        out.append(flat[at:at + p.numel()].view_as(p))
-        at += p.numel()
-    return out
+    """Split ``flat`` (as many elements as ``params`` hold) into views shaped like them."""
+    if not params:
+        return []
+    # one split into views, then a reshape each: half the time of slicing in Python
+    parts = flat.split_with_sizes([p.numel() for p in params])
+    return [t.view_as(p) for t, p in zip(parts, params, strict=True)]
 
 
 class ExtraState:

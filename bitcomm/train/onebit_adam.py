@@ -35,7 +35,7 @@ from bitcomm.train._common import (
     check_range,
     evaluate,
     flat_grads,
-    momentum,
+    momenta,
     split_like,
     with_grads,
 )
@@ -105,40 +105,49 @@ class OneBitAdam(ExtraState, ScalerAware, torch.optim.Optimizer):
             with agree_on(("grads", mask)):
                 flat = allreduce(self.comm, flat, check=self.check).div_(self.comm.size)
         grads = split_like(flat, params)
+        # torch's multi-tensor ops throughout (a few launches for all parameters, as
+        # torch.optim.Adam's default), with a parameter's ops those of torch's per-tensor form
+        groups = []
         at = 0
         for group in self.param_groups:
+            live = [at + j for j in range(len(group["params"])) if has[at + j]]
+            at += len(group["params"])
+            if not live:  # no gradient: its moments and the parameter stay
+                continue
             b1, b2 = group["betas"]
-            for p in group["params"]:
-                if not has[at]:  # no gradient: its moments and the parameter stay
-                    at += 1
-                    continue
-                state = self.state[p]
+            for i in live:
+                state = self.state[params[i]]
                 if not state:
-                    state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros(params[i].shape, dtype=torch.float32,
+                                                   device=params[i].device)
                     state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-                momentum(state["exp_avg"], grads[at], b1)
-                if not compressing:
-                    state["exp_avg_sq"].mul_(b2).addcmul_(grads[at], grads[at], value=1 - b2)
-                at += 1
+            avgs = [self.state[params[i]]["exp_avg"] for i in live]
+            sqs = [self.state[params[i]]["exp_avg_sq"] for i in live]
+            gs = [grads[i] for i in live]
+            momenta(avgs, gs, b1)
+            if not compressing:
+                torch._foreach_mul_(sqs, b2)
+                torch._foreach_addcmul_(sqs, gs, gs, value=1 - b2)
+            groups.append((group, live, avgs, sqs))
         if compressing and params:
             m = torch.cat([self.state[p]["exp_avg"].reshape(-1) if h else
                            torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
                            for p, h in zip(params, has, strict=True)])
             with agree_on(("grads", mask)):
                 m = onebit_allreduce(self.comm, m, self.onebit, check=self.check, out=m)
-            for p, h, avg in zip(params, has, split_like(m, params), strict=True):
-                if h:
-                    self.state[p]["exp_avg"].copy_(avg)
-        skip = iter([not h for h in has])
-        for group in self.param_groups:
-            for p in group["params"]:
-                if next(skip):
-                    continue
-                state = self.state[p]
-                update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    update += group["weight_decay"] * p.to(torch.float32)
-                p.add_(update.to(p.dtype), alpha=-group["lr"])
+            averaged = split_like(m, params)
+            for _, live, avgs, _ in groups:
+                _copy_all(avgs, [averaged[i] for i in live])
+        for group, live, avgs, sqs in groups:
+            update = torch._foreach_sqrt(sqs)
+            torch._foreach_add_(update, group["eps"])
+            update = torch._foreach_div(avgs, update)
+            ps = [params[i] for i in live]
+            if group["weight_decay"]:
+                torch._foreach_add_(update, torch._foreach_mul(
+                    [p.to(torch.float32) for p in ps], group["weight_decay"]))
+            torch._foreach_add_(ps, [u.to(p.dtype) for u, p in zip(update, ps, strict=True)],
+                                alpha=-group["lr"])
         self.steps += 1
         return loss
 
@@ -148,3 +157,13 @@ class OneBitAdam(ExtraState, ScalerAware, torch.optim.Optimizer):
     def _load_extra_state(self, state: dict) -> None:
         self.steps = int(state["steps"])
         self.onebit.load_state_dict(state["onebit"])
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    # torch's multi-tensor copy where this torch has it (one launch), else one a tensor
+    copy = getattr(torch, "_foreach_copy_", None)
+    if copy is not None:
+        copy(dst, src)
+        return
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)

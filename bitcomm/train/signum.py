@@ -40,7 +40,7 @@ from bitcomm.train._common import (
     check_range,
     evaluate,
     flat_grads,
-    momentum,
+    momenta,
     split_like,
     with_grads,
 )
@@ -97,22 +97,25 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
         params = all_params(self.param_groups)
         has, mask = with_grads(params)
         grads = split_like(flat_grads(params), params)
-        moms = []
+        moms = list(grads)  # a parameter without a gradient votes its zeros and keeps its state
+        at = 0
         for group in self.param_groups:
             beta, wd = group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                g = grads[len(moms)]
-                if not has[len(moms)]:  # no gradient: no vote, no momentum update, no step
-                    moms.append(g)
-                    continue
-                if wd:
-                    g = g + wd * p.to(torch.float32)
-                state = self.state[p]
+            live = [at + j for j in range(len(group["params"])) if has[at + j]]
+            at += len(group["params"])
+            if not live:
+                continue
+            gs = [grads[i] for i in live]
+            if wd:
+                gs = torch._foreach_add(gs, torch._foreach_mul(
+                    [params[i].to(torch.float32) for i in live], wd))
+            for i, g in zip(live, gs, strict=True):
+                state = self.state[params[i]]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(g)
-                m = state["momentum_buffer"]
-                momentum(m, g, beta)
-                moms.append(m)
+                moms[i] = state["momentum_buffer"]
+            # torch's multi-tensor ops for the many small tensors, a kernel for each large one
+            momenta([moms[i] for i in live], gs, beta)
         flat = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
         vote = vote_for(self.collective, self.comm.size)
         with agree_on(("grads", mask)):
@@ -123,8 +126,10 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
         votes = split_like(majority, params)
         at = 0
         for group in self.param_groups:
-            for p in group["params"]:
-                if has[at]:
-                    p.add_(votes[at].to(p.dtype), alpha=-group["lr"])
-                at += 1
+            live = [at + j for j in range(len(group["params"])) if has[at + j]]
+            at += len(group["params"])
+            if live:  # -lr * (+-1) is exact: one rounding per element, as p.add_ makes
+                torch._foreach_add_([params[i] for i in live],
+                                    [votes[i].to(params[i].dtype) for i in live],
+                                    alpha=-group["lr"])
         return loss
