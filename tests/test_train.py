@@ -180,6 +180,29 @@ def _run_many(make, steps=2, size=3):
     return run_local(fn, size)
 
 
+_HYPER = [(0.1, 0.01)] * 3 + [(0.05, 0.0)] * 2
+"""(lr, weight_decay) of each of _many_groups' parameters."""
+
+
+def _by_hand(update):
+    """_many_groups' parameters after two steps of ``update(i, p, lr, wd, grads)`` (every
+    rank's gradient of parameter i) on each parameter with a gradient."""
+    ps, _ = _many_groups(_many_params(0, 0)[0])
+    for t in range(2):
+        grads = [_many_params(r, t)[1] for r in range(3)]
+        for i, (p, (lr, wd)) in enumerate(zip(ps, _HYPER, strict=True)):
+            if grads[0][i] is not None:
+                with torch.no_grad():
+                    update(i, p, lr, wd, [g[i] for g in grads])
+    return ps
+
+
+def _assert_same_params(got, want):
+    for rank_ps in got:
+        for a, b in zip(rank_ps, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b.detach()), (a, b)
+
+
 def test_signum_steps_every_parameter_as_its_own_formula():
     """Parameters of two groups, one bfloat16 and one without a gradient: each moves by
     -lr * majority(sign(m)) with m = beta * m + (1 - beta) * (g + wd * p) computed with
@@ -187,23 +210,16 @@ def test_signum_steps_every_parameter_as_its_own_formula():
     torch's multi-tensor ops or not."""
     got = _run_many(lambda groups, c: MajoritySignSGD(groups, c, lr=0.1, momentum=0.9))
     shapes, _ = _many_params(0, 0)
-    ps, groups = _many_groups(shapes)
     ms = [[torch.zeros(s) for s in shapes] for _ in range(3)]
-    hyper = [(0.1, 0.01)] * 3 + [(0.05, 0.0)] * 2
-    for t in range(2):
-        grads = [_many_params(r, t)[1] for r in range(3)]
-        for i, (p, (lr, wd)) in enumerate(zip(ps, hyper, strict=True)):
-            if grads[0][i] is None:
-                continue
-            for r in range(3):
-                g = grads[r][i].float() + wd * p.detach().float() if wd else grads[r][i].float()
-                ms[r][i] = ms[r][i].mul(0.9).add_(g, alpha=1 - 0.9)
-            votes = sum(torch.where(ms[r][i] >= 0, 1.0, -1.0) for r in range(3))
-            with torch.no_grad():
-                p.add_(torch.where(votes > 0, 1.0, -1.0).to(p.dtype), alpha=-lr)
-    for rank_ps in got:
-        for a, b in zip(rank_ps, ps, strict=True):
-            assert a.dtype == b.dtype and torch.equal(a, b.detach()), (a, b)
+
+    def update(i, p, lr, wd, grads):
+        for r, g in enumerate(grads):
+            g = g.float() + wd * p.float() if wd else g.float()
+            ms[r][i] = ms[r][i].mul(0.9).add_(g, alpha=1 - 0.9)
+        votes = sum(torch.where(ms[r][i] >= 0, 1.0, -1.0) for r in range(3))
+        p.add_(torch.where(votes > 0, 1.0, -1.0).to(p.dtype), alpha=-lr)
+
+    _assert_same_params(got, _by_hand(update))
     assert torch.equal(got[0][1], torch.linspace(-1, 1, 4).reshape(2, 2))  # never moved
     assert any(not torch.equal(a, b) for a, b in zip(got[0], _many_groups(shapes)[0],
                                                       strict=True))
@@ -214,29 +230,22 @@ def test_onebit_adam_warm_up_steps_every_parameter_as_its_own_formula():
     mean (summed in rank order, as LocalComm's allreduce adds), per tensor, bit for bit."""
     got = _run_many(lambda groups, c: OneBitAdam(groups, c, lr=0.1, freeze_step=10))
     shapes, _ = _many_params(0, 0)
-    ps, groups = _many_groups(shapes)
     m = [torch.zeros(s) for s in shapes]
     v = [torch.zeros(s) for s in shapes]
-    hyper = [(0.1, 0.01)] * 3 + [(0.05, 0.0)] * 2
-    for t in range(2):
-        grads = [_many_params(r, t)[1] for r in range(3)]
-        for i, (p, (lr, wd)) in enumerate(zip(ps, hyper, strict=True)):
-            if grads[0][i] is None:
-                continue
-            g = grads[0][i].float().clone()
-            for r in (1, 2):
-                g += grads[r][i].float()
-            g.div_(3)
-            m[i] = m[i].mul(0.9).add_(g, alpha=1 - 0.9)
-            v[i] = v[i].mul(0.999).addcmul_(g, g, value=1 - 0.999)
-            update = m[i] / (v[i].sqrt() + 1e-8)
-            if wd:
-                update += wd * p.detach().float()
-            with torch.no_grad():
-                p.add_(update.to(p.dtype), alpha=-lr)
-    for rank_ps in got:
-        for a, b in zip(rank_ps, ps, strict=True):
-            assert a.dtype == b.dtype and torch.equal(a, b.detach()), (a, b)
+
+    def update(i, p, lr, wd, grads):
+        g = grads[0].float().clone()
+        for other in grads[1:]:
+            g += other.float()
+        g.div_(3)
+        m[i] = m[i].mul(0.9).add_(g, alpha=1 - 0.9)
+        v[i] = v[i].mul(0.999).addcmul_(g, g, value=1 - 0.999)
+        step = m[i] / (v[i].sqrt() + 1e-8)
+        if wd:
+            step += wd * p.float()
+        p.add_(step.to(p.dtype), alpha=-lr)
+
+    _assert_same_params(got, _by_hand(update))
 
 
 @pytest.mark.parametrize("collective", ["auto", "alltoall"])
