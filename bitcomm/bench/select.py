@@ -6,8 +6,8 @@ vector, and every selector picks from them:
 * ``topk``: bitcomm's exact top-k (:func:`bitcomm.codecs.select.topk`: numpy's introselect
   over the scores above a sampled bound on the CPU, a radix selection on a GPU with triton);
   its time is the anchor of the ``vs_topk`` column, each selector's calls alternating with
-  its calls. ``torch-topk``: ``torch.topk`` itself,
-  unsorted, for comparison (on a GPU it sorts a vector of 100000 or more elements).
+  its calls. ``torch-topk``: ``torch.topk`` itself, unsorted, for comparison (on a GPU it
+  sorts a vector of 100000 or more elements).
 * ``trimmed``, ``threshold``: RedSync's trimmed top-k and threshold binary search.
 * ``sidco-e``, ``sidco-p``, ``sidco-gp``: SIDCo's fits, at one stage (``stages=1``), and after
   the stage adaptation has run on the same vector for 25 calls (``stages`` is where it ended,
