@@ -18,6 +18,7 @@
 #                      its own cap and what is left of the deadline, and is skipped when under
 #                      30 s is left.
 #   GPU_CHECK_PYTHON   the Python that holds a CUDA torch (default python3).
+#   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout).
 #
 # Writes OUT/gpu-check.log (each step's command, output, exit status and seconds) and
 # OUT/gpu-check.tar.gz (the benchmarks' .json/.csv/.md files and the tests' junit XML): two
@@ -45,6 +46,7 @@ log=$out/gpu-check.log
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 py=${GPU_CHECK_PYTHON:-python3}
+wheels=${GPU_CHECK_WHEELS:-$root/.whl}
 deadline=${GPU_CHECK_SECONDS:-480}
 status=0
 
@@ -56,9 +58,9 @@ say() { echo "$*" | tee -a "$log"; }
 # that Python's folder (only names not already there).
 setup() {
     export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-    if compgen -G "$root/.whl/*.whl" > /dev/null; then
+    if compgen -G "$wheels/*.whl" > /dev/null; then
         "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/bitcomm-site "$root"/.whl/*.whl >> "$log" 2>&1 || return 1
+            --target /tmp/bitcomm-site "$wheels"/*.whl >> "$log" 2>&1 || return 1
         export PYTHONPATH="/tmp/bitcomm-site:$PYTHONPATH"
         local bin
         bin=$(dirname "$("$py" -c 'import sys; print(sys.executable)')") || return 1
@@ -67,7 +69,7 @@ setup() {
             [ -e "$f" ] && [ ! -e "$bin/$(basename "$f")" ] && ln -s "$f" "$bin/"
         done
     else
-        say "# no .whl/ carried: using the image's packages"
+        say "# no wheels in $wheels: using the image's packages"
     fi
     "$py" - >> "$log" 2>&1 <<'EOF'
 import sys, torch

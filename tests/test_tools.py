@@ -1,0 +1,34 @@
+"""tools/gpu-check.sh, the GPU checks' one command, as far as a machine without a GPU runs it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu-check.sh"
+
+
+def _run(*args, env=None):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_gpu_check_refuses_unknown_steps_before_it_starts(tmp_path):
+    assert _run().returncode == 2
+    r = _run(str(tmp_path / "out"), "tests", "benchmarks")
+    assert r.returncode == 2 and "unknown step: benchmarks" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_gpu_check_without_a_gpu_says_so_and_runs_no_step(tmp_path):
+    r = _run(str(tmp_path), "tests", env={"GPU_CHECK_PYTHON": sys.executable,
+                                          "GPU_CHECK_WHEELS": str(tmp_path)})
+    assert r.returncode == 1, r.stdout + r.stderr
+    log = (tmp_path / "gpu-check.log").read_text()
+    assert "no CUDA device: these are the GPU checks" in log
+    assert "## setup: failed" in log and "## tests" not in log
+    assert not (tmp_path / "gpu-check.tar.gz").exists()
