@@ -208,15 +208,30 @@ class ScalerAware:
         return False
 
 
-def sgd_update(p: torch.Tensor, d: torch.Tensor, group: dict, states: dict) -> None:
-    """Apply ``torch.optim.SGD``'s update to ``p`` along the float32 direction ``d``.
+def sgd_step(moves: list[tuple[torch.Tensor, torch.Tensor, dict]], states: dict) -> None:
+    """Apply ``torch.optim.SGD``'s update to each ``(p, d, group)``: ``p`` along ``d``.
 
-    ``buf = momentum * buf + d`` when the group has momentum (the buffer kept in ``states[p]``,
-    created at the first step), then ``p -= lr * buf``; ``d`` holds ``p.numel()`` elements.
+    ``d`` is a float32 direction of ``p.numel()`` elements; ``buf = momentum * buf + d`` when
+    the group has momentum (the buffer kept in ``states[p]``, created at the first step), then
+    ``p -= lr * buf``. A group's parameters move together through torch's multi-tensor ops (a
+    few launches for all of them, as ``torch.optim.SGD``'s default; on a CPU the per-tensor
+    ops one after another, with their bits).
     """
-    if group["momentum"]:
-        state = states[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(d)
-        d = state["momentum_buffer"].mul_(group["momentum"]).add_(d)
-    p.add_(d.view_as(p).to(p.dtype), alpha=-group["lr"])
+    groups: dict[int, tuple[dict, list, list]] = {}
+    for p, d, group in moves:
+        _, ps, ds = groups.setdefault(id(group), (group, [], []))
+        ps.append(p)
+        ds.append(d)
+    for group, ps, ds in groups.values():
+        if group["momentum"]:
+            bufs = []
+            for p, d in zip(ps, ds, strict=True):
+                state = states[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(d)
+                bufs.append(state["momentum_buffer"])
+            torch._foreach_mul_(bufs, group["momentum"])
+            torch._foreach_add_(bufs, ds)
+            ds = bufs
+        torch._foreach_add_(ps, [d.view_as(p).to(p.dtype) for d, p in zip(ds, ps, strict=True)],
+                            alpha=-group["lr"])

@@ -37,7 +37,7 @@ from bitcomm.train._common import (
     check_comm,
     check_range,
     evaluate,
-    sgd_update,
+    sgd_step,
     with_grads,
 )
 
@@ -128,7 +128,7 @@ class OkTopkSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                                               check=self.check)
                 acc[indexes] = 0
                 mean = u.to(device).div_(size)
-        at = 0
+        at, moves = 0, []
         for (p, group), live in zip(((p, g) for g in self.param_groups for p in g["params"]),
                                     has, strict=True):
             n = p.numel()
@@ -141,6 +141,7 @@ class OkTopkSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                 state["residual"].copy_(rest)
             if group["weight_decay"]:
                 d = d + group["weight_decay"] * p.detach().to(torch.float32).reshape(-1)
-            sgd_update(p, d, group, self.state)
+            moves.append((p, d, group))
+        sgd_step(moves, self.state)
         self.steps += 1
         return loss

@@ -31,7 +31,7 @@ from bitcomm.train._common import (
     check_range,
     evaluate,
     flat_grads,
-    sgd_update,
+    sgd_step,
     split_like,
     with_grads,
 )
@@ -109,14 +109,10 @@ class QSGDSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
             if skipped is not None:
                 residual = self.feedback.residuals["flat"]
                 residual[skipped] = 0 if kept is None else kept[skipped]
-        directions, at = split_like(mean, params), 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not has[at]:
-                    at += 1
-                    continue
-                sgd_update(p, directions[at], group, self.state)
-                at += 1
+        directions = split_like(mean, params)
+        groups = [g for g in self.param_groups for _ in g["params"]]
+        sgd_step([(p, d, g) for p, d, g, h in
+                  zip(params, directions, groups, has, strict=True) if h], self.state)
         self.steps += 1
         return loss
 

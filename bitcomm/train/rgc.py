@@ -55,7 +55,7 @@ from bitcomm.train._common import (
     check_comm,
     check_range,
     evaluate,
-    sgd_update,
+    sgd_step,
     with_grads,
 )
 
@@ -155,13 +155,13 @@ class RGC(ScalerAware, torch.optim.Optimizer):
             flat = allreduce(self.comm, flat, check=self.check).div_(size)
             for p, group, g in sparse:
                 self._sparse_step(p, g, group, size)
-        at = 0
+        at, moves = 0, []
         for p, group, _, live in dense:
             d = flat[at:at + p.numel()]
             at += p.numel()
-            if not live:  # no gradient: no step, no momentum
-                continue
-            sgd_update(p, d, group, self.state)
+            if live:  # no gradient: no step, no momentum
+                moves.append((p, d, group))
+        sgd_step(moves, self.state)
         return loss
 
     def _sparse_step(self, p: torch.Tensor, g: torch.Tensor, group: dict, size: int) -> None:

@@ -39,7 +39,7 @@ from bitcomm.train._common import (
     check_comm,
     check_range,
     evaluate,
-    sgd_update,
+    sgd_step,
     with_grads,
 )
 
@@ -183,13 +183,13 @@ class SparCMLSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                 seed=self.seed + self.steps * self.comm.size, check=self.check)
         acc[idx] = 0
         total = total.to(device).div_(self.comm.size)
-        at = 0
+        at, moves = 0, []
         for p, group in live:
             n = p.numel()
             state = self.state[p]
             state["residual"].copy_(acc[at:at + n])
-            d = total[at:at + n]
+            moves.append((p, total[at:at + n], group))
             at += n
-            sgd_update(p, d, group, self.state)
+        sgd_step(moves, self.state)
         self.steps += 1
         return loss
