@@ -62,6 +62,22 @@ def with_grads(params: list[torch.Tensor]) -> tuple[list[bool], bytes]:
     return has, packed
 
 
+def live_groups(groups: list[dict], has: list[bool]) -> list[tuple[dict, list[int]]]:
+    """Return each group with the indices of its parameters that have a gradient.
+
+    Indices are into :func:`all_params`, ``has`` is :func:`with_grads`'s; groups with none are
+    left out, as their parameters take no step.
+    """
+    out, at = [], 0
+    for group in groups:
+        n = len(group["params"])
+        live = [i for i in range(at, at + n) if has[i]]
+        at += n
+        if live:
+            out.append((group, live))
+    return out
+
+
 def float32_operand(g: torch.Tensor) -> torch.Tensor:
     """Return ``g`` as an operand of float32 arithmetic with a float32 tensor.
 

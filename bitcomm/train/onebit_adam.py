@@ -35,6 +35,7 @@ from bitcomm.train._common import (
     check_range,
     evaluate,
     flat_grads,
+    live_groups,
     momenta,
     split_like,
     with_grads,
@@ -108,12 +109,8 @@ class OneBitAdam(ExtraState, ScalerAware, torch.optim.Optimizer):
         # torch's multi-tensor ops throughout (a few launches for all parameters, as
         # torch.optim.Adam's default), with a parameter's ops those of torch's per-tensor form
         groups = []
-        at = 0
-        for group in self.param_groups:
-            live = [at + j for j in range(len(group["params"])) if has[at + j]]
-            at += len(group["params"])
-            if not live:  # no gradient: its moments and the parameter stay
-                continue
+        # a parameter without a gradient keeps its moments and does not move
+        for group, live in live_groups(self.param_groups, has):
             b1, b2 = group["betas"]
             for i in live:
                 state = self.state[params[i]]

@@ -31,6 +31,7 @@ from bitcomm.train._common import (
     check_range,
     evaluate,
     flat_grads,
+    live_groups,
     sgd_step,
     split_like,
     with_grads,
@@ -110,9 +111,9 @@ class QSGDSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                 residual = self.feedback.residuals["flat"]
                 residual[skipped] = 0 if kept is None else kept[skipped]
         directions = split_like(mean, params)
-        groups = [g for g in self.param_groups for _ in g["params"]]
-        sgd_step([(p, d, g) for p, d, g, h in
-                  zip(params, directions, groups, has, strict=True) if h], self.state)
+        sgd_step([(params[i], directions[i], group)
+                  for group, live in live_groups(self.param_groups, has) for i in live],
+                 self.state)
         self.steps += 1
         return loss
 

@@ -40,6 +40,7 @@ from bitcomm.train._common import (
     check_range,
     evaluate,
     flat_grads,
+    live_groups,
     momenta,
     split_like,
     with_grads,
@@ -98,13 +99,8 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
         has, mask = with_grads(params)
         grads = split_like(flat_grads(params), params)
         moms = list(grads)  # a parameter without a gradient votes its zeros and keeps its state
-        at = 0
-        for group in self.param_groups:
+        for group, live in live_groups(self.param_groups, has):
             beta, wd = group["momentum"], group["weight_decay"]
-            live = [at + j for j in range(len(group["params"])) if has[at + j]]
-            at += len(group["params"])
-            if not live:
-                continue
             gs = [grads[i] for i in live]
             if wd:
                 gs = torch._foreach_add(gs, torch._foreach_mul(
@@ -124,12 +120,8 @@ class MajoritySignSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                             out=flat)
         self.steps += 1
         votes = split_like(majority, params)
-        at = 0
-        for group in self.param_groups:
-            live = [at + j for j in range(len(group["params"])) if has[at + j]]
-            at += len(group["params"])
-            if live:  # -lr * (+-1) is exact: one rounding per element, as p.add_ makes
-                torch._foreach_add_([params[i] for i in live],
-                                    [votes[i].to(params[i].dtype) for i in live],
-                                    alpha=-group["lr"])
+        for group, live in live_groups(self.param_groups, has):
+            # -lr * (+-1) is exact: one rounding per element, as p.add_ makes
+            torch._foreach_add_([params[i] for i in live],
+                                [votes[i].to(params[i].dtype) for i in live], alpha=-group["lr"])
         return loss
