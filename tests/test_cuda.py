@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from bitcomm.bench.collectives import count_syncs
+from bitcomm.bench.collectives import count_syncs, sync_sites
 from bitcomm.codecs import bits, counts, qsgd, redsync, select, sign, sparse, stream
 
 from conftest import needs_cuda
@@ -457,7 +457,9 @@ def test_the_sync_count_of_each_collective_on_the_gpu():
                  "onebit-allgather"):
         assert got[name] == 0, (name, got)
     assert got["ring-majority-radix"] == 1, got  # its payloads' checks, at the end
-    assert got["sparse-allgather"] == 2, got  # its frame's check, the received frames' check
+    # the checks of its entries and of the frames it received, one read at the end (as
+    # tests/test_collectives.py counts on the CPU)
+    assert got["sparse-allgather"] == 1, got
     # tests/test_oktopk.py counts 5 reads a steady call on the CPU, one of them of host memory
     # (the pieces' counts); balancing adds one
     assert got["oktopk"] <= 5, got
@@ -483,11 +485,15 @@ def test_a_hook_step_waits_as_often_with_six_buckets_as_with_one(kind):
             state = make(comm)
             params = [torch.zeros(1001, device="cuda") for _ in range(buckets)]
 
+            # each step's gradients on the GPU beforehand: a copy from pageable host memory
+            # waits for the device too, and is not the hook's
+            grads = [[torch.randn(1001, generator=torch.Generator().manual_seed(
+                100 * k + 10 * i + comm.rank)).cuda() for i in range(buckets)]
+                for k in range(2)]
+
             def step(k):
-                grads = [torch.randn(1001, generator=torch.Generator().manual_seed(
-                    100 * k + 10 * i + comm.rank)).cuda() for i in range(buckets)]
                 futures = [hook(state, Bucket(i, [p], [g], last=i == buckets - 1))
-                           for i, (p, g) in enumerate(zip(params, grads, strict=True))]
+                           for i, (p, g) in enumerate(zip(params, grads[k], strict=True))]
                 return [f.wait() for f in futures]
 
             step(0)  # the layout's own agreements
@@ -495,13 +501,13 @@ def test_a_hook_step_waits_as_often_with_six_buckets_as_with_one(kind):
 
         steps = run_local(rank_fn, 3)
         got = []
-        count = count_syncs(lambda: got.extend(run_local(lambda c: steps[c.rank](1), 3)))
+        sites = sync_sites(lambda: got.extend(run_local(lambda c: steps[c.rank](1), 3)))
         assert all(t.is_cuda and bool(torch.isfinite(t).all()) for t in got[0])
         assert all(torch.equal(a, b) for a, b in zip(got[0], got[1], strict=True))
-        return count
+        return sites
 
     one, six = syncs(1), syncs(6)
-    assert six == one, (one, six)
+    assert len(six) == len(one), (one, six)
 
 
 def test_bench_hooks_over_nccl_runs_the_hooks_cuda_path(tmp_path):

@@ -15,7 +15,7 @@ import torch
 
 from bitcomm.codecs import _bracket, _rng, bits, counts, qsgd, select, sign
 
-from conftest import AWKWARD, dispatched, forced, host_reads, needs_interpreter
+from conftest import AWKWARD, OTHER_PATHS, dispatched, forced, host_reads, needs_interpreter
 
 pytestmark = [needs_interpreter, pytest.mark.triton]
 triton = pytest.importorskip("triton", reason="triton (the dev extra) is not installed")
@@ -99,6 +99,48 @@ def _assert_same_bits(got, expect, where):
     nan = torch.isnan(expect)
     assert torch.equal(torch.isnan(got), nan), where
     assert torch.equal(got[~nan].view(torch.int32), expect[~nan].view(torch.int32)), where
+
+
+def test_kernels_negate_floats_by_a_product_not_by_unary_minus():
+    """Triton before 3.7 (the one torch 2.11 ships) compiles ``-x`` on floats as ``0 - x``, so
+    -(+0.0) came out +0.0 where torch gives -0.0: on an H200 the qsgd mean's kept values lost
+    the sign of every zero-level negative code. Every kernel negates a float through
+    ``_kernels._neg`` (a product by -1); a unary minus on anything but a literal is refused
+    here, since the interpreter's Triton in CI gets it right and cannot show the difference."""
+    import ast
+    import pathlib
+
+    import bitcomm
+    root = pathlib.Path(bitcomm.__file__).parent
+    found = []
+    for path in (root / "codecs" / "_kernels.py", root / "collectives" / "_kernels.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(fn, ast.FunctionDef)
+                    and any("jit" in ast.unparse(d) for d in fn.decorator_list)):
+                continue
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+                        and not isinstance(node.operand, ast.Constant)
+                        and not (isinstance(node.operand, ast.Call)
+                                 and ast.unparse(node.operand.func) == "float")):
+                    found.append(f"{path.name}:{node.lineno} {fn.name}: {ast.unparse(node)}")
+    assert found == [], found
+
+
+@pytest.mark.parametrize("path", OTHER_PATHS)
+def test_a_negative_code_of_level_zero_decodes_to_minus_zero(path):
+    """qsgd's sign bit is kept at level 0, so a small negative value decodes to -0.0 on every
+    path, alone, among frames, and as the kept frame of their mean."""
+    x = torch.tensor([-1e-6, 1e-6, 4.0, -4.0, -1e-7, 0.0, -0.0, 2.5] * 9)
+    frames = [qsgd.encode(x, 2, 8, seed=s) for s in (0, 1)]
+    want = qsgd.decode(frames[1], n=x.numel())[0]
+    assert torch.signbit(want[[0, 4]]).all() and not torch.signbit(want[1])
+    with forced(path):
+        alone = qsgd.decode(frames[1], n=x.numel())[0]
+        each = qsgd.decode_all(frames, x.numel(), 2, 8)[1]
+        kept = qsgd.mean_all(frames, x.numel(), 2, 8, keep=1)[1]
+    for got in (alone, each, kept):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), path
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -34,8 +34,8 @@ from bitcomm.collectives import _common, registry
 from bitcomm.comm import run_local
 from bitcomm.comm.base import Comm
 
-__all__ = ["Row", "StepRow", "SyncRow", "run", "ring_steps", "syncs", "count_syncs", "markdown",
-           "steps_markdown", "DEFAULT_SIZES"]
+__all__ = ["Row", "StepRow", "SyncRow", "run", "ring_steps", "syncs", "count_syncs", "sync_sites",
+           "markdown", "steps_markdown", "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = (1 << 20, 8 << 20)
 
@@ -247,11 +247,17 @@ class SyncRow:
 
 
 def count_syncs(fn: Callable[[], object]) -> int:
-    """Return the host synchronisations torch reports while ``fn()`` runs on CUDA devices.
+    """Return the host synchronisations torch reports while ``fn()`` runs on CUDA devices."""
+    return len(sync_sites(fn))
+
+
+def sync_sites(fn: Callable[[], object]) -> list[str]:
+    """Return ``"file:line"`` of each host synchronisation torch reports while ``fn()`` runs.
 
     ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronising CUDA call (a read of
-    a device value, ``nonzero``, a blocking copy) warn; the warnings of every thread are
-    counted, then the mode is set back to its default.
+    a device value, ``nonzero``, a blocking copy such as one from pageable host memory) warn,
+    from the Python line that made it; the warnings of every thread are gathered, then the
+    mode is set back to its default.
     """
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -261,7 +267,7 @@ def count_syncs(fn: Callable[[], object]) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def syncs(n: int, size: int, *, device: str | torch.device = "cuda", seed: int = 0,

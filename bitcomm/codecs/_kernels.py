@@ -140,6 +140,14 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
 
 
 @triton.jit
+def _neg(x):
+    # -x of a float, its sign flipped at zero too (-(+0.0) is -0.0, as in torch): Triton
+    # before 3.7 compiles unary minus on floats as 0 - x, which gives +0.0. A product by -1
+    # is exact and keeps x's dtype.
+    return x * -1.0
+
+
+@triton.jit
 def _load(ptr, live, other, EDGE: tl.constexpr):
     # A tile's load: masked by `live` in the last tile only (EDGE), whose lanes may lie past
     # the end; a full tile's needs no mask (launch_tiles).
@@ -311,7 +319,7 @@ def _sign_unpack_kernel(buf_ptr, out_ptr, scale, n, nbytes, flags_ptr, first,
     byte = _load(buf_ptr + ob, ob < nbytes, 0, EDGE).to(tl.int32)
     bit = (byte[:, None] >> (7 - j)[None, :]) & 1
     # scale * +-1 is exact, so a scaled frame decodes to exactly +-scale.
-    val = tl.where(bit != 0, scale, -scale).to(out_ptr.dtype.element_ty)
+    val = tl.where(bit != 0, scale, _neg(scale)).to(out_ptr.dtype.element_ty)
     _store(out_ptr + idx, val, idx < n, EDGE)
     if EDGE:
         _flag(flags_ptr, (bit != 0) & (idx >= n))  # set padding bits
@@ -736,7 +744,7 @@ def _qsgd_decoded(codes_ptr, steps_ptr, ob, idx, n, nbytes, bucket, BITS: tl.con
     b = idx >> SHIFT if SHIFT >= 0 else idx // bucket
     step = _load(steps_ptr + b, idx < n, 0.0, EDGE)
     val = (code & S).to(tl.float32) * step
-    return tl.where((code >> (BITS - 1)) != 0, -val, val)
+    return tl.where((code >> (BITS - 1)) != 0, _neg(val), val)
 
 
 @triton.jit
@@ -905,7 +913,7 @@ def _side_scores(x, SIDE: tl.constexpr):
     if SIDE == 1:
         return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     if SIDE == -1:
-        return tl.maximum(-x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        return tl.maximum(_neg(x), 0.0, propagate_nan=tl.PropagateNan.ALL)
     if SIDE == 2:
         return tl.abs(x)
     return x

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitcomm.codecs._kernels import _load, _store, launch_tiles
+from bitcomm.codecs._kernels import _load, _neg, _store, launch_tiles
 
 __all__ = ["count_step", "vote_count", "sign_error", "weighted_votes", "scaled_signs"]
 
@@ -160,7 +160,7 @@ def _sign_error_kernel(buf_ptr, scale_ptr, err_ptr, out_ptr, nb, first, BLOCK: t
     # DeepSpeed's x.sign().add_(1).bool(): true for x >= 0, and for NaN (NaN + 1 is truthy).
     bit = (x >= 0) | (x != x)
     scale = tl.load(scale_ptr)
-    error = x - tl.where(bit, scale, -scale)
+    error = x - tl.where(bit, scale, _neg(scale))
     byte = tl.sum(bit.to(tl.int32) << (7 - j)[None, :], axis=1).to(tl.uint8)
     _store(err_ptr + idx, error, idx < nb * 8, EDGE)
     _store(out_ptr + ob, byte, ob < nb, EDGE)
@@ -189,7 +189,7 @@ def _weighted_votes_kernel(votes_ptr, weights_ptr, err_ptr, out_ptr, nb, size, f
     for r in range(size):  # ranks in order, as torch's sum over them
         byte = _load(votes_ptr + r * nb + ob, ob < nb, 0, EDGE).to(tl.int32)
         w = tl.load(weights_ptr + r)
-        acc += tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, w, -w)
+        acc += tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, w, _neg(w))
     acc += _load(err_ptr + idx, idx < nb * 8, 0.0, EDGE)
     _store(out_ptr + idx, acc, idx < nb * 8, EDGE)
 
@@ -221,7 +221,7 @@ def _scaled_signs_kernel(packed_ptr, scales_ptr, out_ptr, n, nbytes, chunk, firs
         scale = tl.where(idx < end, here, after)
     else:
         scale = _load(scales_ptr + idx // chunk, idx < n, 0.0, EDGE)
-    val = tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, scale, -scale)
+    val = tl.where(((byte[:, None] >> (7 - j)[None, :]) & 1) != 0, scale, _neg(scale))
     _store(out_ptr + idx, val, idx < n, EDGE)
 
 
