@@ -148,6 +148,20 @@ def host_reads(monkeypatch, fn):
         return getitem(t, index)
 
     monkeypatch.setattr(torch.Tensor, "__getitem__", masked)
+    # x[mask] = ... waits for the same count; x[idx] = 0 with a Python number makes the number
+    # a host tensor that index_put_ copies to the device, a blocking copy.
+    setitem = torch.Tensor.__setitem__
+
+    def assigned(t, index, value):
+        parts = index if isinstance(index, tuple) else (index,)
+        tensors = [p for p in parts if isinstance(p, torch.Tensor) and p.dim()]
+        if any(p.dtype == torch.bool for p in tensors):
+            record("mask")
+        elif tensors and not isinstance(value, torch.Tensor):
+            record("host scalar")
+        return setitem(t, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", assigned)
     try:
         fn()
     finally:

@@ -220,7 +220,7 @@ def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
             sparse.decode_all(on_gpu[2], n, k)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == 2, [str(w.message) for w in syncs]
 
 
@@ -257,7 +257,7 @@ def test_the_device_checks_and_redsyncs_top_k_read_once():
             redsync.encode(on_gpu, 3000, "top")
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
@@ -289,7 +289,7 @@ def test_sidco_fits_as_on_the_cpu_with_one_read_a_stage():
             sidco.threshold(on_gpu, 0.001, "pareto", 3)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == 3, [str(w.message) for w in syncs]
 
 
@@ -462,7 +462,23 @@ def test_the_sync_count_of_each_collective_on_the_gpu():
     assert got["sparse-allgather"] == 1, got
     # tests/test_oktopk.py counts 5 reads a steady call on the CPU, one of them of host memory
     # (the pieces' counts); balancing adds one
-    assert got["oktopk"] <= 5, got
+    assert got["oktopk"] <= 5, (got, _sites_of_a_call("oktopk", 4001, 4))
+
+
+def _sites_of_a_call(name, n, size):
+    # Where a steady call of collective `name` waits, each rank a thread (as bench syncs runs it).
+    from bitcomm.collectives import registry
+    from bitcomm.comm import run_local
+
+    spec = registry.get(name)
+    xs = [registry.standard_input(0, r, n).cuda() for r in range(size)]
+    states = [spec.new_state(n, size, torch.device("cuda")) for _ in range(size)]
+
+    def call():
+        run_local(lambda c: spec(c, xs[c.rank], state=states[c.rank], check=False), size)
+
+    call()
+    return sync_sites(call)
 
 
 @pytest.mark.parametrize("kind", ["qsgd", "topk"])

@@ -267,7 +267,9 @@ def sync_sites(fn: Callable[[], object]) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    # the mode's own notice, given once a process, also says "synchronizing"
+    return [f"{w.filename}:{w.lineno}" for w in caught
+            if "called a synchronizing CUDA operation" in str(w.message)]
 
 
 def syncs(n: int, size: int, *, device: str | torch.device = "cuda", seed: int = 0,

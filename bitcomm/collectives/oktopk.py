@@ -591,7 +591,7 @@ def oktopk_allreduce(comm: Comm, acc: torch.Tensor, k: int, state: OkTopkState, 
     u = torch.zeros(n, dtype=torch.float32, device=v.device)
     u[all_idx] = all_val
     chosen = torch.zeros(n, dtype=torch.bool, device=v.device)
-    chosen[all_idx] = True
+    chosen.index_fill_(0, all_idx, True)  # chosen[all_idx] = True copies from the host
     mine = chosen[local]
     (count,) = _frame.read_checked(_checks(gathered), torch.count_nonzero(mine).reshape(1))
     indexes = local[_frame.indices_of(mine, count)]

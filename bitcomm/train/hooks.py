@@ -758,7 +758,7 @@ def topk_hook(state: TopkState, bucket: dist.GradBucket) -> Future[torch.Tensor]
         k = max(1, math.ceil(state.density * v.numel()))
         mean, (idx, _) = sparse_allgather(state.comm, v, k, method=state.method, check=check,
                                           average=True, out=_into(g))
-        v[idx] = 0
+        v.index_fill_(0, idx, 0)  # v[idx] = 0 would copy the 0 from host memory, a wait
 
         def settle(keep: bool) -> None:
             if keep:

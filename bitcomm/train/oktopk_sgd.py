@@ -126,7 +126,7 @@ class OkTopkSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                 k = self._target = math.ceil(self.density * acc.numel())
                 u, indexes = oktopk_allreduce(self.comm, acc, k, self.collective,
                                               check=self.check)
-                acc[indexes] = 0
+                acc.index_fill_(0, indexes, 0)  # acc[indexes] = 0 copies from the host
                 mean = u.to(device).div_(size)
         at, moves = 0, []
         for (p, group), live in zip(((p, g) for g in self.param_groups for p in g["params"]),

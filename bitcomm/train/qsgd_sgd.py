@@ -100,7 +100,7 @@ class QSGDSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
             if skipped is not None:  # a skipped parameter's residual waits, unsent
                 kept = self.feedback.residuals.get("flat")
                 kept = None if kept is None else kept.clone()
-                flat[skipped] = 0
+                flat.masked_fill_(skipped, 0)  # flat[skipped] = 0 would wait (nonzero)
         with agree_on(("grads", mask)):
             mean, sent = qsgd_allgather(self.comm, flat, bits=self.bits, bucket=self.bucket,
                                         seed=self.seed + self.steps * self.comm.size,
@@ -109,7 +109,10 @@ class QSGDSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
             self.feedback.update("flat", flat, sent)
             if skipped is not None:
                 residual = self.feedback.residuals["flat"]
-                residual[skipped] = 0 if kept is None else kept[skipped]
+                if kept is None:
+                    residual.masked_fill_(skipped, 0)
+                else:
+                    torch.where(skipped, kept, residual, out=residual)
         directions = split_like(mean, params)
         sgd_step([(params[i], directions[i], group)
                   for group, live in live_groups(self.param_groups, has) for i in live],

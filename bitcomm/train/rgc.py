@@ -197,8 +197,8 @@ class RGC(ScalerAware, torch.optim.Optimizer):
             state["sidco"] = control.state_dict()
         self._selection[0] += idx.numel()
         self._selection[1] += k
-        v[idx] = 0
-        u[idx] = 0
+        v.index_fill_(0, idx, 0)  # not v[idx] = 0: on a GPU that copies the 0 from the host
+        u.index_fill_(0, idx, 0)
         p.add_(total.div_(size).view_as(p).to(p.dtype), alpha=-group["lr"])
 
 

@@ -181,7 +181,7 @@ class SparCMLSGD(ExtraState, ScalerAware, torch.optim.Optimizer):
                 self.comm, idx, acc[idx], acc.numel(), algorithm=self.algorithm,
                 alpha=self.alpha, beta=self.beta, bits=self.bits,
                 seed=self.seed + self.steps * self.comm.size, check=self.check)
-        acc[idx] = 0
+        acc.index_fill_(0, idx, 0)  # not acc[idx] = 0: on a GPU that copies the 0 from the host
         total = total.to(device).div_(self.comm.size)
         at, moves = 0, []
         for p, group in live:
