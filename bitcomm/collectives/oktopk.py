@@ -423,7 +423,7 @@ def _split_and_reduce(comm: Comm, idx: torch.Tensor, val: torch.Tensor, bounds: 
         if r in got and got[r][0].numel():
             slot = (got[r][0] - lo).clamp_(0, hi - lo - 1)
             dense.index_add_(0, slot, got[r][1])
-            present[slot] = True
+            present.index_fill_(0, slot, True)  # present[slot] = True copies from the host
     (count,) = _frame.read_checked(_checks(received), torch.count_nonzero(present).reshape(1))
     where = _frame.indices_of(present, count)
     pieces = sum(p[0].numel() for j, p in enumerate(parts) if j != rank)
