@@ -511,7 +511,7 @@ def _each(bufs: list[torch.Tensor], ks: list[int], n: int, form: str, code: int,
             # strictly increasing within each frame: a pair whose second entry starts a frame
             # does not count
             first = torch.zeros(total, dtype=torch.bool, device=device)
-            first[meta[len(ks) :]] = True
+            first.index_fill_(0, meta[len(ks) :], True)  # = True would copy from the host
             flags.append(((idx[1:] <= idx[:-1]) & ~first[1:]).any())
     if form == "mean":
         means = torch.cat([b[e : e + 4] for b, e in zip(bufs, ends, strict=True)]
