@@ -196,6 +196,55 @@ def bench_kernels(n: int, arch: int, only: str | None, jobs: int | None, out_dir
         click.echo(f"# {len(spilled)} kernels spill registers: {', '.join(spilled)}", err=True)
 
 
+@bench.command("profile")
+@click.option("--sizes", type=SizeList(), default="64M", show_default=True,
+              help="Comma-separated float32 element counts.")
+@click.option("--codecs", "names", default=None,
+              help="Comma-separated codecs of bench codecs (e.g. sign,qsgd-4,topk-1%); "
+                   "all by default.")
+@click.option("--calls", type=click.IntRange(1), default=5, show_default=True,
+              help="Calls per measurement, after a warm-up.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the vector lives (cuda: the kernels' times from torch.profiler).")
+@click.option("--top", type=click.IntRange(0), default=4, show_default=True,
+              help="Kernels printed under each call, the slowest first (all are saved).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for profile[-cuda].json and .csv.")
+def bench_profile(sizes: tuple[int, ...], names: str | None, calls: int, seed: int,
+                  device: str, top: int, out_dir: str) -> None:
+    """Where each codec call's time goes: kernels, launches, host time, the device's idle gap."""
+    from bitcomm.bench import profile as bench_mod
+
+    _check_device(device)
+    codecs = None if names is None else names.split(",")
+    config = _machine(device) | {"sizes": list(sizes), "codecs": codecs, "calls": calls,
+                                 "seed": seed}
+    _announce("bench profile", config)
+    click.echo("# per call: launches, device = kernels' time, host = until it returns, wall = "
+               "until its work is done, idle = wall - device (us)")
+    shown = {"kernels": 0}
+
+    def show(row) -> None:
+        if row.name == bench_mod.CALL:
+            shown["kernels"] = 0
+            idle = row.wall_us - row.device_us
+            click.echo(f"{_human(row.n):>6} {row.codec:<16} {row.op:<7} launches "
+                       f"{row.launches:>5.1f} device {row.device_us:>9.1f} host "
+                       f"{row.host_us:>9.1f} wall {row.wall_us:>9.1f} idle {idle:>9.1f}")
+        elif shown["kernels"] < top:
+            shown["kernels"] += 1
+            click.echo(f"{'':>32}{row.launches:>5.1f} x {row.device_us:>9.1f}  {row.name[:70]}")
+
+    try:
+        rows = bench_mod.run(sizes, device=device, codecs=codecs, calls=calls, seed=seed,
+                             progress=show)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--codecs") from e
+    _save(Path(out_dir), "profile" if device == "cpu" else f"profile-{device}", config,
+          [r.as_dict() for r in rows])
+
+
 @bench.command("select")
 @click.option("--sizes", type=SizeList(), default="256K,2560K", show_default=True,
               help="Comma-separated vector lengths (SIDCo's figures use 0.26M-26M).")

@@ -4,8 +4,8 @@
 #
 #   tools/gpu-check.sh OUT [STEP...]
 #
-# STEP is any of: tests codecs collectives select hooks (default: all of them, in that order;
-# the tests come first because they compile the kernels the benchmarks then find cached).
+# STEP is any of: tests codecs collectives select hooks profile (default: all of them, in that
+# order; the tests come first because they compile the kernels the benchmarks then find cached).
 #
 # Why a script: a lent machine is held for minutes of a fixed budget, starts bare and cannot
 # reach a package index. So the packages its image lacks travel as wheels (`make gpu-wheels`
@@ -26,16 +26,16 @@
 set -uo pipefail
 
 usage() {
-    echo "usage: $0 OUT [tests|codecs|collectives|select|hooks ...]" >&2
+    echo "usage: $0 OUT [tests|codecs|collectives|select|hooks|profile ...]" >&2
     exit 2
 }
 [ $# -ge 1 ] || usage
 out=$1
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests codecs collectives select hooks)
+[ ${#steps[@]} -gt 0 ] || steps=(tests codecs collectives select hooks profile)
 for s in "${steps[@]}"; do
-    case $s in tests|codecs|collectives|select|hooks) ;; *) echo "unknown step: $s" >&2; usage ;; esac
+    case $s in tests|codecs|collectives|select|hooks|profile) ;; *) echo "unknown step: $s" >&2; usage ;; esac
 done
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -131,6 +131,8 @@ for s in "${steps[@]}"; do
         select) step select 120 "${cli[@]}" bench select --device cuda --sizes 25600K \
             --dists laplace,gauss --out "$work" ;;
         hooks) step hooks 180 "${cli[@]}" bench hooks --transport nccl --ranks 1 \
+            --out "$work" ;;
+        profile) step profile 120 "${cli[@]}" bench profile --device cuda --sizes 64M \
             --out "$work" ;;
     esac
 done

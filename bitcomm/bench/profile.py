@@ -1,0 +1,151 @@
+"""Where a codec call's time goes: its kernels' device time, its host time, the gap between.
+
+``bench codecs`` times a call from a CUDA event before it to one after it. That time holds the
+Python work before each launch, the launches, every kernel, and any wait for a check read on
+the host, during which the GPU idles. This profile splits one call of each codec operation
+(the cases of :mod:`bitcomm.bench.codecs`) into:
+
+* ``wall``: the call from its start to the end of its last kernel (host clock, synchronised);
+* ``host``: the call until it returns to the caller (a call that reads a device value waits
+  for the device inside, so its host time nears its wall time);
+* ``device``: the sum of its kernels' times as ``torch.profiler`` records them (CUDA kernels,
+  copies and fills on a GPU; on a CPU the torch operators' own times), and ``launches``, how
+  many there were.
+
+``wall - device`` is the time the device spent idle in the call: launch-bound where it is as
+large as ``device``. Each kernel gets a row of its own (its launches and device time a call),
+so a slow row of ``bench codecs`` names the kernel to look at. The profiler adds its own
+overhead to the host side, so ``host`` and ``wall`` come from calls run without it.
+
+It is a GPU tool: on a CPU the "kernels" are torch's operators timed under the profiler, its
+overhead included, and the numpy work of the numpy path is in none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from bitcomm.bench.codecs import _cases
+
+__all__ = ["Row", "run", "CALL", "DEFAULT_SIZES"]
+
+DEFAULT_SIZES = (64 << 20,)
+CALL = "(call)"
+"""The ``name`` of each operation's summary row (its kernels' rows follow it)."""
+
+
+@dataclasses.dataclass
+class Row:
+    """One operation's summary (``name == CALL``) or one of its kernels, per call."""
+
+    codec: str
+    op: str
+    n: int
+    name: str
+    launches: float
+    device_us: float
+    host_us: float = float("nan")
+    wall_us: float = float("nan")
+
+    def as_dict(self) -> dict:
+        """Return the row as a JSON-friendly dict."""
+        return dataclasses.asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _clocked(fn: Callable[[], object], calls: int, device: torch.device
+             ) -> tuple[float, float]:
+    # median seconds until the call returns, and until its device work is done
+    host, wall = [], []
+    for _ in range(calls):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        _sync(device)
+        wall.append(time.perf_counter() - t0)
+    return statistics.median(host), statistics.median(wall)
+
+
+def _device_times(fn: Callable[[], object], calls: int, device: torch.device
+                  ) -> dict[str, tuple[int, float]]:
+    # kernel (or, on a CPU, operator) name -> (launches, self microseconds) over `calls` calls
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    out = {}
+    for evt in prof.key_averages():
+        if evt.device_type != kind:
+            continue
+        if cuda:
+            us = getattr(evt, "self_device_time_total", None)
+            if us is None:  # torch before 2.4
+                us = evt.self_cuda_time_total
+        else:
+            us = evt.self_cpu_time_total
+        out[evt.key] = (int(evt.count), float(us))
+    return out
+
+
+def run(sizes: Iterable[int] = DEFAULT_SIZES, device: str | torch.device = "cpu",
+        codecs: Iterable[str] | None = None, calls: int = 5, seed: int = 0,
+        progress: Callable[[Row], None] | None = None) -> list[Row]:
+    """Profile each codec operation at each size; return its summary row, then its kernels'.
+
+    Args:
+        sizes: element counts of the float32 test vector.
+        device: ``"cpu"`` or a CUDA device.
+        codecs: the names of :mod:`bitcomm.bench.codecs`' cases to profile (all by default);
+            an unknown name is a ``ValueError``.
+        calls: calls per measurement (medians of the host clocks, sums of the profile / calls).
+        seed: seed of the test data.
+        progress: called with each row as soon as it is measured.
+
+    """
+    device = torch.device(device)
+    wanted = None if codecs is None else list(codecs)
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"expected calls to be an int >= 1, got {calls!r}")
+    if wanted is not None:  # refused before any vector is made
+        known = [c[0] for c in _cases(torch.zeros(8), 8, seed)]
+        unknown = sorted(set(wanted) - set(known))
+        if unknown:
+            raise ValueError(f"unknown codec(s) {unknown}; expected some of {known}")
+    rows: list[Row] = []
+
+    def emit(row: Row) -> None:
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+
+    for n in sizes:
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, generator=gen).to(device)
+        cases = [c for c in _cases(x, n, seed) if wanted is None or c[0] in wanted]
+        for codec, enc, dec, _ in cases:
+            frame = enc()
+            for op, fn in (("encode", enc), ("decode", lambda d=dec, f=frame: d(f))):
+                fn()  # warm-up: compilation, caches, the allocator's blocks
+                _sync(device)
+                host, wall = _clocked(fn, calls, device)
+                kernels = _device_times(fn, calls, device)
+                emit(Row(codec, op, n, CALL, sum(c for c, _ in kernels.values()) / calls,
+                         sum(us for _, us in kernels.values()) / calls, host * 1e6, wall * 1e6))
+                for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+                    emit(Row(codec, op, n, name, count / calls, us / calls))
+    return rows

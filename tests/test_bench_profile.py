@@ -1,0 +1,58 @@
+"""bitcomm.bench.profile: a codec call split into its kernels (here: torch's CPU operators)."""
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from bitcomm.bench import profile
+from bitcomm.cli import main
+
+from conftest import forced
+
+
+def test_each_call_is_its_kernels_rows_summed():
+    with forced("torch"):
+        rows = profile.run([4097], codecs=["qsgd-4", "sign"], calls=2)
+    calls = [r for r in rows if r.name == profile.CALL]
+    assert [(r.codec, r.op) for r in calls] == [("sign", "encode"), ("sign", "decode"),
+                                                ("qsgd-4", "encode"), ("qsgd-4", "decode")]
+    starts = [i for i, r in enumerate(rows) if r.name == profile.CALL] + [len(rows)]
+    for lo, hi in zip(starts, starts[1:], strict=False):
+        call, kernels = rows[lo], rows[lo + 1:hi]
+        assert kernels
+        assert all((r.codec, r.op, r.n) == (call.codec, call.op, 4097) for r in kernels)
+        assert math.isclose(call.launches, sum(r.launches for r in kernels))
+        assert math.isclose(call.device_us, sum(r.device_us for r in kernels), rel_tol=1e-9)
+        # the slowest kernel first; host and wall only on the call's row
+        assert [r.device_us for r in kernels] == sorted((r.device_us for r in kernels),
+                                                        reverse=True)
+        assert 0 < call.host_us <= call.wall_us
+        assert all(math.isnan(r.host_us) and math.isnan(r.wall_us) for r in kernels)
+
+
+def test_an_unknown_codec_or_call_count_is_refused_before_any_work(monkeypatch):
+    def no_data(*args, **kwargs):
+        raise AssertionError("made a vector")
+
+    monkeypatch.setattr(torch, "randn", no_data)
+    with pytest.raises(ValueError, match=r"unknown codec\(s\) \['sgn'\]; expected some of"):
+        profile.run([1 << 26], codecs=["sign", "sgn"])
+    with pytest.raises(ValueError, match="calls to be an int >= 1"):
+        profile.run([1 << 26], calls=0)
+
+
+def test_the_cli_prints_each_call_and_saves_every_row(tmp_path):
+    r = CliRunner().invoke(main, ["bench", "profile", "--sizes", "4K", "--codecs", "sign",
+                                  "--calls", "2", "--top", "1", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("    4K")]
+    assert [ln.split()[1:3] for ln in lines] == [["sign", "encode"], ["sign", "decode"]]
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    assert saved["config"]["codecs"] == ["sign"] and saved["config"]["calls"] == 2
+    assert [row["name"] for row in saved["rows"]].count(profile.CALL) == 2
+    bad = CliRunner().invoke(main, ["bench", "profile", "--codecs", "nope", "--out",
+                                    str(tmp_path)])
+    assert bad.exit_code == 2 and "unknown codec(s) ['nope']" in bad.output
