@@ -102,7 +102,7 @@ def _assert_same_bits(got, expect, where):
 
 
 def test_kernels_negate_floats_by_a_product_not_by_unary_minus():
-    """Triton before 3.7 (the one torch 2.11 ships) compiles ``-x`` on floats as ``0 - x``, so
+    """Triton before 3.8 (3.6 ships with torch 2.11) compiles ``-x`` on floats as ``0 - x``, so
     -(+0.0) came out +0.0 where torch gives -0.0: on an H200 the qsgd mean's kept values lost
     the sign of every zero-level negative code. Every kernel negates a float through
     ``_kernels._neg`` (a product by -1); a unary minus on anything but a literal is refused

@@ -142,8 +142,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
 @triton.jit
 def _neg(x):
     # -x of a float, its sign flipped at zero too (-(+0.0) is -0.0, as in torch): Triton
-    # before 3.7 compiles unary minus on floats as 0 - x, which gives +0.0. A product by -1
-    # is exact and keeps x's dtype.
+    # before 3.8 (torch 2.11 ships 3.6) compiles unary minus on floats as 0 - x, which gives
+    # +0.0. A product by -1 is exact and keeps x's dtype.
     return x * -1.0
 
 
