@@ -32,7 +32,8 @@ from bitcomm._sizes import human
 from bitcomm.bench import heading
 from bitcomm.codecs import _frame, counts, qsgd, redsync, select, sign, sparse
 
-__all__ = ["Row", "run", "markdown", "DEFAULT_SIZES", "TARGETS", "GPU_TARGETS", "time_call"]
+__all__ = ["Row", "run", "markdown", "vector", "DEFAULT_SIZES", "TARGETS", "GPU_TARGETS",
+           "time_call"]
 
 DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
 
@@ -205,6 +206,14 @@ def _cases(x: torch.Tensor, n: int, seed: int):
            lambda out: int((out[idx] != vals).sum()))
 
 
+def vector(n: int, seed: int, device: torch.device | str) -> torch.Tensor:
+    """Return the benchmarks' float32 test vector of ``n`` normal values on ``device``.
+
+    Made on the CPU and moved, so every device codes the same values.
+    """
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
 def _anchors(x: torch.Tensor) -> dict[str, Callable[[], object]]:
     if x.device.type == "cuda":
         return {
@@ -247,8 +256,7 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
             progress(row)
 
     for n in sizes:
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(n, generator=gen).to(device)
+        x = vector(n, seed, device)
         anchors = _anchors(x)
         for name, fn in anchors.items():  # each alone, for its own GB/s
             t = time_call(fn, repeat, device)

@@ -26,11 +26,11 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from bitcomm.bench.codecs import _cases
+from bitcomm.bench.codecs import _cases, vector
 
 __all__ = ["Row", "run", "CALL", "DEFAULT_SIZES"]
 
@@ -126,26 +126,28 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, device: str | torch.device = "cpu"
         unknown = sorted(set(wanted) - set(known))
         if unknown:
             raise ValueError(f"unknown codec(s) {unknown}; expected some of {known}")
-    rows: list[Row] = []
-
-    def emit(row: Row) -> None:
+    rows = []
+    for row in _profiled(sizes, device, wanted, calls, seed):
         rows.append(row)
         if progress is not None:
             progress(row)
+    return rows
 
+
+def _profiled(sizes: Iterable[int], device: torch.device, wanted: list[str] | None,
+              calls: int, seed: int) -> Iterator[Row]:
     for n in sizes:
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(n, generator=gen).to(device)
-        cases = [c for c in _cases(x, n, seed) if wanted is None or c[0] in wanted]
-        for codec, enc, dec, _ in cases:
+        x = vector(n, seed, device)
+        for codec, enc, dec, _ in _cases(x, n, seed):
+            if wanted is not None and codec not in wanted:
+                continue
             frame = enc()
             for op, fn in (("encode", enc), ("decode", lambda d=dec, f=frame: d(f))):
                 fn()  # warm-up: compilation, caches, the allocator's blocks
                 _sync(device)
                 host, wall = _clocked(fn, calls, device)
                 kernels = _device_times(fn, calls, device)
-                emit(Row(codec, op, n, CALL, sum(c for c, _ in kernels.values()) / calls,
-                         sum(us for _, us in kernels.values()) / calls, host * 1e6, wall * 1e6))
+                yield Row(codec, op, n, CALL, sum(c for c, _ in kernels.values()) / calls,
+                          sum(us for _, us in kernels.values()) / calls, host * 1e6, wall * 1e6)
                 for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-                    emit(Row(codec, op, n, name, count / calls, us / calls))
-    return rows
+                    yield Row(codec, op, n, name, count / calls, us / calls)
