@@ -32,3 +32,22 @@ def test_gpu_check_without_a_gpu_says_so_and_runs_no_step(tmp_path):
     assert "no CUDA device: these are the GPU checks" in log
     assert "## setup: failed" in log and "## tests" not in log
     assert not (tmp_path / "gpu-check.tar.gz").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_gpu_check_restores_a_carried_triton_cache_first(tmp_path):
+    """A triton-cache.tgz among the carried wheels is unpacked into Triton's cache before the
+    CUDA check, so a fresh machine finds the kernels an earlier run compiled."""
+    import tarfile
+
+    wheels, cache = tmp_path / "whl", tmp_path / "cache"
+    (wheels / "src").mkdir(parents=True)
+    (wheels / "src" / "kernel.cubin").write_bytes(b"compiled")
+    with tarfile.open(wheels / "triton-cache.tgz", "w:gz") as tar:
+        tar.add(wheels / "src" / "kernel.cubin", arcname="ab12/kernel.cubin")
+    r = _run(str(tmp_path / "out"), "tests", env={
+        "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(wheels),
+        "TRITON_CACHE_DIR": str(cache)})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (cache / "ab12" / "kernel.cubin").read_bytes() == b"compiled"
+    assert "triton cache restored" in (tmp_path / "out" / "gpu-check.log").read_text()

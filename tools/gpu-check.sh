@@ -18,11 +18,15 @@
 #                      its own cap and what is left of the deadline, and is skipped when under
 #                      30 s is left.
 #   GPU_CHECK_PYTHON   the Python that holds a CUDA torch (default python3).
-#   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout).
+#   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). A
+#                      triton-cache.tgz there (one an earlier run left in OUT) is unpacked into
+#                      Triton's cache first: a fresh machine then compiles only the kernels
+#                      changed since.
 #
-# Writes OUT/gpu-check.log (each step's command, output, exit status and seconds) and
-# OUT/gpu-check.tar.gz (the benchmarks' .json/.csv/.md files and the tests' junit XML): two
-# files, since a lent machine hands back only a few. Exits 1 if a step failed or was cut off.
+# Writes OUT/gpu-check.log (each step's command, output, exit status and seconds),
+# OUT/gpu-check.tar.gz (the benchmarks' .json/.csv/.md files and the tests' junit XML) and
+# OUT/triton-cache.tgz (the compiled kernels, for the next run): three files, since a lent
+# machine hands back only a few. Exits 1 if a step failed or was cut off.
 set -uo pipefail
 
 usage() {
@@ -48,6 +52,7 @@ trap 'rm -rf "$work"' EXIT
 py=${GPU_CHECK_PYTHON:-python3}
 wheels=${GPU_CHECK_WHEELS:-$root/.whl}
 deadline=${GPU_CHECK_SECONDS:-480}
+cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 status=0
 
 say() { echo "$*" | tee -a "$log"; }
@@ -58,6 +63,10 @@ say() { echo "$*" | tee -a "$log"; }
 # that Python's folder (only names not already there).
 setup() {
     export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    if [ -f "$wheels/triton-cache.tgz" ]; then
+        mkdir -p "$cache" && tar -xzf "$wheels/triton-cache.tgz" -C "$cache" >> "$log" 2>&1 \
+            && say "# triton cache restored into $cache from $wheels/triton-cache.tgz"
+    fi
     if compgen -G "$wheels/*.whl" > /dev/null; then
         "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/bitcomm-site "$wheels"/*.whl >> "$log" 2>&1 || return 1
@@ -138,5 +147,6 @@ for s in "${steps[@]}"; do
 done
 
 tar -czf "$out/gpu-check.tar.gz" -C "$work" . 2>> "$log"
+[ -d "$cache" ] && tar -czf "$out/triton-cache.tgz" -C "$cache" . 2>> "$log"
 say "# done in ${SECONDS}s; results: $(cd "$work" && find . -type f | sort | tr '\n' ' ')"
 exit $status
