@@ -194,7 +194,6 @@ def test_fused_majorities_do_not_synchronise(size):
 def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
     """The exact top-k selects on the device without a synchronisation, and qsgd's and
     sparse's decode_all check every frame with one; all give the CPU's bits."""
-    import warnings
 
     g = torch.Generator().manual_seed(9)
     n, k = 100_003, 1000
@@ -210,18 +209,10 @@ def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
                                   sparse.decode_all([f.cuda() for f in sp], n, k), strict=True):
         assert torch.equal(ci, gi.cpu()) and torch.equal(cv, gv.cpu())
     on_gpu = scores.cuda(), [f.cuda() for f in q], [f.cuda() for f in sp]
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            select.topk(on_gpu[0], k, check=False)
-            qsgd.decode_all(on_gpu[1], n, 4, 512)
-            sparse.decode_all(on_gpu[2], n, k)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    assert len(syncs) == 2, [str(w.message) for w in syncs]
+    sites = sync_sites(lambda: (select.topk(on_gpu[0], k, check=False),
+                                qsgd.decode_all(on_gpu[1], n, 4, 512),
+                                sparse.decode_all(on_gpu[2], n, k)))
+    assert len(sites) == 2, sites
 
 
 def test_the_device_checks_and_redsyncs_top_k_read_once():
@@ -229,7 +220,6 @@ def test_the_device_checks_and_redsyncs_top_k_read_once():
     NaN, inf and float64 beyond float32's range; RedSync's checked top-k from a sampled bound
     (from 2**18 values) reads the host once, with its check and count of the side's sign,
     and sends the CPU's frame."""
-    import warnings
 
     from bitcomm.codecs import _frame
 
@@ -249,23 +239,14 @@ def test_the_device_checks_and_redsyncs_top_k_read_once():
                                                                           "top").cpu())
     on_gpu = few.cuda()
     redsync.encode(on_gpu, 3000, "top")
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            redsync.encode(on_gpu, 3000, "top")
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    sites = sync_sites(lambda: redsync.encode(on_gpu, 3000, "top"))
+    assert len(sites) == 1, sites
 
 
 def test_sidco_fits_as_on_the_cpu_with_one_read_a_stage():
     """SIDCo's stages on the GPU (compiled kernels): the CPU's thresholds to rounding and its
     selections, for every fit and 1 to 3 stages, 32-, 16- and 64-bit scores; a fit of three
     stages waits for the device three times."""
-    import warnings
 
     from bitcomm.codecs import sidco
 
@@ -281,16 +262,8 @@ def test_sidco_fits_as_on_the_cpu_with_one_read_a_stage():
                                sidco.sidco(v.cuda(), 1000, dist, stages).cpu())
     on_gpu = laplace.cuda()
     sidco.threshold(on_gpu, 0.001, "pareto", 3)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            sidco.threshold(on_gpu, 0.001, "pareto", 3)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    assert len(syncs) == 3, [str(w.message) for w in syncs]
+    sites = sync_sites(lambda: sidco.threshold(on_gpu, 0.001, "pareto", 3))
+    assert len(sites) == 3, sites
 
 
 def test_momentum_gives_torchs_bits_on_the_gpu():
