@@ -423,7 +423,8 @@ def test_gpu_benchmarks_run_and_check_their_results():
 def test_the_sync_count_of_each_collective_on_the_gpu():
     """The counts the CPU tests make on the GPU's paths, counted by torch on the GPU itself
     (4 ranks, 4001 elements: every payload padded)."""
-    from bitcomm.bench.collectives import syncs
+    from bitcomm.bench.collectives import steady_call, syncs
+    from bitcomm.collectives import registry
 
     got = {r.collective: r.syncs for r in syncs(4001, 4)}
     for name in ("ring-majority", "alltoall-majority", "allgather-majority", "onebit-allreduce",
@@ -435,23 +436,8 @@ def test_the_sync_count_of_each_collective_on_the_gpu():
     assert got["sparse-allgather"] == 1, got
     # tests/test_oktopk.py counts 5 reads a steady call on the CPU, one of them of host memory
     # (the pieces' counts); balancing adds one
-    assert got["oktopk"] <= 5, (got, _sites_of_a_call("oktopk", 4001, 4))
-
-
-def _sites_of_a_call(name, n, size):
-    # Where a steady call of collective `name` waits, each rank a thread (as bench syncs runs it).
-    from bitcomm.collectives import registry
-    from bitcomm.comm import run_local
-
-    spec = registry.get(name)
-    xs = [registry.standard_input(0, r, n).cuda() for r in range(size)]
-    states = [spec.new_state(n, size, torch.device("cuda")) for _ in range(size)]
-
-    def call():
-        run_local(lambda c: spec(c, xs[c.rank], state=states[c.rank], check=False), size)
-
-    call()
-    return sync_sites(call)
+    assert got["oktopk"] <= 5, (got, sync_sites(steady_call(
+        "oktopk", [registry.standard_input(0, r, 4001).cuda() for r in range(4)])))
 
 
 @pytest.mark.parametrize("kind", ["qsgd", "topk"])

@@ -35,7 +35,7 @@ from bitcomm.comm import run_local
 from bitcomm.comm.base import Comm
 
 __all__ = ["Row", "StepRow", "SyncRow", "run", "ring_steps", "syncs", "count_syncs", "sync_sites",
-           "markdown", "steps_markdown", "DEFAULT_SIZES"]
+           "steady_call", "markdown", "steps_markdown", "DEFAULT_SIZES"]
 
 DEFAULT_SIZES = (1 << 20, 8 << 20)
 
@@ -280,18 +280,26 @@ def syncs(n: int, size: int, *, device: str | torch.device = "cuda", seed: int =
     """
     device = torch.device(device)
     xs = [registry.standard_input(seed, r, n).to(device) for r in range(size)]
-    rows = []
-    for name in algorithms:
-        spec = registry.get(name)
-        states = [spec.new_state(n, size, device) for _ in range(size)]
+    return [SyncRow(name, size, n, count_syncs(steady_call(name, xs)) / size)
+            for name in algorithms]
 
-        def call(spec=spec, states=states) -> None:
-            run_local(lambda comm: spec(comm, xs[comm.rank], state=states[comm.rank],
-                                        check=False), size)
 
-        call()  # warm-up: compiles the kernels, and primes the collectives that need it
-        rows.append(SyncRow(name, size, n, count_syncs(call) / size))
-    return rows
+def steady_call(name: str, xs: list[torch.Tensor]) -> Callable[[], None]:
+    """Return a call of collective ``name`` on inputs ``xs``, each rank a thread, warmed up.
+
+    The call runs without the agreement (``check=False``), each rank with its own state, after
+    one call that compiled the kernels and primed the collectives that need it.
+    """
+    spec = registry.get(name)
+    size = len(xs)
+    states = [spec.new_state(xs[0].numel(), size, xs[0].device) for _ in range(size)]
+
+    def call() -> None:
+        run_local(lambda comm: spec(comm, xs[comm.rank], state=states[comm.rank], check=False),
+                  size)
+
+    call()
+    return call
 
 
 def markdown(rows: list[Row], config: dict, command: str) -> str:
