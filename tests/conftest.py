@@ -70,6 +70,45 @@ def dispatched(paused=lambda: False, counted=frozenset()):
         yield names
 
 
+SCANS = ("cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin", "logcumsumexp")
+"""Torch's scans, as functions of torch and methods of tensors."""
+
+
+@contextlib.contextmanager
+def serial_scans():
+    """Record the scans called in the block that a GPU runs row by row: ``(op, shape, dim)``.
+
+    A scan over the whole of a tensor (its numel equals the scanned dimension's size) is one
+    device-wide parallel scan on CUDA (cub's). Any other gives each row to one thread (a
+    scan over an outer dimension: a walk down the column, one dependent load a step) or to
+    one block (the innermost), so a scan down the 65536 rows of a ``(65536, 2)`` tensor took
+    milliseconds on an H200 where its bytes take microseconds. On the CPU the same calls are
+    made, so recording them here shows what the GPU path would run. The functions are
+    patched, not traced by a dispatch mode, so that ranks run as threads are seen too.
+    """
+    seen: list[tuple[str, tuple[int, ...], int]] = []
+    saved = []
+    for owner in (torch, torch.Tensor):
+        for name in SCANS:
+            original = getattr(owner, name, None)
+            if original is None:
+                continue
+
+            def spy(t, *a, _original=original, _name=name, **k):
+                dim = a[0] if a else k["dim"]
+                if t.dim() and t.numel() != t.shape[dim]:
+                    seen.append((_name, tuple(t.shape), dim % t.dim()))
+                return _original(t, *a, **k)
+
+            saved.append((owner, name, original))
+            setattr(owner, name, spy)
+    try:
+        yield seen
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
 @pytest.fixture
 def launched(monkeypatch):
     """The names of the Triton kernels launched while the test runs, in order (they run)."""

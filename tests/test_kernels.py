@@ -15,7 +15,8 @@ import torch
 
 from bitcomm.codecs import _bracket, _rng, bits, counts, qsgd, select, sign
 
-from conftest import AWKWARD, OTHER_PATHS, dispatched, forced, host_reads, needs_interpreter
+from conftest import (AWKWARD, OTHER_PATHS, dispatched, forced, host_reads, needs_interpreter,
+                      serial_scans)
 
 pytestmark = [needs_interpreter, pytest.mark.triton]
 triton = pytest.importorskip("triton", reason="triton (the dev extra) is not installed")
@@ -1141,6 +1142,43 @@ def test_radix_selection_launches_few_kernels():
                                   "key_digits", "chosen_counts", "cumsum", "chosen_write"])
 
 
+def test_no_kernel_wrapper_scans_row_by_row():
+    """The running sums between passes (where each program's or tile's run of indices
+    starts) are scans over whole 1-D tensors: a GPU scans those in parallel, but a scan down
+    a column of a 2-D tensor one step at a time (conftest.serial_scans). Every benchmarked
+    kernel configuration at 64M elements, on meta tensors, and the selection's other paths:
+    the census, float64 and a mass of ties at the sampled bound (its STRICT counts)."""
+    from bitcomm.bench.kernels import _recorded, cases
+
+    n = 1 << 26
+    calls = [(name, launch) for name, _, launch in cases(n)]
+    x = torch.empty(n, device="meta")
+    calls += [("census", lambda: _kernels.top_indices(x, n // 100, 1, census=True)),
+              ("float64", lambda: _kernels.top_indices(x.double(), n // 100)),
+              ("kth", lambda: _kernels.kth_largest(x, n // 100, 2)),
+              ("above", lambda: _kernels.indices_above(x, 0.5, n // 100, 1))]
+    for name, call in calls:
+        with _recorded(), serial_scans() as scans:
+            call()
+        assert scans == [], name
+
+
+def test_no_benchmarked_codec_scans_row_by_row(small_sample):
+    """Each codec call of bitcomm bench codecs on the Triton path, encode and decode, at
+    5000 elements (a sampled bound from 4096 on, small_sample): no scan that a GPU runs row
+    by row, and every call decodes what was encoded."""
+    from bitcomm.bench.codecs import _cases, vector
+
+    n = 5000
+    x = vector(n, 0, "cpu")
+    with forced("triton"):
+        for name, encode, decode, check in _cases(x, n, 0):
+            with serial_scans() as scans:
+                out = decode(encode())
+            assert scans == [], name
+            assert check(out) == 0, name
+
+
 def test_the_census_rides_on_the_count_pass_only_where_its_lanes_cannot_overflow(
         monkeypatch):
     """The count pass packs the census's two counts into 16 bits each of a lane, which counts
@@ -1253,6 +1291,38 @@ def test_kth_largest_is_the_sorted_scores_kth():
         with forced("triton"):
             got = oktopk._kth_largest(a, k)
         assert got == float(a.sort(descending=True).values[k - 1])
+
+
+def test_a_decoder_reads_no_flag_where_no_payload_of_its_size_breaks_a_rule(monkeypatch):
+    """Sign and bit-plane payloads of a multiple of 8 values have no padding bits, and codes of
+    the full width cannot exceed m = 2**width - 1: no rule to check, so the Triton decoders
+    wait for nothing (a GPU would idle through the read). Where a rule can be broken they read
+    their flag once and raise the precise error."""
+    g = torch.Generator().manual_seed(6)
+    calls = {
+        "sign": (lambda n: sign.pack(torch.randn(n, generator=g)), sign.unpack),
+        "planes": (lambda n: bits.pack(torch.randint(0, 4, (n,), generator=g), 2),
+                   lambda f, n: bits.unpack(f, n, 2)),
+        "counts": (lambda n: counts.pack(torch.randint(0, 4, (n,), generator=g), 3),
+                   lambda f, n: counts.unpack(f, n, 3)),
+        "counts m=2": (lambda n: counts.pack(torch.randint(0, 3, (n,), generator=g), 2),
+                       lambda f, n: counts.unpack(f, n, 2)),
+    }
+    for name, (encode, decode) in calls.items():
+        for n in (16, 8 * 4096, 13):
+            frame = encode(n)
+            want = decode(frame, n)
+            with forced("triton"):
+                got = []
+                reads = host_reads(monkeypatch, lambda: got.append(decode(frame, n)))
+                assert torch.equal(got[0], want), (name, n)
+                checked = n % 8 != 0 or name == "counts m=2"
+                assert len(reads) == checked, (name, n, reads)
+                if n % 8:
+                    bad = frame.clone()
+                    bad[-1] |= 1  # a padding bit of the last plane
+                    with pytest.raises(ValueError):
+                        decode(bad, n)
 
 
 def test_a_decoders_one_flag_is_read_without_a_reduction(monkeypatch):

@@ -177,13 +177,16 @@ def kernels():
     return _kernels
 
 
-def raise_if(flags: torch.Tensor, fallback) -> None:
+def raise_if(flags: torch.Tensor | None, fallback) -> None:
     """Call ``fallback()`` (which raises the precise error) if any kernel flag is set.
 
     The one host synchronisation of a Triton decoder: its kernels only flag a broken rule, and
     the torch path, re-run on the bad input, says which rule with the usual message. Inside
-    :func:`deferred` the read waits for the end of the block.
+    :func:`deferred` the read waits for the end of the block. ``None``: no rule could be
+    broken (the kernel wrapper knew from the sizes), nothing to read.
     """
+    if flags is None:
+        return
     if flags.numel() == 1:  # read as it is: a reduction would be one more kernel to wait for
         check_later(flags.reshape(()), fallback)
     elif flags.numel():

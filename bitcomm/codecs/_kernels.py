@@ -176,6 +176,13 @@ def _flag(flags_ptr, bad):
     tl.store(flags_ptr, hit, mask=hit != 0)
 
 
+def _flag_buffer(checked: bool, device: torch.device) -> torch.Tensor | None:
+    # A decoder's flag, zeroed; None where no payload of the size can break a rule, so that
+    # the caller reads nothing (a host read waits for the device). The kernel then takes
+    # its output for the flag's pointer: it stores a flag only where a rule is broken.
+    return torch.zeros(1, dtype=torch.int32, device=device) if checked else None
+
+
 def launch_tiles(kernel, tiles: int, full: int, *args, **kwargs) -> None:
     """Launch a kernel over ``tiles`` tiles, the ``full`` ones apart from the last one.
 
@@ -336,20 +343,21 @@ def _rounded_scale(scale: float, sign: float, dtype: torch.dtype) -> float:
 
 
 def sign_unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float = 1.0, *,
-                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return ``(values, flags)``: ``n`` values ``+-scale`` of ``dtype``; flags mark bad padding.
 
-    ``out`` (contiguous, ``n`` elements) receives the values instead of a new tensor.
+    ``out`` (contiguous, ``n`` elements) receives the values instead of a new tensor. ``flags``
+    is ``None`` when ``n`` is a multiple of 8: no padding bits, nothing to check or wait for.
     """
     nbytes = buf.numel()
     if out is None:
         out = torch.empty(n, dtype=dtype, device=buf.device)
     scale = _rounded_scale(scale, math.copysign(1.0, scale), out.dtype)
-    flags = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    flags = _flag_buffer(n % 8 != 0, buf.device)
     if nbytes:
         block, opts = _config("sign_unpack")
         launch_tiles(_sign_unpack_kernel, _grid(nbytes, block)[0], n // (8 * block), buf, out,
-                      scale, n, nbytes, flags, BLOCK=block, **opts)
+                      scale, n, nbytes, out if flags is None else flags, BLOCK=block, **opts)
     return out, flags
 
 
@@ -577,16 +585,20 @@ def _radix_unpack_kernel(buf_ptr, out_ptr, n, ncodes, nb, limit, flags_ptr, firs
 
 def planes_unpack(buf: torch.Tensor, n: int, width: int, dtype: torch.dtype, *, group: int = 1,
                   base: int = 0, maxval: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return ``(values, flags)`` from ``width`` planes; inverse of :func:`planes_pack`.
 
     ``maxval`` (plain values only) flags a decoded value above it; for radix groups a code at or
     above ``base**group`` is flagged, as are non-zero padding bits and padding counts.
+    ``flags`` is ``None`` where no payload of this size breaks a rule: plain values of the full
+    width (no ``maxval`` below ``2**width - 1``) with ``n`` a multiple of 8.
     """
     ncodes = -(-n // group)
     nb = (ncodes + 7) // 8
     out = torch.empty(n, dtype=dtype, device=buf.device)
-    flags = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    full = (1 << width) - 1
+    maxval = full if maxval is None else maxval
+    flags = _flag_buffer(group > 1 or maxval < full or n % 8 != 0, buf.device)
     if not nb:
         return out, flags
     if group > 1:
@@ -597,11 +609,10 @@ def planes_unpack(buf: torch.Tensor, n: int, width: int, dtype: torch.dtype, *, 
                       nb, base**group, flags, W=width, G=group, BASE=base,
                       SMALL=tiles * block * group < 2**31, BLOCK=block, **opts)
         return out, flags
-    full = (1 << width) - 1
-    maxval = full if maxval is None else maxval
     block, opts = _config("planes_unpack")
     launch_tiles(_planes_unpack_kernel, _grid(nb, block)[0], n // (8 * block), buf, out, n,
-                  nb, maxval, flags, W=width, RANGE=maxval < full, BLOCK=block, **opts)
+                  nb, maxval, out if flags is None else flags, W=width, RANGE=maxval < full,
+                  BLOCK=block, **opts)
     return out, flags
 
 
@@ -1248,30 +1259,32 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
     # counts), so in index order; their number goes to m_ptr. Nothing when they are fewer
     # than `need` or would not fit in `room`: m stays 0 and the passes go on reading x. NaN
     # as _counted says.
-    # With STRICT (a sampled bound; ends has a second column, the keys strictly above it),
+    # With STRICT (a sampled bound; the programs' counts of the keys strictly above it follow
+    # theirs in the same running sum, so a run of them ends at its sum less the first total),
     # when the keys at the bound overflow the room: the keys above it are the candidates if
     # `need` of them fit; if fewer than `need` lie above it, the `need`-th largest key is the
     # bound itself, which goes with the ties still to take to settled_ptr (the last state
     # row), m to -1, and no pass reads anything until the writing passes read x.
-    W: tl.constexpr = 2 if STRICT else 1
     pid = tl.program_id(0)
-    last = ends_ptr + (tl.num_programs(0) - 1) * W
-    total = tl.load(last)
+    programs = tl.num_programs(0)
+    reached = tl.load(ends_ptr + programs - 1)  # all the keys at or above the floor
+    total = reached
     fits = (total >= need) & (total <= room)
     if STRICT:
-        strict = tl.load(last + 1)
+        strict = tl.load(ends_ptr + 2 * programs - 1) - reached
         above = (total > room) & (strict >= need) & (strict <= room)
         if (total > room) & (strict < need) & (pid == 0):
             tl.store(settled_ptr, tl.load(state_ptr))
             tl.store(settled_ptr + 1, need - strict)
             tl.store(m_ptr, -1)
         total = tl.where(above, strict, total)
-        col = above.to(tl.int32)  # which column of ends holds the runs' counts
+        col = above.to(tl.int32)  # which half of ends holds the runs' counts
     else:
         col = 0
     if fits | (col == 1):
         floor = (tl.load(state_ptr) >> SHIFT) + col
-        at = tl.load(ends_ptr + (pid - 1) * W + col, mask=pid > 0, other=0)
+        at = tl.load(ends_ptr + col * programs + pid - 1, mask=(pid > 0) | (col == 1),
+                     other=0) - col * reached
         lo, hi = _span(n, BLOCK)
         for start in range(lo, hi, BLOCK):
             i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
@@ -1295,30 +1308,34 @@ def _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE: tl.constexp
 
 
 @triton.jit
-def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_ptr, n,
+def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_ptr, n, tiles,
                           SIDE: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     # Settles the last digit (from the last pass's histogram and the state before it; or
     # takes the key the gathering settled at the sampled bound), then per tile (of the
-    # candidates, or of x): how many keys exceed the k-th largest, and how many equal it.
-    # Rows past the last tile are left as they are: nothing reads them.
+    # candidates, or of x): how many keys exceed the k-th largest (counts_ptr[tile]), and how
+    # many equal it (counts_ptr[tiles + tile]), so that one scan of the whole buffer gives
+    # both running sums. Counts of tiles past the last one are left as they are:
+    # _chosen_write_kernel's running sums of ties take the sum of the first half away.
     kth = _kth_key(hist_ptr, state_ptr, m_ptr, WIDE)
     gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
     for start in range(lo, hi, BLOCK):
         _, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
                                      BLOCK)
-        tile = counts_ptr + (start // BLOCK) * 2
+        tile = counts_ptr + start // BLOCK
         tl.store(tile, tl.sum(above.to(tl.int32), 0))
-        tl.store(tile + 1, tl.sum(tie.to(tl.int32), 0))
+        tl.store(tile + tiles, tl.sum(tie.to(tl.int32), 0))
 
 
 @triton.jit
-def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, ends_ptr, out_ptr, n,
+def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, ends_ptr, out_ptr, n, tiles,
                          SIDE: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     # Every key above the k-th largest, and the first `need` keys equal to it in index order,
     # written in index order: a tile's chosen indices follow those of the tiles before it
-    # (ends: the running sums of the per-tile counts, this tile's included).
+    # (ends: the running sum of _chosen_counts_kernel's counts, this tile's included; the
+    # ties' run from the sum of the first half on).
     kth = tl.load(state_ptr)
     need = tl.load(state_ptr + 1)
+    first_half = tl.load(ends_ptr + tiles - 1)
     gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
     for start in range(lo, hi, BLOCK):
         j, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
@@ -1326,9 +1343,9 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, ends_ptr, o
         # one scan for both running counts: ties in the high half, keys above in the low (a
         # tile holds fewer than 2**16 elements)
         both = tl.cumsum((tie.to(tl.int32) << 16) | above.to(tl.int32), 0)
-        tile = ends_ptr + (start // BLOCK) * 2
+        tile = ends_ptr + start // BLOCK
         above_before = tl.load(tile) - tl.sum(above.to(tl.int32), 0)
-        ties_before = tl.load(tile + 1) - tl.sum(tie.to(tl.int32), 0)
+        ties_before = tl.load(tile + tiles) - first_half - tl.sum(tie.to(tl.int32), 0)
         # per-element arithmetic in int32: the ties this tile may still take, at most BLOCK
         room = tl.minimum(tl.maximum(need - ties_before, 0), BLOCK).to(tl.int32)
         ties = both >> 16  # the tile's ties up to here, inclusive
@@ -1394,7 +1411,7 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
         return False
     launch(_sample_bound_kernel, (1,), x, sel.bound, step, r, SIDE=side,
            WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH, num_warps=16)
-    counts = torch.empty((programs, 2), dtype=torch.int64, device=x.device)
+    counts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
     _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
                      keys=sel.keys, nan=True, settled=sel.state[sel.digits], census=census)
     return True
@@ -1407,15 +1424,17 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                      census: torch.Tensor | None = None) -> None:
     # The indices (and, given `keys`, the keys) of every key at or above floor's, in index
     # order, when there are `need` to `room` of them (their number to m): a count of each
-    # program's run (a row of `counts` a program), then the gathering pass. `nan`: whether
-    # NaN's key takes part (_counted). Given `settled` (a state row; `counts` then has two
-    # columns), the keys strictly above floor's are counted too, for _gather_kernel's STRICT.
+    # program's run (an element of `counts` a program), then the gathering pass. `nan`:
+    # whether NaN's key takes part (_counted). Given `settled` (a state row; `counts` then
+    # holds twice the programs), the keys strictly above floor's are counted too, after the
+    # others, for _gather_kernel's STRICT: one 1-D running sum covers both, where a GPU scans
+    # the columns of a [programs, 2] tensor one thread a column.
     # `known`: `counts` holds the runs' counts already (no counting pass). `census`: where the
     # counting pass writes its census (_count_at_least_kernel's CENSUS), or None.
     n, wide = x.numel(), x.dtype == torch.float64
     block, opts = _config("key_digits")
-    grid = (counts.shape[0],)
     strict = settled is not None
+    grid = (counts.shape[0] // (2 if strict else 1),)
     if not known:
         launch(_count_at_least_kernel, grid, x, floor, counts,
                counts if census is None else census, n, SIDE=side, WIDE=wide, NAN=nan,
@@ -1532,13 +1551,15 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
     tiles = _grid(n, block)[0]
     grid = (min(COUNT_PROGRAMS, tiles),)
     wide = x.dtype == torch.float64
-    per_tile = torch.empty((tiles, 2), dtype=torch.int32, device=x.device)
+    # both counts of a tile in one 1-D buffer: on a GPU a scan down the columns of a
+    # [tiles, 2] tensor runs in one thread a column (milliseconds at 64M scores)
+    per_tile = torch.empty(2 * tiles, dtype=torch.int32, device=x.device)
     launch(_chosen_counts_kernel, grid, x, sel.keys, sel.hist[d - 1], sel.state[d - 1], sel.m,
-           per_tile, n, SIDE=side, WIDE=wide, BLOCK=block, **opts)
+           per_tile, n, tiles, SIDE=side, WIDE=wide, BLOCK=block, **opts)
     out = torch.empty(k, dtype=torch.int64, device=x.device)
     launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m,
-           per_tile.cumsum(0, dtype=torch.int64), out, n, SIDE=side, WIDE=wide, BLOCK=block,
-           **opts)
+           per_tile.cumsum(0, dtype=torch.int64), out, n, tiles, SIDE=side, WIDE=wide,
+           BLOCK=block, **opts)
     if not census:
         return out
     if sel.sampled and tally is not None:
@@ -1554,8 +1575,8 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl
                            WIDE: tl.constexpr, NAN: tl.constexpr, STRICT: tl.constexpr,
                            CENSUS: tl.constexpr, BLOCK: tl.constexpr):
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
-    # (NaN as _counted says); with STRICT a row of two counts a program, the second of the
-    # keys strictly above it. With CENSUS each program also writes, to its row of census_ptr,
+    # (NaN as _counted says); with STRICT also how many are strictly above it, in the
+    # second half of counts_ptr (a program each in both halves). With CENSUS each program also writes, to its row of census_ptr,
     # how many elements of x are NaN or inf and how many scores are positive (key > 0: the
     # keys of positive floats are their positive bits): a caller's finiteness check and
     # RedSync's count of the side's sign, in this read instead of one of their own.
@@ -1583,8 +1604,9 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl
         if STRICT:
             over += (counted & (key > floor.to(key.dtype))).to(tl.int32)
     if STRICT:
-        tl.store(counts_ptr + tl.program_id(0) * 2, tl.sum(acc, 0).to(tl.int64))
-        tl.store(counts_ptr + tl.program_id(0) * 2 + 1, tl.sum(over, 0).to(tl.int64))
+        tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
+        tl.store(counts_ptr + tl.num_programs(0) + tl.program_id(0),
+                 tl.sum(over, 0).to(tl.int64))
     else:
         tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
     if CENSUS:
