@@ -15,8 +15,15 @@ import torch
 
 from bitcomm.codecs import _bracket, _rng, bits, counts, qsgd, select, sign
 
-from conftest import (AWKWARD, OTHER_PATHS, dispatched, forced, host_reads, needs_interpreter,
-                      serial_scans)
+from conftest import (
+    AWKWARD,
+    OTHER_PATHS,
+    dispatched,
+    forced,
+    host_reads,
+    needs_interpreter,
+    serial_scans,
+)
 
 pytestmark = [needs_interpreter, pytest.mark.triton]
 triton = pytest.importorskip("triton", reason="triton (the dev extra) is not installed")

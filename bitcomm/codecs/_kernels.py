@@ -1576,10 +1576,11 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl
                            CENSUS: tl.constexpr, BLOCK: tl.constexpr):
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
     # (NaN as _counted says); with STRICT also how many are strictly above it, in the
-    # second half of counts_ptr (a program each in both halves). With CENSUS each program also writes, to its row of census_ptr,
-    # how many elements of x are NaN or inf and how many scores are positive (key > 0: the
-    # keys of positive floats are their positive bits): a caller's finiteness check and
-    # RedSync's count of the side's sign, in this read instead of one of their own.
+    # second half of counts_ptr (a program each in both halves). With CENSUS each program
+    # also writes, to its row of census_ptr, how many elements of x are NaN or inf and how
+    # many scores are positive (key > 0: the keys of positive floats are their positive
+    # bits): a caller's finiteness check and RedSync's count of the side's sign, in this
+    # read instead of one of their own.
     floor = tl.load(floor_ptr)
     lo, hi = _span(n, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
