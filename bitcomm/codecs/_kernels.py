@@ -109,8 +109,15 @@ the instructions. Kernels already at or below 64 registers keep the tiles measur
 ``bitcomm bench codecs --device cuda`` is the measurement of a change."""
 
 
+def _cdiv(total: int, per: int) -> int:
+    # ceil(total / per) for the launches' host arithmetic. triton.cdiv is a plain function in
+    # some releases and a constexpr function in others (3.9), whose argument unwrapping costs
+    # microseconds of host time a call, on every launch.
+    return -(-total // per)
+
+
 def _grid(total: int, per: int) -> tuple[int]:
-    return (max(1, triton.cdiv(total, per)),)
+    return (max(1, _cdiv(total, per)),)
 
 
 def _config(name: str) -> tuple[int, dict]:
@@ -835,7 +842,7 @@ def qsgd_steps(rows: torch.Tensor, head: int, nb: int, n: int, bits: int,
     used = (n * bits) % 8
     for lo in range(0, frames, MAX_GRID_Y):  # the frames are the grid's second axis
         part = rows[lo : lo + MAX_GRID_Y]
-        launch(_qsgd_steps_kernel, (max(1, triton.cdiv(nb, block)), part.shape[0]), part,
+        launch(_qsgd_steps_kernel, (max(1, _cdiv(nb, block)), part.shape[0]), part,
                part if header is None else header, steps[lo:], flags, rows.stride(0), nb,
                rows.shape[1], (1 << (8 - used)) - 1 if n and used else 0,
                S=(1 << (bits - 1)) - 1, HEAD=head, HEADER=header is not None, BLOCK=block,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitcomm.codecs._kernels import _load, _neg, _store, launch_tiles
+from bitcomm.codecs._kernels import _cdiv, _load, _neg, _store, launch_tiles
 
 __all__ = ["count_step", "vote_count", "sign_error", "weighted_votes", "scaled_signs"]
 
@@ -43,7 +43,7 @@ def _launch_tiles(name: str, kernel, total: int, n: int, *args, **kwargs) -> Non
     # One program per TUNING[name] bytes of the ``total`` bytes per plane; those whose 8 * BLOCK
     # elements all lie before ``n`` without masks (launch_tiles).
     block, warps = TUNING[name]
-    launch_tiles(kernel, triton.cdiv(total, block), n // (8 * block), *args, BLOCK=block,
+    launch_tiles(kernel, _cdiv(total, block), n // (8 * block), *args, BLOCK=block,
                  num_warps=warps, **kwargs)
 
 
@@ -236,6 +236,6 @@ def scaled_signs(packed: torch.Tensor, scales: torch.Tensor, n: int, chunk: int,
     nbytes = packed.numel()
     if n:
         block = TUNING["scaled_signs"][0]
-        _launch_tiles("scaled_signs", _scaled_signs_kernel, triton.cdiv(n, 8), n, packed,
+        _launch_tiles("scaled_signs", _scaled_signs_kernel, _cdiv(n, 8), n, packed,
                       scales, out, n, nbytes, chunk, WHOLE=chunk >= 8 * block)
     return out
