@@ -1185,7 +1185,8 @@ def _key_digits_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, rows_ptr, n,
             acc += tl.histogram(digit, 256, mask=live & (high == mine))
             if ROWS:
                 outside += (live & (high > mine)).to(tl.int32)
-    tl.atomic_add(hist_ptr + tl.arange(0, 256), acc.to(tl.int64))
+    if hi > lo:  # the candidates may fill a quarter of the programs: the rest add nothing
+        tl.atomic_add(hist_ptr + tl.arange(0, 256), acc.to(tl.int64))
     if ROWS:
         row = rows_ptr + tl.program_id(0) * 257
         tl.store(row + tl.arange(0, 256), acc)
