@@ -283,9 +283,13 @@ def _merge_sparse(streams: list[Stream], checks: list) -> Stream:
     One stable sort of every stream's pairs groups each index's values in stream order; then
     round ``j`` adds each index's ``j``-th value into its slot, so every index sums its values
     left to right as pairwise :func:`add` does (a round adds at most one value a slot besides
-    zeros, which cannot change a sum that started from +0). Each stream's count of indices new
-    to the sum gives the size of every pairwise sum, from which add's rule says whether the
-    sum turned dense.
+    zeros, which cannot change a sum that started from +0). An index is new to the sum in the
+    first stream that holds it (the stable sort keeps streams in order), so the size of the
+    pairwise sum up to stream ``j`` is how many first occurrences lie in streams ``0..j``,
+    from which add's rule says whether the sum turned dense. Those are counted by a running
+    sum over the streams' own order (the first-occurrence marks put back there), read at each
+    stream's end: adding each mark into its stream's counter instead would send every pair's
+    atomic addition on a GPU to the same few addresses, one after another.
     """
     n = streams[0].n
     for s in streams[1:]:
@@ -296,9 +300,6 @@ def _merge_sparse(streams: list[Stream], checks: list) -> Stream:
     total = sum(nnz)
     key, order = torch.sort(torch.cat([s.indices for s in streams]), stable=True)
     val = torch.cat([s.values for s in streams])[order]
-    which = torch.repeat_interleave(torch.arange(len(streams), device=device),
-                                    _frame.to_device(torch.tensor(nnz), device),
-                                    output_size=total)[order]
     first = torch.ones(total, dtype=torch.bool, device=device)
     first[1:] = key[1:] != key[:-1]
     slot = torch.cumsum(first, 0) - 1
@@ -307,9 +308,11 @@ def _merge_sparse(streams: list[Stream], checks: list) -> Stream:
     out = torch.zeros(total, dtype=torch.float32, device=device)
     for j in range(len(streams)):
         out.index_add_(0, slot, torch.where(rank == j, val, 0.0))
-    new = torch.zeros(len(streams), dtype=torch.int64, device=device).index_add_(
-        0, which, first.to(torch.int64))
-    sizes = _frame.read_checked(checks, torch.cumsum(new, 0)[1:])  # the one host read
+    # firsts[e]: the first occurrences among the pairs before position e, in stream order
+    firsts = torch.zeros(total + 1, dtype=torch.int64, device=device)
+    torch.cumsum(torch.empty_like(first).scatter_(0, order, first), 0, out=firsts[1:])
+    ends = _frame.to_device(torch.tensor(nnz).cumsum(0)[1:], device)  # streams 1.. end there
+    sizes = _frame.read_checked(checks, firsts[ends])  # the one host read
     idx = torch.full_like(key, n).scatter_(0, slot, key)
     held = nnz[0]
     for s, size in zip(streams[1:], sizes, strict=True):
