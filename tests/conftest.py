@@ -81,8 +81,9 @@ def serial_scans():
     A scan over the whole of a tensor (its numel equals the scanned dimension's size) is one
     device-wide parallel scan on CUDA (cub's). Any other gives each row to one thread (a
     scan over an outer dimension: a walk down the column, one dependent load a step) or to
-    one block (the innermost), so a scan down the 65536 rows of a ``(65536, 2)`` tensor took
-    milliseconds on an H200 where its bytes take microseconds. On the CPU the same calls are
+    one block (the innermost): a scan down the 65536 rows of a ``(65536, 2)`` tensor is
+    65536 dependent steps, which fits the milliseconds the exact top-k took on an H200 when
+    it scanned its per-tile counts that way. On the CPU the same calls are
     made, so recording them here shows what the GPU path would run. The functions are
     patched, not traced by a dispatch mode, so that ranks run as threads are seen too.
     """

@@ -1153,8 +1153,9 @@ def test_no_kernel_wrapper_scans_row_by_row():
     """The running sums between passes (where each program's or tile's run of indices
     starts) are scans over whole 1-D tensors: a GPU scans those in parallel, but a scan down
     a column of a 2-D tensor one step at a time (conftest.serial_scans). Every benchmarked
-    kernel configuration at 64M elements, on meta tensors, and the selection's other paths:
-    the census, float64 and a mass of ties at the sampled bound (its STRICT counts)."""
+    kernel configuration at 64M elements, on meta tensors (the top-k ones start from a
+    sampled bound, whose count pass keeps both of its counts a program), and the selection's
+    other calls: the census, float64, kth_largest and indices_above."""
     from bitcomm.bench.kernels import _recorded, cases
 
     n = 1 << 26

@@ -135,8 +135,9 @@ def time_against(fn: Callable[[], object], anchor: Callable[[], object], repeat:
 def _flush_bytes(device: torch.device) -> int:
     """Return the bytes of the scratch write before each timed CUDA call (:func:`time_call`).
 
-    Four times the device's L2 cache, and at least 256 MiB: on an H100 or H200 about 70
-    microseconds of writing, longer than the host's work before a codec's first launch.
+    Four times the device's L2 cache, and at least 256 MiB: on an H100 or H200 some 70
+    microseconds of writing (256 MiB at 3.5-4 TB/s, an estimate), longer than the host's work
+    before most codecs' first launch.
     """
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
     return max(256 << 20, 4 * int(l2))
