@@ -62,8 +62,8 @@ def test_no_kernel_spills_registers_on_an_h100(every_case):
         "chosen_write"}
     assert "gathered_counts" in {r["kernel"] for r in rows if r["case"] == "top-k 10% fp32"}
     edges = {r["kernel"] for r in rows if "EDGE=True" in r["config"]}
-    assert edges == {"sign_unpack", "planes_unpack", "radix_unpack", "qsgd_values", "qsgd_mean",
-                     "count_step", "vote_count", "sign_error", "weighted_votes",
+    assert edges == {"sign_unpack", "planes_unpack", "radix_unpack", "qsgd_values",
+                     "qsgd_mean", "count_step", "vote_count", "sign_error", "weighted_votes",
                      "scaled_signs"}
     assert [(r["case"], r["stack"]) for r in rows if r["stack"]] == []
     assert all(0 < r["registers"] <= 255 for r in rows)

@@ -428,11 +428,37 @@ def test_qsgd_fused_encode_checks_its_scales_in_its_pass():
     ops = _ops_on_the_triton_path(lambda: frame.append(qsgd.encode(x, 4, 512, seed=1)))
     assert sorted(ops) == sorted(["zeros", "_qsgd_codes_kernel", "_local_scalar_dense",
                                   "copy_"]), ops
+    assert ops[-1] == "_local_scalar_dense", ops  # nothing launched behind the read
     assert torch.equal(frame[0], qsgd.encode(x, 4, 512, seed=1))
     x[2600] = float("inf")
     with forced("triton"), pytest.raises(ValueError, match="max scale inf in bucket 5"):
         with _frame.deferred():
             qsgd.encode(x, 4, 512, seed=1)
+
+
+def test_qsgd_decode_launches_its_values_before_its_one_read():
+    """A qsgd frame's decode on the Triton path reads its header, then launches the steps
+    (with the checks) and the values before the check's one read, so the GPU runs both
+    kernels back to back; a broken rule still raises its precise error, and a flagged frame
+    in _frame.deferred at the block's end."""
+    from bitcomm.codecs import _frame
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
+    frame = qsgd.encode(x, 4, 512, seed=1)
+    got = []
+    ops = _ops_on_the_triton_path(lambda: got.append(qsgd.decode(frame, n=5000)))
+    # the header's read is not a torch op on a CPU tensor; 5000 elements are a full tile of
+    # the values kernel and a partial one; the check's read comes behind both kernels
+    assert ops == ["zeros", "_qsgd_steps_kernel", "select", "_qsgd_values_kernel",
+                   "_qsgd_values_kernel", "_local_scalar_dense"], ops
+    assert torch.equal(got[0][0], qsgd.decode(frame, n=5000)[0])
+    bad = frame.clone()
+    bad[14 + 4 * 3 + 3] = 0xFF  # bucket 3's scale becomes a NaN
+    with forced("triton"), pytest.raises(ValueError, match="finite scale >= 0 in bucket 3"):
+        qsgd.decode(bad, n=5000)
+    with forced("triton"), pytest.raises(ValueError, match="finite scale >= 0 in bucket 3"):
+        with _frame.deferred():
+            qsgd.decode(bad, n=5000)
 
 
 def test_the_finiteness_checks_are_one_kernel_on_the_triton_path():
@@ -1349,3 +1375,51 @@ def test_a_decoders_one_flag_is_read_without_a_reduction(monkeypatch):
         bad[-1] |= 1  # a padding bit: 13 elements leave 3 in the last byte
         with pytest.raises(ValueError, match="padding"):
             sign.unpack(bad, 13)
+
+
+def test_packing_checks_the_range_in_the_packing_pass(monkeypatch):
+    """bits.pack and counts.pack (fixed and radix) check the range inside the packing kernel:
+    besides it a zeroed flag and its one read at the end (none inside _frame.deferred until
+    the block's end), no reduction over the input before it; encode writes the payload into
+    its frame (besides, the header's copy), not a payload then a concatenation. A value out
+    of range anywhere (first, in the second program, in a partial last tile) raises the
+    numpy path's OverflowError; so does a wide value that would wrap into range if narrowed
+    first."""
+    from bitcomm.codecs import _frame
+
+    g = torch.Generator().manual_seed(12)
+    cases = [  # (pack, encode, the largest value they take, dtype)
+        (lambda v: bits.pack(v, 4), lambda v: bits.encode(v, 4), 15, torch.int64),
+        (lambda v: bits.pack(v, 1), lambda v: bits.encode(v, 1), 1, torch.uint8),
+        (lambda v: counts.pack(v, 2), lambda v: counts.encode(v, 2), 2, torch.int32),
+        (lambda v: counts.pack(v, 2, "radix"), lambda v: counts.encode(v, 2, "radix"), 2,
+         torch.int16),
+        (lambda v: counts.pack(v, 12, "radix"), lambda v: counts.encode(v, 12, "radix"), 12,
+         torch.uint8),
+    ]
+    n = 8192 * 2 + 13  # two full programs of the fixed packing, a partial third
+    kernel = ["zeros", "_planes_pack_kernel", "_local_scalar_dense"]
+    for pack, encode, top, dtype in cases:
+        v = torch.randint(0, top + 1, (n,), generator=g).to(dtype)
+        for fn, extra in ((pack, []), (encode, ["copy_"])):
+            want, got = fn(v), []
+            ops = _ops_on_the_triton_path(lambda fn=fn, v=v: got.append(fn(v)))
+            assert torch.equal(got[0], want), top
+            assert sorted(ops) == sorted(kernel + extra), (top, ops)
+        with forced("triton"), _frame.deferred():
+            assert host_reads(monkeypatch, lambda v=v: pack(v)) == []
+        wide = [top + 1, -1] if dtype != torch.uint8 else [top + 1]
+        if dtype == torch.int64:
+            wide.append((1 << 32) + 1)  # 1 in its low 32 bits
+        for bad in wide:
+            for at in (0, 9000, n - 1):
+                w = v.clone()
+                w[at] = bad
+                with pytest.raises(OverflowError) as ref:
+                    pack(w)
+                with forced("triton"), pytest.raises(OverflowError) as err:
+                    pack(w)
+                assert str(err.value) == str(ref.value), (top, bad, at)
+                with forced("triton"), pytest.raises(OverflowError):
+                    with _frame.deferred():
+                        pack(w)

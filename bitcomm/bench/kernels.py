@@ -152,9 +152,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
     for m in (1, 2, 3, 7, 15, 255, 65535):
         w = counts.width(m)
         dtype = torch.uint8 if m <= 255 else torch.int32
-        if m == (1 << w) - 1:  # the encoder depends on the width only
+        if m == (1 << w) - 1:  # the encoder depends on the width only; checked, as pack is
             out.append((f"counts-w{w} encode", n,
-                        lambda w=w, d=dtype: k.planes_pack(meta(n, d), w)))
+                        lambda w=w, m=m, d=dtype: k.planes_pack(meta(n, d), w, limit=m)))
         out.append((f"counts-w{w} decode (m={m})", n,
                     lambda w=w, m=m, d=dtype: k.planes_unpack(meta(w * nb, torch.uint8), n, w,
                                                               d, maxval=m)))
@@ -162,7 +162,8 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
         g, b = counts.radix_group(m)
         size = counts.packed_size(n, m, "radix")
         out += [(f"counts-radix-m{m} encode", n,
-                 lambda g=g, b=b, m=m: k.planes_pack(meta(n, torch.uint8), b, g, m + 1)),
+                 lambda g=g, b=b, m=m: k.planes_pack(meta(n, torch.uint8), b, g, m + 1,
+                                                     limit=m)),
                 (f"counts-radix-m{m} decode", n,
                  lambda g=g, b=b, m=m, size=size: k.planes_unpack(
                      meta(size, torch.uint8), n, b, torch.uint8, group=g, base=m + 1))]

@@ -513,6 +513,19 @@ def empty_aligned_at(size: int, offset: int, device: torch.device | str) -> torc
     return buf[pad : pad + size]
 
 
+def empty_frame(header: bytes, payload: int, device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(frame, payload_view)``: ``header`` then ``payload`` bytes left uninitialised.
+
+    For an encoder whose kernel writes its payload into the frame itself, where a payload
+    made apart and concatenated behind the header would be copied once more. The payload
+    starts :data:`ALIGN`-aligned (:func:`empty_aligned_at`).
+    """
+    frame = empty_aligned_at(len(header) + payload, len(header), device)
+    frame[: len(header)] = host_bytes(header, device)
+    return frame, frame[len(header):]
+
+
 def float_bytes(t: torch.Tensor) -> torch.Tensor:
     """Return the little-endian bytes of a contiguous fp16/fp32/int32/int64 tensor as uint8."""
     t = t.contiguous().reshape(-1)

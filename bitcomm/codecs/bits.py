@@ -90,15 +90,26 @@ def pack(x: torch.Tensor, width: int, *, check: bool = True) -> torch.Tensor:
     """
     v = _frame.check_int(x)
     width = _check_width(width)
+    return _pack(v, width, check)
+
+
+def _pack(v: torch.Tensor, width: int, check: bool, out: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    # pack() of a checked flat tensor; `out` (the payload's place in a frame) only on the
+    # triton path, which writes into it and returns it.
+    n = v.numel()
+    path = _frame.backend(v)
+    if path == "triton" and n:
+        # The kernel checks the range as it packs; its flag is read once, at the end.
+        payload, flags = _frame.kernels().planes_pack(
+            v.contiguous(), width, limit=(1 << width) - 1 if check else None, out=out)
+        _frame.raise_if(flags, lambda: _check_range(v, width))
+        return payload
     if check:
         _check_range(v, width)
-    n = v.numel()
     nb = (n + 7) // 8
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=v.device)
-    path = _frame.backend(v)
-    if path == "triton":
-        return _frame.kernels().planes_pack(v.contiguous(), width)
     if path == "numpy":
         a = v.numpy()
         # A narrow working dtype keeps the per-plane passes cheap.
@@ -195,9 +206,13 @@ def encode(x: torch.Tensor, width: int) -> torch.Tensor:
 
     """
     v = _frame.check_int(x)
-    payload = pack(v, width)
-    header = _frame.host_bytes(HEADER.pack(v.numel(), width), v.device)
-    return torch.cat([header, payload])
+    width = _check_width(width)
+    header = HEADER.pack(v.numel(), width)
+    if _frame.use_triton(v):  # the kernel writes the planes into the frame: no copy of them
+        frame, payload = _frame.empty_frame(header, packed_size(v.numel(), width), v.device)
+        _pack(v, width, True, payload)
+        return frame
+    return torch.cat([_frame.host_bytes(header, v.device), _pack(v, width, True)])
 
 
 def decode(frame: torch.Tensor, *, dtype: torch.dtype | None = None, n: int | None = None

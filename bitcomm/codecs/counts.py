@@ -145,9 +145,24 @@ def pack(x: torch.Tensor, m: int, packing: str = "fixed", *, check: bool = True)
     v = _frame.check_int(x)
     m = _check_m(m)
     packing = _check_packing(packing)
+    return _pack(v, m, packing, check)
+
+
+def _pack(v: torch.Tensor, m: int, packing: str, check: bool, out: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    # pack() of checked arguments; `out` (the payload's place in a frame) only on the triton
+    # path, which writes into it and returns it.
+    n = v.numel()
+    if _frame.use_triton(v) and m and n:
+        # One kernel: groups composed and the counts' range checked as they are packed, the
+        # check's flag read once, at the end.
+        g, b = (1, m.bit_length()) if packing == "fixed" else radix_group(m)
+        payload, flags = _frame.kernels().planes_pack(v.contiguous(), b, g, m + 1,
+                                                      limit=m if check else None, out=out)
+        _frame.raise_if(flags, lambda: _check_range(v, m))
+        return payload
     if check:
         _check_range(v, m)
-    n = v.numel()
     if m == 0 or n == 0:
         return torch.empty(0, dtype=torch.uint8, device=v.device)
     if packing == "fixed":
@@ -155,8 +170,6 @@ def pack(x: torch.Tensor, m: int, packing: str = "fixed", *, check: bool = True)
     g, b = radix_group(m)
     if g == 1:
         return bits.pack(v, b, check=False)
-    if _frame.use_triton(v):  # groups composed inside the packing kernel
-        return _frame.kernels().planes_pack(v.contiguous(), b, g, m + 1)
     groups = -(-n // g)
     if _frame.use_numpy(v):
         # Horner's rule in the code's own width (uint8 for b <= 8, else uint16): every partial
@@ -293,9 +306,15 @@ def encode(x: torch.Tensor, m: int, packing: str = "fixed") -> torch.Tensor:
 
     """
     v = _frame.check_int(x)
-    payload = pack(v, m, packing)
+    m = _check_m(m)
+    packing = _check_packing(packing)
     header = HEADER.pack(v.numel(), m, PACKINGS.index(packing))
-    return torch.cat([_frame.host_bytes(header, v.device), payload])
+    if _frame.use_triton(v):  # the kernel writes the payload into the frame: no copy of it
+        frame, payload = _frame.empty_frame(header, packed_size(v.numel(), m, packing),
+                                            v.device)
+        _pack(v, m, packing, True, payload)
+        return frame
+    return torch.cat([_frame.host_bytes(header, v.device), _pack(v, m, packing, True)])
 
 
 def decode(frame: torch.Tensor, *, dtype: torch.dtype | None = None, n: int | None = None

@@ -215,9 +215,11 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
         # The scales end where the aligned codes start, so they are 4-byte aligned too: they
         # are written into the frame where they lie, not copied there.
         scales = frame[HEADER.size : start].view(torch.float32)
+        # The header goes first: nothing is launched after the check's read, which waits for
+        # the kernel (the GPU would idle through a launch behind it).
+        frame[: HEADER.size] = header
         flag = _encode_triton(v, bits, bucket, scale, key, scales, frame[start:])
         _check_scales(scales, bucket, n, scale, flag)
-        frame[: HEADER.size] = header
         return frame
     if path == "numpy" and _has_numba():
         scales, codes = _encode_cpu(v, bits, bucket, scale, key)
@@ -392,8 +394,13 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32, n: int | 
         flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
         steps = _frame.kernels().qsgd_steps(buf[:end].view(1, end), HEADER.size, nb, n, bits,
                                             None, flag)[0]
+        # The values are launched before the check's read, which then waits for both kernels
+        # and the GPU runs them back to back; a refused frame's values are floats that address
+        # nothing, dropped when the check raises.
+        values = _values(steps, codes, n, bits, bucket, dtype)
         # the scales as floats only to name a broken rule
         _check_frame(lambda: _frame.from_bytes(raw, torch.float32), codes, n, bits, flag)
+        return values, end
     else:
         scales = _frame.from_bytes(raw, torch.float32)
         _check_frame(lambda: scales, codes, n, bits)
