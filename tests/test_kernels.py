@@ -492,24 +492,45 @@ def test_qsgd_encode_across_stream_blocks():
 
 
 def test_qsgd_stream_past_two_to_the_32():
-    """The kernel's hash equals _rng's stream at positions where the high word changes."""
-    starts = [0, (1 << 31) - (1 << 16), (1 << 32) - (1 << 16), 1 << 32, (5 << 32) + (3 << 16)]
-    for start in starts:
-        # 32-bit positions take the kernel's int32 branch (elements below 2**31).
-        small = start < 1 << 31
-        for key in (0, 12345, -7, 2**31 - 1):
-            pos = torch.arange(start, start + (1 << 16),
-                               dtype=torch.int32 if small else torch.int64)
-            out = torch.empty(1 << 16, dtype=torch.int32)
-            signed = (key & 0xFFFFFFFF) - ((key & 0x80000000) << 1)  # the key as int32
-            _stream_kernel[(1,)](pos, out, signed, N=1 << 16, SMALL=small)
-            assert torch.equal(out, _rng.random16(key, start, 1 << 16)), (start, key)
+    """The kernel's hash of a tile equals _rng's stream, in either half of a 2**16-element
+    block, where the hash index's high word changes (2**31 and 2**32 elements on) and far
+    beyond, for tiles of the sizes the encoder takes (a power of two up to 2**15)."""
+    starts = [0, 1 << 15, (1 << 32) - (1 << 16), (1 << 32) - (1 << 15), 1 << 32,
+              (1 << 33) - (1 << 15), (5 << 32) + (3 << 16) + (1 << 15), 1 << 62]
+    for tile in (2048, 1 << 15):
+        for start in starts:
+            for base in (start, start + (1 << 15) - tile):  # a half's first and last tiles
+                for key in (0, 12345, -7, 2**31 - 1):
+                    out = torch.empty(tile, dtype=torch.int32)
+                    signed = (key & 0xFFFFFFFF) - ((key & 0x80000000) << 1)  # key as int32
+                    # the base as an int64 tensor: triton types an int argument in
+                    # [2**31, 2**32) as uint32
+                    _stream_kernel[(1,)](out, torch.tensor([base]), signed, TILE=tile)
+                    assert torch.equal(out, _rng.random16(key, base, tile)), (tile, base, key)
+
+
+def test_qsgd_encoder_tiles_suit_the_stream():
+    """Every tile the encoder launches is a power of two of at most 2**15 elements, which its
+    hash of a tile takes (a tile in one half of a 2**16-element block)."""
+    from bitcomm.bench.kernels import _recorded
+
+    x = torch.empty(1 << 20, device="meta")
+    for bucket in [1 << k for k in range(3, _kernels.MAX_FUSED_BUCKET.bit_length())] + [1000]:
+        fused = bucket & (bucket - 1) == 0
+        with _recorded() as calls:
+            _kernels.qsgd_codes(x, 4, bucket, 1, torch.empty(-(-x.numel() // bucket),
+                                                             device="meta"),
+                                None if fused else torch.empty(1024, device="meta"))
+        (_, grid, _, kwargs), = calls
+        size = kwargs["ROWS"] * kwargs["ROW"]
+        assert size & (size - 1) == 0 and size <= 1 << 15, (bucket, size)
+        assert grid[0] * size >= x.numel() > (grid[0] - 1) * size, bucket
 
 
 @triton.jit
-def _stream_kernel(pos_ptr, out_ptr, key, N: tl.constexpr, SMALL: tl.constexpr):
-    i = tl.arange(0, N)
-    tl.store(out_ptr + i, _kernels._random16(tl.load(pos_ptr + i), key, SMALL))
+def _stream_kernel(out_ptr, base_ptr, key, TILE: tl.constexpr):
+    i = tl.arange(0, TILE)
+    tl.store(out_ptr + i, _kernels._tile_random16(tl.load(base_ptr), i, key))
 
 
 @pytest.mark.parametrize("nbits", qsgd.BITS)

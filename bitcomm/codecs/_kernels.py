@@ -92,6 +92,10 @@ TUNING: dict[str, tuple[int, int]] = {
     "planes_unpack": (128, 4),
     "radix_unpack": (512, 4),
     "qsgd_codes": (2048, 4),
+    # elements a warp; a bucket's max is a reduction: inside one warp, buckets of up to 512
+    # compiled to 35.5 instructions an element at 4 bits, 43.5 with 2048 elements on 4 warps
+    # (a reduction across warps through shared memory), at 55-58 registers both (sm_90)
+    "qsgd_codes_fused": (512, 1),
     "qsgd_values": (1024, 4),
     "qsgd_mean": (1024, 4),  # elements: a sum and a kept value each, in registers
     "score_stats": (2048, 4),  # elements
@@ -655,24 +659,29 @@ def planes_unpack(buf: torch.Tensor, n: int, width: int, dtype: torch.dtype, *, 
 
 
 @triton.jit
-def _random16(p, key, SMALL: tl.constexpr):
-    # The stream value of element p (bitcomm.codecs._rng): hash index j = block * 2**15 +
-    # (p mod 2**15); lowbias32 without its last xorshift, whose effect is folded into the split
-    # (first half of a block: the low 16 bits of the full hash, second half: the high 16).
-    # key is the 32-bit key as a signed int32.
-    q = p & 0xFFFF
-    jh = (p >> 16) * 32768 + (q & 0x7FFF)
-    if SMALL:  # int32 p below 2**31: j < 2**31, so its high bit adds nothing to the key
-        h = (jh ^ key).to(tl.uint32)
-    else:
-        kp = (key ^ ((jh >> 31) * 0x27D4EB2F)) & 0xFFFFFFFF
-        h = ((jh & 0x7FFFFFFF) ^ kp).to(tl.uint32)
+def _tile_random16(base, local, key):
+    # The stream values (bitcomm.codecs._rng) of elements base + local, for a tile that starts
+    # at a multiple of its power-of-two size of at most 2**15 elements. The stream hashes index
+    # j = block * 2**15 + (p mod 2**15) of element p in its 2**16-element block, and takes the
+    # low 16 bits of the full hash in the block's first half, the high 16 in its second. Such
+    # a tile lies in one half of one block, and its j run on from one scalar without crossing
+    # a multiple of 2**31: the half, the key's mixing with j's high bits and the first j are
+    # one program's scalars, and an element pays for the hash alone (lowbias32 without its
+    # last xorshift, whose effect is folded into taking the halves). key: the 32-bit key as a
+    # signed int32; base: int64; local: int32 offsets below the tile's size.
+    j0 = (base >> 16) * 32768 + (base & 0x7FFF)
+    kp = ((key ^ ((j0 >> 31) * 0x27D4EB2F)) & 0xFFFFFFFF).to(tl.uint32)
+    h = ((j0 & 0x7FFFFFFF).to(tl.int32) + local).to(tl.uint32) ^ kp
     h ^= h >> 16
     h = h * tl.cast(0x7FEB352D, tl.uint32)
     h ^= h >> 15
     h = h * tl.cast(0x846CA68B, tl.uint32)
     high = h >> 16
-    return tl.where(q >= 32768, high, (h ^ high) & 0xFFFF).to(tl.int32)
+    if (base >> 15) & 1:
+        r = high
+    else:
+        r = (h ^ high) & 0xFFFF
+    return r.to(tl.int32)
 
 
 def _shift(bucket: int) -> int:
@@ -685,20 +694,25 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nb
                        bucket, key, S: tl.constexpr, BITS: tl.constexpr, ROW: tl.constexpr,
                        ROWS: tl.constexpr, FUSED: tl.constexpr, SHIFT: tl.constexpr,
                        SMALL: tl.constexpr, FLAGS: tl.constexpr):
+    # A program's tile: ROWS rows of ROW elements from `base`, addressed by int32 offsets from
+    # it (the tile's size is a power of two of at most 2**15, as _tile_random16 needs).
     PER: tl.constexpr = 8 // BITS
     C: tl.constexpr = ROW // PER
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    TILE: tl.constexpr = ROWS * ROW
+    pid = tl.program_id(0).to(tl.int64)
+    base = pid * TILE
+    rl = tl.arange(0, ROWS)
     c = tl.arange(0, C)
     j = tl.arange(0, PER)
-    idx = (r[:, None, None] * C + c[None, :, None]) * PER + j[None, None, :]
-    if SMALL:  # every element index fits in int32: the hash and the masks use 32-bit math
-        idx = idx.to(tl.int32)
-    x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    local = (rl[:, None, None] * C + c[None, :, None]) * PER + j[None, None, :]
+    live = local < tl.minimum(n - base, TILE).to(tl.int32)
+    x = tl.load(x_ptr + base + local, mask=live, other=0.0).to(tl.float32)
     a = tl.abs(x)
     if FUSED:
         # A row is one bucket: its scale is its max |x|, NaN if it holds a NaN (as aminmax).
         # One integer reduction finds both: the bits of a float >= 0 order as the float, and
         # every NaN's bits (sign cleared by abs) lie above those of inf.
+        r = pid * ROWS + rl
         top = tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=2), axis=1)
         scale = tl.where(top > 0x7F800000, float("nan"), top.to(tl.float32, bitcast=True))
         tl.store(scales_ptr + r, scale, mask=r < nbuckets)
@@ -709,16 +723,22 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nb
         factor = tl.where(scale > 0, tl.math.div_rn(1.0, safe) * (S * 65536.0), 0.0)
         f = factor[:, None, None]
     else:  # a power-of-two bucket is a shift (SHIFT >= 0), any other a division
+        if SMALL:  # every element index fits in int32
+            idx = base.to(tl.int32) + local
+        else:
+            idx = base + local
         b = idx >> SHIFT if SHIFT >= 0 else idx // bucket
-        f = tl.load(factors_ptr + b, mask=idx < n, other=0.0)
+        f = tl.load(factors_ptr + b, mask=live, other=0.0)
     t = (a * f + 0.5).to(tl.int32)  # two roundings: the launch turns off fused multiply-add
-    level = tl.minimum((t + _random16(idx, key, SMALL)) >> 16, S)
+    level = tl.minimum((t + _tile_random16(base, local, key)) >> 16, S)
     sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
     # Elements past n load as 0.0: level 0 and sign 0, so their code is 0 without a mask.
     code = (sign << (BITS - 1)) | level
     byte = tl.sum(code << (8 - BITS * (j + 1))[None, None, :], axis=2)
-    ob = r[:, None] * C + c[None, :]
-    tl.store(out_ptr + ob, byte.to(tl.uint8), mask=ob < nbytes)
+    first = base // PER  # the tile's first code byte
+    ob = rl[:, None] * C + c[None, :]
+    tl.store(out_ptr + first + ob, byte.to(tl.uint8),
+             mask=ob < tl.minimum(nbytes - first, TILE // PER).to(tl.int32))
 
 
 def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.Tensor,
@@ -739,9 +759,13 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     if n == 0:
         return out
     fused = factors is None
-    tile, opts = _config("qsgd_codes")
+    if fused:  # a bucket a row; the buckets of one warp's elements, or one bucket on 2-4 warps
+        per, warps = TUNING["qsgd_codes_fused"]
+        tile, opts = max(per, bucket), {"num_warps": min(4 * warps, max(warps, bucket // per))}
+    else:
+        tile, opts = _config("qsgd_codes")
     row = bucket if fused else 1024
-    rows = max(1, tile // row)
+    rows = max(1, tile // row)  # a tile of a power of two <= 2**15 elements (_tile_random16)
     nrows = -(-n // row)
     key &= 0xFFFFFFFF
     grid = _grid(nrows, rows)
