@@ -940,7 +940,8 @@ def test_ring_steps_needs_the_triton_path():
 def test_selection_statistics_and_counts(dtype, programs, monkeypatch):
     """score_stats and count_above against brute force, for scores given and for both sides of
     a signed vector; values equal to a bound are not above it. With 2 programs each of
-    count_above's programs strides over several tiles."""
+    count_above's programs strides over several tiles. score_stats is two launches: its pass
+    and one program adding its blocks' rows (several steps of rows too)."""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
     g = torch.Generator().manual_seed(11)
     for n in (1, 7, 4097, 9000):  # 9000 spans programs of both kernels
@@ -955,6 +956,15 @@ def test_selection_statistics_and_counts(dtype, programs, monkeypatch):
                 got = _kernels.count_above(v, bounds, side)
                 want = [(s > b).sum().item() for b in bounds]
                 assert got.tolist() == want, (n, side, m)
+    # many rows of block statistics, added by one program several rows a step
+    monkeypatch.setitem(_kernels.TUNING, "score_stats", (16, 4))
+    monkeypatch.setitem(_kernels.TUNING, "score_totals", (64, 1))
+    v = torch.randint(-8, 9, (9000,), generator=g).to(dtype) / 4
+    s = v.clamp(min=0)
+    assert _kernels.score_stats(v, 1).tolist() == [s.double().sum().item(), s.max().item(), 0,
+                                                   (s > 0).sum().item()]
+    meta = v.to("meta")
+    assert _launches(lambda: _kernels.score_stats(meta, 1)) == ["score_stats", "score_totals"]
     v = torch.ones(5000, dtype=dtype)
     v[4500] = float("nan")
     assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0, 4999.0]
