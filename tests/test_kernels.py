@@ -1104,6 +1104,30 @@ def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch, smal
         assert _kernels.kth_largest(x, k).item() == x.sort(descending=True).values[k - 1]
 
 
+def test_the_selection_reads_no_word_it_did_not_write(monkeypatch, small_sample):
+    """Every buffer of the selection that is not cleared by a launch of its own (the sampled
+    path's work buffer, which the bound's kernel clears; the gathered keys and indices; the
+    counts) is written before it is read: with torch.empty's memory filled with garbage the
+    sampled and the unsampled path, and a mass of ties, still give the sort's indices."""
+    empty = torch.empty
+
+    def dirty(*a, **k):
+        t = empty(*a, **k)
+        if t.device.type == "cpu" and t.numel():
+            t.view(torch.uint8).fill_(0xA5)
+        return t
+
+    monkeypatch.setattr(torch, "empty", dirty)
+    g = torch.Generator().manual_seed(31)
+    n = 5003
+    cases = [(torch.randn(n, generator=g), 50, 1), (torch.randn(n, generator=g), 50, 0),
+             (torch.randn(1000, generator=g), 30, 2), (torch.full((n,), 2.0), 50, 0)]
+    for x, k, side in cases:
+        s = {0: x, 1: x.clamp(min=0), 2: x.abs()}[side]
+        assert _kernels.top_indices(x, k, side).tolist() == _brute_top(s, k), (x.numel(), side)
+        assert int(_kernels._radix_select(x, k, side).state[0, 1]) == k
+
+
 @pytest.mark.parametrize("programs", [4096, 2])
 def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch, small_sample):
     """Keys tied at the sampled bound can overflow the room (exact zeros of a sparse gradient:
@@ -1198,10 +1222,11 @@ def test_radix_selection_launches_few_kernels():
     wide = torch.empty(10_000, device="meta", dtype=torch.float64)
     assert len(_launches(lambda: _kernels.top_indices(wide, 100))) == 16
     assert len(_launches(lambda: _kernels.kth_largest(x, 100))) == 10
-    # from a sampled bound: the bound, a count and the gathering, then four passes
+    # from a sampled bound: the bound (whose one program also clears the selection's
+    # buffers: no zeros and fill), a count and the gathering, then four passes
     big = torch.empty(1 << 18, device="meta")
     got = _launches(lambda: _kernels.top_indices(big, 1 << 11, 2))
-    assert sorted(got) == sorted(["zeros", "fill_", "sample_bound", "count_at_least", "cumsum",
+    assert sorted(got) == sorted(["sample_bound", "count_at_least", "cumsum",
                                   "gather", "key_digits", "key_digits", "key_digits",
                                   "key_digits", "chosen_counts", "cumsum", "chosen_write"])
 

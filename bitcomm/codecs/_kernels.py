@@ -1312,8 +1312,15 @@ def _gathered_counts_kernel(hist_ptr, state_ptr, rows_ptr, counts_ptr, SHIFT: tl
 
 
 @triton.jit
-def _sample_bound_kernel(x_ptr, bound_ptr, step, r, SIDE: tl.constexpr, WIDE: tl.constexpr,
-                         M: tl.constexpr, HASH: tl.constexpr):
+def _sample_bound_kernel(x_ptr, work_ptr, at, step, r, k, rank_at, SIDE: tl.constexpr,
+                         WIDE: tl.constexpr, M: tl.constexpr, HASH: tl.constexpr,
+                         WORK: tl.constexpr):
+    # First the selection's work buffer (its first `at + 2` words, the bound's at `at`): all
+    # zeros but its first rank, k, at `rank_at`; the bound's word is left to its own store,
+    # so that no two threads write one word.
+    w = tl.arange(0, WORK)
+    tl.store(work_ptr + w, tl.where(w == rank_at, k, 0).to(tl.int64),
+             mask=(w < at + 2) & (w != at))
     # One program: the r-th largest key of the stratified sample of _bracket.positions (the
     # same positions, computed here), rounded down to its sign, exponent and first 7 (float32)
     # or 8 (float64) mantissa bits: a bound a few more keys reach, for half the search. The
@@ -1331,7 +1338,7 @@ def _sample_bound_kernel(x_ptr, bound_ptr, step, r, SIDE: tl.constexpr, WIDE: tl
     for bit in tl.static_range(62 if WIDE else 30, 43 if WIDE else 15, -1):
         t = bound + (1 << bit)
         bound = tl.where(tl.sum((key >= t).to(tl.int32), 0) >= r, t, bound)
-    tl.store(bound_ptr, bound.to(tl.int64))
+    tl.store(work_ptr + at, bound.to(tl.int64))
 
 
 @triton.jit
@@ -1457,22 +1464,28 @@ class _Selection:
     gathered into ``keys`` and ``idx`` (0: none; room for ``k + n // SLACK``; -1: the k-th
     largest key is the sampled bound, in ``state[digits]``, and no pass counts). ``bound``: the
     key of the sampled bound, when the selection starts from one. All zeros but ``state[0]``'s
-    rank, ``k``, in one buffer: two launches. ``sampled``: whether the selection started from
-    a sampled bound (its count pass read all of ``x``).
+    rank, ``k``, in one buffer (``work``): two launches, or none where the selection starts
+    from a sampled bound, whose one-program kernel writes them (``zeroed=False``).
+    ``sampled``: whether the selection started from a sampled bound (its count pass read all
+    of ``x``).
     """
 
-    def __init__(self, x: torch.Tensor, k: int):
+    def __init__(self, x: torch.Tensor, k: int, zeroed: bool = True):
         n = x.numel()
         wide = x.dtype == torch.float64
         self.digits = (64 if wide else 32) // DIGIT
         d = self.digits
-        work = torch.zeros(d * 256 + 2 * (d + 1) + 2, dtype=torch.int64, device=x.device)
+        size = d * 256 + 2 * (d + 1) + 2
+        work = (torch.zeros if zeroed else torch.empty)(size, dtype=torch.int64,
+                                                        device=x.device)
+        self.work = work
         self.hist = work[: d * 256].view(d, 256)
         self.state = work[d * 256 : -2].view(d + 1, 2)
         self.bound = work[-2:-1]
         self.m = work[-1:]
         self.sampled = False
-        self.state[0, 1:].fill_(k)  # one fill kernel on the device, no copy from the host
+        if zeroed:
+            self.state[0, 1:].fill_(k)  # one fill kernel on the device, no copy from the host
         room = min(n, k + n // SLACK)
         self.keys = torch.empty(room, dtype=torch.int64 if wide else torch.int32,
                                 device=x.device)
@@ -1481,27 +1494,30 @@ class _Selection:
                                device=x.device)
 
 
+def _sampling(n: int, k: int) -> tuple[int, int] | None:
+    # The sample's stride and the rank of the bound in it, if the expected number of keys at
+    # or above the bound leaves half the slack of the room for the sample's error; else None.
+    if n < _bracket.MIN_N:
+        return None
+    step, r = n // _bracket.SAMPLE, _bracket.rank(n, k)
+    return None if r * step > k + n // (2 * SLACK) else (step, r)
+
+
 def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
-             census: torch.Tensor | None) -> bool:
+             census: torch.Tensor | None, step: int, r: int) -> None:
     # Gathers the keys at or above the sampled bound of _bracket (their number to sel.m when
     # they are k or more and fit), or those strictly above it when the keys at it overflow
     # the room, or settles the k-th largest key at the bound when fewer than k lie above it
-    # (a mass of equal scores, such as exact zeros: m = -1), if the expected number of them
-    # leaves half the slack of the room for the sample's error; says whether it tried.
-    # `programs`: those of the passes. `census`: a row a program for the count pass's census
-    # (_count_at_least_kernel's CENSUS), or None.
-    n = x.numel()
-    if n < _bracket.MIN_N:
-        return False
-    step, r = n // _bracket.SAMPLE, _bracket.rank(n, k)
-    if r * step > k + n // (2 * SLACK):
-        return False
-    launch(_sample_bound_kernel, (1,), x, sel.bound, step, r, SIDE=side,
-           WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH, num_warps=16)
+    # (a mass of equal scores, such as exact zeros: m = -1). `sel`: not zeroed; the bound's
+    # kernel writes its work buffer first. `programs`: those of the passes. `census`: a row
+    # a program for the count pass's census (_count_at_least_kernel's CENSUS), or None.
+    work = sel.work
+    launch(_sample_bound_kernel, (1,), x, work, work.numel() - 2, step, r, k, sel.digits * 256 + 1,
+           SIDE=side, WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH,
+           WORK=triton.next_power_of_2(work.numel()), num_warps=16)
     counts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
     _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
                      keys=sel.keys, nan=True, settled=sel.state[sel.digits], census=census)
-    return True
 
 
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
@@ -1547,11 +1563,14 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: torch.Tensor | Non
     if not 0 < k <= n:  # outside, the rank would run off the counts and the writes off `out`
         raise ValueError(f"expected 0 < k <= {n}, got k={k}")
     wide = x.dtype == torch.float64
-    sel = _Selection(x, k)
+    plan = _sampling(n, k)
+    sel = _Selection(x, k, zeroed=plan is None)
     block, opts = _config("key_digits")
     grid = (_programs(n),)
     rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
-    sampled = sel.sampled = _sampled(x, k, side, sel, grid[0], census)
+    sampled = sel.sampled = plan is not None
+    if sampled:
+        _sampled(x, k, side, sel, grid[0], census, *plan)
     shifts = range((sel.digits - 1) * DIGIT, -1, -DIGIT)
     for p, shift in enumerate(shifts):
         # pass p settles digit p - 1 first, except after the two-digit gathering, which did
@@ -1603,7 +1622,7 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
       reads off :mod:`~bitcomm.codecs._bracket`'s sample of 16K scores (its ``rank(n, k)``-th
       largest key, rounded down to the key's first 16 bits, 20 for float64): a count and a
       gathering pass over ``x``, about ``1.5 k`` candidates at ``k = 1%``, two reads of ``x``
-      in all and 13 launches for 32-bit scores;
+      in all and 11 launches for 32-bit scores (the bound's kernel clears the work buffer);
     * otherwise (fewer scores, a larger ``k``) the first two passes read ``x`` and a third
       gathers the keys that share or beat the k-th largest's first two digits: about ``k``
       for the usual scores (all within a factor ``1 + 2**-7`` of the k-th largest score or
