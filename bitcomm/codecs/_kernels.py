@@ -1514,7 +1514,7 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
     work = sel.work
     launch(_sample_bound_kernel, (1,), x, work, work.numel() - 2, step, r, k, sel.digits * 256 + 1,
            SIDE=side, WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH,
-           WORK=triton.next_power_of_2(work.numel()), num_warps=16)
+           WORK=1 << (work.numel() - 1).bit_length(), num_warps=16)
     counts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
     _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
                      keys=sel.keys, nan=True, settled=sel.state[sel.digits], census=census)
