@@ -1438,7 +1438,7 @@ def test_packing_checks_the_range_in_the_packing_pass(monkeypatch):
     besides it a zeroed flag and its one read at the end (none inside _frame.deferred until
     the block's end), no reduction over the input before it; encode writes the payload into
     its frame (besides, the header's copy), not a payload then a concatenation. A value out
-    of range anywhere (first, in the second program, in a partial last tile) raises the
+    of range anywhere (first, in a later program, in a partial last tile) raises the
     numpy path's OverflowError; so does a wide value that would wrap into range if narrowed
     first."""
     from bitcomm.codecs import _frame
@@ -1453,7 +1453,7 @@ def test_packing_checks_the_range_in_the_packing_pass(monkeypatch):
         (lambda v: counts.pack(v, 12, "radix"), lambda v: counts.encode(v, 12, "radix"), 12,
          torch.uint8),
     ]
-    n = 8192 * 2 + 13  # two full programs of the fixed packing, a partial third
+    n = 8192 * 2 + 13  # four full programs of the checked fixed packing, a partial fifth
     kernel = ["zeros", "_planes_pack_kernel", "_local_scalar_dense"]
     for pack, encode, top, dtype in cases:
         v = torch.randint(0, top + 1, (n,), generator=g).to(dtype)
