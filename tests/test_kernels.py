@@ -436,21 +436,22 @@ def test_qsgd_fused_encode_checks_its_scales_in_its_pass():
             qsgd.encode(x, 4, 512, seed=1)
 
 
-def test_qsgd_decode_launches_its_values_before_its_one_read():
-    """A qsgd frame's decode on the Triton path reads its header, then launches the steps
-    (with the checks) and the values before the check's one read, so the GPU runs both
-    kernels back to back; a broken rule still raises its precise error, and a flagged frame
-    in _frame.deferred at the block's end."""
+def test_qsgd_decode_is_one_pass_and_one_read():
+    """A qsgd frame's decode on the Triton path reads its header, then launches one kernel
+    (over its full tiles and its partial one) that computes the steps, checks both rules and
+    writes the values, then reads the check's flag; no steps kernel and no steps in memory. A
+    broken rule still raises its precise error, and a flagged frame in _frame.deferred at the
+    block's end."""
     from bitcomm.codecs import _frame
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
     frame = qsgd.encode(x, 4, 512, seed=1)
     got = []
     ops = _ops_on_the_triton_path(lambda: got.append(qsgd.decode(frame, n=5000)))
-    # the header's read is not a torch op on a CPU tensor; 5000 elements are a full tile of
-    # the values kernel and a partial one; the check's read comes behind both kernels
-    assert ops == ["zeros", "_qsgd_steps_kernel", "select", "_qsgd_values_kernel",
-                   "_qsgd_values_kernel", "_local_scalar_dense"], ops
+    # the header's read is not a torch op on a CPU tensor; 5000 elements are full tiles and a
+    # partial one; the check's read comes behind the kernels
+    assert ops == ["zeros", "_qsgd_decode_kernel", "_qsgd_decode_kernel",
+                   "_local_scalar_dense"], ops
     assert torch.equal(got[0][0], qsgd.decode(frame, n=5000)[0])
     bad = frame.clone()
     bad[14 + 4 * 3 + 3] = 0xFF  # bucket 3's scale becomes a NaN
@@ -459,6 +460,59 @@ def test_qsgd_decode_launches_its_values_before_its_one_read():
     with forced("triton"), pytest.raises(ValueError, match="finite scale >= 0 in bucket 3"):
         with _frame.deferred():
             qsgd.decode(bad, n=5000)
+    # a bucket that is not a power of two: the steps kernel, then the values'
+    frame = qsgd.encode(x, 4, 500, seed=1)
+    ops = _ops_on_the_triton_path(lambda: qsgd.decode(frame, n=5000))
+    assert ops == ["zeros", "_qsgd_steps_kernel", "_qsgd_values_kernel",
+                   "_qsgd_values_kernel", "_local_scalar_dense"], ops
+
+
+def _qsgd_decoded_by_numpy(frame: torch.Tensor, n: int, nbits: int, bucket: int) -> np.ndarray:
+    # float32(scale / s) * level, negated for sign 1, from the frame's bytes by numpy.
+    s = (1 << (nbits - 1)) - 1
+    nb = -(-n // bucket)
+    scales = frame[14 : 14 + 4 * nb].numpy().copy().view(np.float32)
+    codes = np.unpackbits(frame[14 + 4 * nb :].numpy()).reshape(-1, nbits)
+    codes = (codes * (1 << np.arange(nbits - 1, -1, -1))).sum(1)[:n]
+    step = (scales / np.float32(s)).astype(np.float32)  # numpy divides correctly rounded
+    level = (codes & s).astype(np.float32)
+    want = level * step[np.arange(n) // bucket]
+    return np.where(codes >> (nbits - 1), -want, want).astype(np.float32)
+
+
+@pytest.mark.parametrize("block", [16, 1024])
+def test_qsgd_one_pass_decode_tiles_buckets_every_way(block, monkeypatch):
+    """The one-pass decoder's tiles hold several buckets, one, or part of one, with a partial
+    last bucket, tile and code byte: every value is numpy's formula to the bit (also as
+    bfloat16), and a bad scale or padding bit is flagged wherever it lies."""
+    from bitcomm.codecs import _frame
+
+    monkeypatch.setitem(_kernels.TUNING, "qsgd_decode", (block, 2))
+    x = torch.randn(301, generator=torch.Generator().manual_seed(block)) * 3.1
+    cases = [(nbits, bucket, n) for nbits in qsgd.BITS for bucket in (1, 2, 4, 8, 16, 64, 4096)
+             if bucket >= 8 // nbits for n in (0, 1, 9, 301)]
+    for nbits, bucket, n in cases:
+        frame = qsgd.encode(x[:n], nbits, bucket, seed=n)
+        want = _qsgd_decoded_by_numpy(frame, n, nbits, bucket)
+        with forced("triton"):
+            got = qsgd.decode(frame, n=n)
+            half = qsgd.decode(frame, dtype=torch.bfloat16)[0]
+        assert got[1] == frame.numel(), (nbits, bucket, n)
+        assert np.array_equal(got[0].numpy().view(np.int32), want.view(np.int32)), \
+            (nbits, bucket, n)
+        assert torch.equal(half, torch.from_numpy(want).bfloat16()), (nbits, bucket, n)
+        nb = -(-n // bucket)
+        for i in sorted({0, nb // 2, nb - 1}) if n == x.numel() else ():
+            bad = frame.clone()
+            bad[14 + 4 * i : 18 + 4 * i] = torch.tensor([0, 0, 0x80, 0xBF], dtype=torch.uint8)
+            with forced("triton"), pytest.raises(ValueError, match=f"scale >= 0 in bucket {i}"):
+                with _frame.deferred():
+                    qsgd.decode(bad)
+        if n * nbits % 8:
+            bad = frame.clone()
+            bad[-1] |= 1
+            with forced("triton"), pytest.raises(ValueError, match="padding bits"):
+                qsgd.decode(bad)
 
 
 def test_the_finiteness_checks_are_one_kernel_on_the_triton_path():

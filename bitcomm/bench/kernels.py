@@ -168,7 +168,6 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                  lambda g=g, b=b, m=m, size=size: k.planes_unpack(
                      meta(size, torch.uint8), n, b, torch.uint8, group=g, base=m + 1))]
     for bits in qsgd.BITS:
-        codes = meta((n * bits + 7) // 8, torch.uint8)
         for bucket in (qsgd.DEFAULT_BUCKET, 4096, 1000):
             scales = meta(-(-n // bucket), torch.float32)
             factors = None if bucket & (bucket - 1) == 0 else scales
@@ -176,10 +175,12 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                         lambda b=bits, s=scales, f=factors, bk=bucket:
                         k.qsgd_codes(x, b, bk, 12345, s, f, flags=None if f is not None
                                      else meta(1, torch.int32))))
+            # one pass for a power-of-two bucket; else the steps kernel, then the values'
+            out.append((f"qsgd-{bits} decode, bucket {bucket}", n,
+                        lambda b=bits, bk=bucket: k.qsgd_decode(
+                            meta(qsgd.encoded_size(n, b, bk), torch.uint8), qsgd.HEADER.size,
+                            n, b, bk, torch.float32, meta(1, torch.int32))))
         steps_ = meta(-(-n // qsgd.DEFAULT_BUCKET), torch.float32)
-        out.append((f"qsgd-{bits} decode", n,
-                    lambda b=bits, c=codes, s=steps_: k.qsgd_values(
-                        c, n, b, qsgd.DEFAULT_BUCKET, s, torch.float32)))
         # qsgd_allgather's mean of 8 ranks' frames, keeping this rank's values, after their
         # checks and steps
         size = qsgd.encoded_size(n, bits)

@@ -68,10 +68,10 @@ import triton.language as tl
 from bitcomm.codecs import _bracket
 
 __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign_unpack",
-           "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_steps",
-           "qsgd_values", "qsgd_mean", "score_stats", "count_above", "Runs", "kth_largest",
-           "top_indices", "indices_above", "sidco_stage", "SIDCO_KINDS", "MAX_FUSED_BUCKET",
-           "DIGIT", "SLACK"]
+           "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_decode",
+           "qsgd_steps", "qsgd_values", "qsgd_mean", "score_stats", "count_above", "Runs",
+           "kth_largest", "top_indices", "indices_above", "sidco_stage", "SIDCO_KINDS",
+           "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -97,6 +97,10 @@ TUNING: dict[str, tuple[int, int]] = {
     # (a reduction across warps through shared memory), at 55-58 registers both (sm_90)
     "qsgd_codes_fused": (512, 1),
     "qsgd_values": (1024, 4),
+    # code bytes: a thread computes the step of every bucket of its program's tile (four byte
+    # loads and a division each), so fewer threads a tile do less of it: at 4 warps a bucket
+    # of 512 cost 24 instructions an element at 4 bits, at 2 warps 16.5 (sm_90)
+    "qsgd_decode": (1024, 2),
     "qsgd_mean": (1024, 4),  # elements: a sum and a kept value each, in registers
     "score_stats": (2048, 4),  # elements
     "score_totals": (1024, 4),  # score_stats' rows a step of its one program
@@ -845,6 +849,84 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
                       out.view(torch.int16) if bf16 else out, n, nbytes, bucket, BITS=bits,
                       SHIFT=_shift(bucket), SMALL=tiles * per < 2**31, BLOCK=block, BF16=bf16,
                       enable_fp_fusion=False, **opts)
+    return out
+
+
+@triton.jit
+def _qsgd_decode_kernel(frame_ptr, out_ptr, flags_ptr, n, nbytes, nb, codes_at, pad, first,
+                        BITS: tl.constexpr, LOG_BUCKET: tl.constexpr, HEAD: tl.constexpr,
+                        ROWS: tl.constexpr, BYTES: tl.constexpr, SMALL: tl.constexpr,
+                        BF16: tl.constexpr, EDGE: tl.constexpr):
+    # One frame's values with its steps and its rules in the same pass. A program's ROWS *
+    # BYTES code bytes are ROWS whole buckets of 2**LOG_BUCKET elements (BYTES bytes each) or,
+    # with ROWS 1, part of one: its steps are ROWS scales, each put together from its four
+    # bytes (they lie 4-byte unaligned behind the HEAD-byte header), divided once and flagged
+    # if not finite or below 0. The one EDGE program also checks the padding bits (`pad`) of
+    # the last code byte. The values are _qsgd_decoded's, to the bit.
+    PER: tl.constexpr = 8 // BITS
+    S: tl.constexpr = (1 << (BITS - 1)) - 1
+    tile = (first + tl.program_id(0)).to(tl.int64)
+    row = tl.arange(0, ROWS)
+    b = ((tile * (ROWS * BYTES * PER)) >> LOG_BUCKET) + row
+    live = b < nb
+    bits = tl.zeros([ROWS], dtype=tl.int32)
+    for byte in tl.static_range(4):
+        bits |= _load(frame_ptr + HEAD + 4 * b + byte, live, 0, EDGE).to(tl.int32) << (8 * byte)
+    scale = bits.to(tl.float32, bitcast=True)
+    _flag(flags_ptr, live & (((bits & 0x7F800000) == 0x7F800000) | (scale < 0)))
+    if S == 1:  # 2 bits: scale / 1 is the scale itself
+        step = scale
+    else:
+        step = tl.math.div_rn(scale, S * 1.0)
+    ob = tile * (ROWS * BYTES) + row[:, None] * BYTES + tl.arange(0, BYTES)[None, :]
+    if SMALL:  # every element index fits in int32
+        ob = ob.to(tl.int32)
+    j = tl.arange(0, PER)
+    idx = ob[:, :, None] * PER + j[None, None, :]
+    byte = _load(frame_ptr + codes_at + ob, ob < nbytes, 0, EDGE).to(tl.int32)
+    code = (byte[:, :, None] >> (8 - BITS * (j + 1))[None, None, :]) & ((1 << BITS) - 1)
+    val = (code & S).to(tl.float32) * step[:, None, None]
+    val = tl.where((code >> (BITS - 1)) != 0, _neg(val), val)
+    if BF16:  # out_ptr is an int16 view of the bfloat16 result
+        val = _bf16_bits(val)
+    else:
+        val = val.to(out_ptr.dtype.element_ty)
+    _store(out_ptr + idx, val, idx < n, EDGE)
+    if EDGE:
+        tl.store(flags_ptr, 1, mask=(tl.load(frame_ptr + codes_at + nbytes - 1) & pad) != 0)
+
+
+def qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
+                dtype: torch.dtype, flags: torch.Tensor) -> torch.Tensor:
+    """Return the values of the qsgd frame ``frame`` (uint8, exactly the frame) as ``dtype``.
+
+    The frame holds ``n`` elements of ``bits`` in buckets of ``bucket`` behind a ``head``-byte
+    header; a scale that is not finite or below 0, or a set padding bit, sets ``flags`` (one
+    int32, zero). Where the bucket is a power of two of at least a code byte's elements, one
+    pass computes each program's steps and its values (a step launch fewer, and no steps in
+    memory); otherwise :func:`qsgd_steps` then :func:`qsgd_values`.
+    """
+    nb = -(-n // bucket)
+    per_byte = 8 // bits
+    shift = _shift(bucket)
+    if shift < 0 or bucket < per_byte:
+        steps = qsgd_steps(frame.view(1, -1), head, nb, n, bits, None, flags)
+        return qsgd_values(frame[head + 4 * nb :], n, bits, bucket, steps.view(-1), dtype)
+    out = torch.empty(n, dtype=dtype, device=frame.device)
+    if n:
+        block, opts = _config("qsgd_decode")  # code bytes a tile
+        nbytes = (n * bits + 7) // 8
+        per_bucket = bucket // per_byte  # code bytes a bucket
+        rows = max(1, block // per_bucket)
+        per = block * per_byte  # elements a tile
+        tiles = _grid(nbytes, block)[0]
+        used = (n * bits) % 8
+        bf16 = dtype == torch.bfloat16
+        launch_tiles(_qsgd_decode_kernel, tiles, n // per, frame,
+                     out.view(torch.int16) if bf16 else out, flags, n, nbytes, nb,
+                     head + 4 * nb, (1 << (8 - used)) - 1 if used else 0, BITS=bits,
+                     LOG_BUCKET=shift, HEAD=head, ROWS=rows, BYTES=block // rows,
+                     SMALL=tiles * per < 2**31, BF16=bf16, enable_fp_fusion=False, **opts)
     return out
 
 

@@ -390,21 +390,16 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32, n: int | 
     if _frame.use_numpy(buf):
         return _decode_numpy(_frame.from_bytes(raw, torch.float32), codes, n, bits, bucket,
                              dtype), end
-    if _frame.use_triton(buf):  # the steps and both rules' checks in one launch
+    if _frame.use_triton(buf):  # the steps, both rules' checks and the values in one pass
         flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
-        steps = _frame.kernels().qsgd_steps(buf[:end].view(1, end), HEADER.size, nb, n, bits,
-                                            None, flag)[0]
-        # The values are launched before the check's read, which then waits for both kernels
-        # and the GPU runs them back to back; a refused frame's values are floats that address
-        # nothing, dropped when the check raises.
-        values = _values(steps, codes, n, bits, bucket, dtype)
+        values = _frame.kernels().qsgd_decode(buf[:end], HEADER.size, n, bits, bucket, dtype,
+                                              flag)
         # the scales as floats only to name a broken rule
         _check_frame(lambda: _frame.from_bytes(raw, torch.float32), codes, n, bits, flag)
         return values, end
-    else:
-        scales = _frame.from_bytes(raw, torch.float32)
-        _check_frame(lambda: scales, codes, n, bits)
-        steps = _steps(scales, bits)
+    scales = _frame.from_bytes(raw, torch.float32)
+    _check_frame(lambda: scales, codes, n, bits)
+    steps = _steps(scales, bits)
     return _values(steps, codes, n, bits, bucket, dtype), end
 
 
@@ -611,8 +606,8 @@ def _decode_numpy(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, 
 def _check_frame(scales_of, codes: torch.Tensor, n: int, bits: int,
                  flag: torch.Tensor | None = None) -> None:
     # Both rules in one host synchronisation; the messages are built only when one is broken.
-    # `scales_of()`: the frame's float32 scales. `flag`: set by qsgd_steps when a rule is
-    # broken (else tested here).
+    # `scales_of()`: the frame's float32 scales. `flag`: set by qsgd_decode or qsgd_steps
+    # when a rule is broken (else tested here).
     def explain() -> None:
         scales = scales_of()
         bad_scale = ~torch.isfinite(scales) | (scales < 0)
