@@ -380,23 +380,22 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32, n: int | 
     if bucket < 1:
         raise ValueError(f"corrupt {_CODEC} frame: expected bucket >= 1, got {bucket}")
     nb = -(-n // bucket)
-    off = HEADER.size
-    _frame.need(buf, off + 4 * nb, _CODEC, "scales")
-    raw = buf[off : off + 4 * nb]
-    off += 4 * nb
+    off = HEADER.size + 4 * nb  # the codes'
+    _frame.need(buf, off, _CODEC, "scales")
     end = off + (n * bits + 7) // 8
     _frame.need(buf, end, _CODEC, "codes")
-    codes = buf[off:end]
+    raw = buf[HEADER.size : off]
     if _frame.use_numpy(buf):
-        return _decode_numpy(_frame.from_bytes(raw, torch.float32), codes, n, bits, bucket,
-                             dtype), end
+        return _decode_numpy(_frame.from_bytes(raw, torch.float32), buf[off:end], n, bits,
+                             bucket, dtype), end
     if _frame.use_triton(buf):  # the steps, both rules' checks and the values in one pass
         flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
         values = _frame.kernels().qsgd_decode(buf[:end], HEADER.size, n, bits, bucket, dtype,
                                               flag)
         # the scales as floats only to name a broken rule
-        _check_frame(lambda: _frame.from_bytes(raw, torch.float32), codes, n, bits, flag)
+        _check_frame(lambda: _frame.from_bytes(raw, torch.float32), None, n, bits, flag)
         return values, end
+    codes = buf[off:end]
     scales = _frame.from_bytes(raw, torch.float32)
     _check_frame(lambda: scales, codes, n, bits)
     steps = _steps(scales, bits)
@@ -603,11 +602,11 @@ def _decode_numpy(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, 
     return torch.from_numpy(level).to(dtype)
 
 
-def _check_frame(scales_of, codes: torch.Tensor, n: int, bits: int,
+def _check_frame(scales_of, codes: torch.Tensor | None, n: int, bits: int,
                  flag: torch.Tensor | None = None) -> None:
     # Both rules in one host synchronisation; the messages are built only when one is broken.
     # `scales_of()`: the frame's float32 scales. `flag`: set by qsgd_decode or qsgd_steps
-    # when a rule is broken (else tested here).
+    # when a rule is broken (else tested here, on the packed `codes`).
     def explain() -> None:
         scales = scales_of()
         bad_scale = ~torch.isfinite(scales) | (scales < 0)
