@@ -75,8 +75,11 @@ def test_decoders_agree(n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(1))
     k = max(1, n // 100)
     idx = select.topk(x.abs(), k)
-    frame = sparse.encode(idx, x[idx], x.numel())
-    assert torch.equal(sparse.decode(frame)[0], sparse.decode(frame.cuda())[0].cpu())
+    for fmt in ("fp32", "fp16", "mean"):  # the scatter kernel's value formats
+        frame = sparse.encode(idx, x[idx], x.numel(), fmt)
+        for dtype in (torch.float32, torch.float64):
+            a = sparse.decode(frame, dtype=dtype)[0]
+            assert torch.equal(a, sparse.decode(frame.cuda(), dtype=dtype)[0].cpu()), fmt
     assert torch.equal(select.topk(x.abs(), k), select.topk(x.abs().cuda(), k).cpu())
 
 

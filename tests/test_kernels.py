@@ -8,12 +8,13 @@ them on CUDA tensors.
 
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 
-from bitcomm.codecs import _bracket, _rng, bits, counts, qsgd, select, sign
+from bitcomm.codecs import _bracket, _rng, bits, counts, qsgd, select, sign, sparse
 
 from conftest import (
     AWKWARD,
@@ -1533,3 +1534,111 @@ def test_packing_checks_the_range_in_the_packing_pass(monkeypatch):
                 with forced("triton"), pytest.raises(OverflowError):
                     with _frame.deferred():
                         pack(w)
+
+
+def _sparse_frame(idx: list[int], val: list[float], n: int, fmt: str, iw: int = 4
+                  ) -> torch.Tensor:
+    # A sparse frame written byte by byte, whatever its entries (the encoder refuses bad ones).
+    head = sparse.HEADER.pack(n, len(idx), sparse.FORMATS.index(fmt))
+    body = np.asarray(idx, dtype=np.int32 if iw == 4 else np.int64).tobytes()
+    if fmt == "mean":
+        body += np.float32(val[0]).tobytes()
+    else:
+        body += np.asarray(val, dtype=np.float32 if fmt == "fp32" else np.float16).tobytes()
+    return torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("block", [8, 1024])
+def test_sparse_decode_is_one_scatter_on_the_triton_path(block, monkeypatch):
+    """A sparse frame (fp32, fp16 or mean values) decodes on the Triton path by the header's
+    read, the zeros, one kernel over the entries (full tiles and the last) and the flag's
+    read: the numpy path's vector to the bit, as float32 and float64. A qsgd block and a frame
+    without entries take the torch path."""
+    from bitcomm.codecs import sparse
+
+    monkeypatch.setitem(_kernels.TUNING, "sparse_scatter", (block, 4))
+    g = torch.Generator().manual_seed(block)
+    n = 5000
+    for k in (1, 7, 8, 9, 300):
+        idx = torch.randperm(n, generator=g)[:k]
+        val = torch.randn(k, generator=g) * 1000
+        for fmt in ("fp32", "fp16", "mean"):
+            frame = sparse.encode(idx, val, n, fmt)
+            for dtype in (torch.float32, torch.float64):
+                want = sparse.decode(frame, dtype=dtype)
+                with forced("triton"):
+                    got = sparse.decode(frame, dtype=dtype, n=n)
+                assert got[1] == want[1] == frame.numel(), (k, fmt)
+                assert torch.equal(got[0], want[0]) and got[0].dtype == dtype, (k, fmt, dtype)
+    frame = sparse.encode(idx, val, n)
+    ops = _ops_on_the_triton_path(lambda: sparse.decode(frame, n=n))
+    tiles = ["_sparse_scatter_kernel"] * (300 // block > 0) + ["_sparse_scatter_kernel"] * (
+        300 % block > 0)
+    assert ops == ["zeros", "zeros", *tiles, "_local_scalar_dense"], ops
+    for frame in (sparse.encode(idx, val, n, sparse.Qsgd(seed=1)),
+                  sparse.encode(idx[:0], val[:0], n)):
+        want = sparse.decode(frame)
+        with forced("triton"):
+            got = sparse.decode(frame)
+        assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+def test_sparse_decode_flags_every_rule_as_the_numpy_path_raises(monkeypatch):
+    """Each broken rule of a sparse frame, in a full tile, the last one or across two (an
+    index not above the previous tile's last), raises the numpy path's error on the Triton
+    path; inside _frame.deferred at the block's end, with nothing written outside the
+    vector."""
+    from bitcomm.codecs import _frame
+
+    monkeypatch.setitem(_kernels.TUNING, "sparse_scatter", (8, 4))
+    n = 100
+    good = list(range(3, 63, 3))  # 20 entries: two full tiles of 8 and a partial one
+    vals = [float(i) / 4 for i in range(20)]
+    bad = []
+    for at in (0, 7, 8, 19):  # the first, a tile's last, the next tile's first, the last entry
+        for index in (-1, n, n + 2**20):
+            bad.append((good[:at] + [index] + good[at + 1 :], vals, "fp32"))
+        if at:
+            bad.append((good[:at] + [good[at - 1]] + good[at + 1 :], vals, "fp32"))  # repeated
+            bad.append((good[:at] + [good[at - 1] - 1] + good[at + 1 :], vals, "fp16"))
+        for v in (float("nan"), float("inf"), -float("inf")):
+            bad.append((good, vals[:at] + [v] + vals[at + 1 :], "fp32"))
+            bad.append((good, vals[:at] + [v] + vals[at + 1 :], "fp16"))
+    bad += [(good, [float("nan")], "mean"), (good, [float("inf")], "mean"),
+            (good, [-0.0], "mean"), ([5, 4], [1.0], "mean")]
+    for idx, val, fmt in bad:
+        frame = _sparse_frame(idx, val, n, fmt)
+        with pytest.raises(ValueError) as want:
+            sparse.decode(frame)
+        message = re.escape(want.value.args[0])
+        with forced("triton"), pytest.raises(ValueError, match=message):
+            sparse.decode(frame)
+        with forced("triton"), pytest.raises(ValueError, match=message):
+            with _frame.deferred():
+                assert sparse.decode(frame)[0].numel() == n
+    # a value of -0.0 is kept as it is (a mean of -0.0 is refused)
+    frame = _sparse_frame(good, [-0.0] + vals[1:], n, "fp16")
+    want = sparse.decode(frame)[0]
+    with forced("triton"):
+        got = sparse.decode(frame)[0]
+    assert torch.equal(got, want) and math.copysign(1.0, got[3].item()) == -1.0
+
+
+def test_sparse_scatter_reads_int64_indices():
+    """From n = 2**31 a frame's indices are int64: the kernel reads all eight bytes of each
+    (an index of 2**32 + 5 is not 5) and writes only those below n."""
+    n = 2**31 + 10
+    idx = [0, 5, 99, 2**32 + 5]
+    frame = _sparse_frame(idx, [1.0, 2.0, 3.0, 4.0], n, "fp32", iw=8)
+    out = torch.zeros(100)
+    flag = torch.zeros(1, dtype=torch.int32)
+    _kernels.sparse_scatter(frame, n, 4, 17, "fp32", out, flag)
+    assert flag.item() == 1  # 2**32 + 5 >= n
+    want = torch.zeros(100)
+    want[[0, 5, 99]] = torch.tensor([1.0, 2.0, 3.0])
+    assert torch.equal(out, want)
+    flag.zero_()
+    frame = _sparse_frame(idx[:3], [1.0, 2.0, 3.0], n, "fp32", iw=8)
+    out.zero_()
+    _kernels.sparse_scatter(frame, n, 3, 17, "fp32", out, flag)
+    assert flag.item() == 0 and torch.equal(out, want)

@@ -209,6 +209,13 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                 ("pareto", "first", True, meta(1, torch.float32)[0]),
                 ("gamma", "first", True, meta(1, torch.float32)[0]),
                 ("pareto", "later", False, 1.5))]
+    # a sparse frame's entries into their dense vector (the figures are per entry)
+    entries = max(1, n // 100)
+    out += [(f"sparse 1% decode, {values} values", entries,
+             lambda values=values: k.sparse_scatter(
+                 meta(17 + 8 * entries, torch.uint8), n, entries, 17, values, x,
+                 meta(1, torch.int32)))
+            for values in ("fp32", "mean")]
     out += [("redsync-1% mean, max, check, count", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
              lambda: k.count_above(x, meta(63, torch.float32), 1, runs=True)),

@@ -71,7 +71,7 @@ __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign
            "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_decode",
            "qsgd_steps", "qsgd_values", "qsgd_mean", "score_stats", "count_above", "Runs",
            "kth_largest", "top_indices", "indices_above", "sidco_stage", "SIDCO_KINDS",
-           "MAX_FUSED_BUCKET", "DIGIT", "SLACK"]
+           "MAX_FUSED_BUCKET", "DIGIT", "SLACK", "sparse_scatter", "SPARSE_VALUES"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -102,6 +102,9 @@ TUNING: dict[str, tuple[int, int]] = {
     # of 512 cost 24 instructions an element at 4 bits, at 2 warps 16.5 (sm_90)
     "qsgd_decode": (1024, 2),
     "qsgd_mean": (1024, 4),  # elements: a sum and a kept value each, in registers
+    # entries; each is some 80 instructions (its index, the one before it and its value put
+    # together byte by byte): at 1024, 96 registers (sm_90), at 512 48 or fewer
+    "sparse_scatter": (512, 4),
     "score_stats": (2048, 4),  # elements
     "score_totals": (1024, 4),  # score_stats' rows a step of its one program
     "key_digits": (1024, 4),  # elements per tile
@@ -1053,6 +1056,84 @@ def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
                      KEEP=0 if keep is None else 1 if residual_of is None else 2,
                      enable_fp_fusion=False, **opts)
     return mean, kept
+
+
+# --- sparse frames (bitcomm.codecs.sparse) -------------------------------------------------
+
+
+@triton.jit
+def _le_bytes(ptr, live, WIDTH: tl.constexpr):
+    # The little-endian integer of the WIDTH bytes at each of ptr (uint8 pointers of any
+    # alignment: a sparse frame's fields lie behind its 17-byte header): int32 for up to 4
+    # bytes, else int64.
+    if WIDTH > 4:
+        word = tl.zeros(ptr.shape, dtype=tl.int64)
+        for b in tl.static_range(WIDTH):
+            word |= tl.load(ptr + b, mask=live, other=0).to(tl.int64) << (8 * b)
+    else:
+        word = tl.zeros(ptr.shape, dtype=tl.int32)
+        for b in tl.static_range(WIDTH):
+            word |= tl.load(ptr + b, mask=live, other=0).to(tl.int32) << (8 * b)
+    return word
+
+
+@triton.jit
+def _sparse_scatter_kernel(frame_ptr, out_ptr, flags_ptr, n, k, values_at, first,
+                           HEAD: tl.constexpr, IW: tl.constexpr, VALUES: tl.constexpr,
+                           BLOCK: tl.constexpr, EDGE: tl.constexpr):
+    # Entries [first + program) * BLOCK ...) of a sparse frame written into the zeroed dense
+    # out_ptr (float32 or float64): each value at its index. The frame's rules are flagged: an
+    # index outside [0, n) or not above the one before it (the previous tile's last included),
+    # a value (VALUES 0: float32, 1: float16) that is not finite, or (VALUES 3) a shared mean
+    # that is not finite or is -0.0. Out-of-range indices write nothing; a refused frame's
+    # other writes go to a vector its caller never sees.
+    j = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if EDGE:
+        live = j < k
+    else:
+        live = j >= 0
+    at = frame_ptr + HEAD + IW * j
+    i = _le_bytes(at, live, IW).to(tl.int64)
+    before = _le_bytes(at - IW, live & (j > 0), IW).to(tl.int64)
+    bad = (i < 0) | (i >= n) | ((j > 0) & (i <= before))
+    if VALUES == 0:
+        bits = _le_bytes(frame_ptr + values_at + 4 * j, live, 4)
+        bad |= (bits & 0x7F800000) == 0x7F800000
+        value = bits.to(tl.float32, bitcast=True)
+    elif VALUES == 1:
+        bits = _le_bytes(frame_ptr + values_at + 2 * j, live, 2)
+        bad |= (bits & 0x7C00) == 0x7C00
+        value = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        bits = _le_bytes(frame_ptr + values_at + 0 * j, live, 4)  # one word, every lane
+        bad |= ((bits & 0x7F800000) == 0x7F800000) | (bits == -2147483648)  # inf, NaN, -0.0
+        value = bits.to(tl.float32, bitcast=True)
+    _flag(flags_ptr, live & bad)
+    ok = live & (i >= 0) & (i < n)
+    tl.store(out_ptr + i, value.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+SPARSE_VALUES = {"fp32": 0, "fp16": 1, "mean": 3}
+"""The value formats :func:`sparse_scatter` reads, by their code in the kernel."""
+
+
+def sparse_scatter(frame: torch.Tensor, n: int, k: int, head: int, values: str,
+                   out: torch.Tensor, flags: torch.Tensor) -> None:
+    """Write the ``k`` entries of a sparse frame into ``out``, zeroed, and check them.
+
+    ``frame``: uint8, the frame (its ``head``-byte header, ``k`` indices of an ``n``-vector,
+    int32 below 2**31 else int64, then the values: ``values`` one of :data:`SPARSE_VALUES`).
+    ``out``: the dense ``n``-vector, float32 or float64, zeros; each value goes to its index
+    (a store: the indices of an accepted frame are distinct). An index outside ``[0, n)`` or
+    not above the one before it, a value that is not finite or a mean of -0.0 sets ``flags``
+    (one int32, zero). One launch (and one for the last partial tile).
+    """
+    if k:
+        block, opts = _config("sparse_scatter")
+        iw = 4 if n < 2**31 else 8
+        launch_tiles(_sparse_scatter_kernel, _cdiv(k, block), k // block, frame, out, flags, n,
+                     k, head + iw * k, HEAD=head, IW=iw, VALUES=SPARSE_VALUES[values],
+                     BLOCK=block, **opts)
 
 
 # --- selection (bitcomm.codecs.select) ---------------------------------------------------------

@@ -225,10 +225,12 @@ def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32,
     return _entries(_frame.as_buffer(frame), dtype, n, bounded=False)
 
 
-def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bounded: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    # bounded: the caller will allocate the dense n, so without an expected length the header's
-    # n must be one the frame can justify (bitcomm.codecs' limit).
+def _header(buf: torch.Tensor, expected: int | None, *, bounded: bool
+            ) -> tuple[int, int, str, int]:
+    # The frame's (n, k, value format, where its values start), its header checked and its
+    # indices' bytes (and fp32 / fp16 values') present. bounded: the caller will allocate the
+    # dense n, so without an expected length the header's n must be one the frame can justify
+    # (bitcomm.codecs' limit).
     n, k, code = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
     if n < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
@@ -240,18 +242,26 @@ def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bou
         raise ValueError(f"corrupt {_CODEC} frame: expected a value format code below "
                          f"{len(FORMATS)}, got {code}")
     fmt = FORMATS[code]
-    itype = _index_dtype(n)
-    off = HEADER.size
-    end = off + k * itype.itemsize
-    _frame.need(buf, end, _CODEC, "indices")
-    idx = _frame.from_bytes(buf[off:end], itype).to(torch.int64)
-    off = end
+    off = HEADER.size + k * _index_dtype(n).itemsize
+    _frame.need(buf, off, _CODEC, "indices")
+    if fmt in _VALUE_TYPES:
+        _frame.need(buf, off + k * _VALUE_TYPES[fmt].itemsize, _CODEC, "values")
+    return n, k, fmt, off
+
+
+_VALUE_TYPES = {"fp32": torch.float32, "fp16": torch.float16}
+"""The value formats that carry one float a value, and its type."""
+
+
+def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bounded: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    n, k, fmt, off = _header(buf, expected, bounded=bounded)
+    idx = _frame.from_bytes(buf[HEADER.size : off], _index_dtype(n)).to(torch.int64)
+    end = off
     val = None
-    if fmt in ("fp32", "fp16"):
-        vtype = torch.float32 if fmt == "fp32" else torch.float16
-        end = off + k * vtype.itemsize
-        _frame.need(buf, end, _CODEC, "values")
-        val = _frame.from_bytes(buf[off:end], vtype).to(dtype)
+    if fmt in _VALUE_TYPES:
+        end = off + k * _VALUE_TYPES[fmt].itemsize
+        val = _frame.from_bytes(buf[off:end], _VALUE_TYPES[fmt]).to(dtype)
     if k:
         # Every rule in one host read.
         if _frame.use_numpy(idx):
@@ -548,6 +558,8 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
     buf = _frame.as_buffer(frame)
     if out is not None:
         _frame.check_float(out, "out")
+    elif _frame.use_triton(buf) and dtype in (torch.float32, torch.float64):
+        return _decode_triton(buf, dtype, n)
     # One read of the header (a host copy for a device frame); the entries alone are allocated
     # before the dense length is checked, and they are what the frame's bytes justify.
     idx, val, n, end = _entries(buf, dtype if out is None else out.dtype, n,
@@ -559,4 +571,26 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
                          f"{tuple(out.shape)}")
     # Indices are distinct, so index_add_ is deterministic on every device.
     out.index_add_(0, idx.to(out.device), val.to(out.device))
+    return out, end
+
+
+def _decode_triton(buf: torch.Tensor, dtype: torch.dtype, expected: int | None
+                   ) -> tuple[torch.Tensor, int]:
+    # decode into a fresh vector on the Triton path: the header's read, the zeros, then one
+    # kernel writes every value at its index and flags the frame's rules (indices in range and
+    # increasing, values finite, a mean finite and not -0), and one read of the flag at the
+    # end. The torch path reads the entries twice (its checks, then index_add_) in a dozen
+    # launches; it still decodes a qsgd block and a frame with no entries.
+    n, k, fmt, off = _header(buf, expected, bounded=True)
+    end = off + (k * _VALUE_TYPES[fmt].itemsize if fmt in _VALUE_TYPES else 4)
+    if fmt == "qsgd" or k == 0 or buf.numel() < end:  # (a cut mean: the torch path's error)
+        idx, val, n, end = _entries(buf, dtype, expected, bounded=True)
+        out = torch.zeros(n, dtype=dtype, device=buf.device)
+        out.index_add_(0, idx, val)
+        return out, end
+    out = torch.zeros(n, dtype=dtype, device=buf.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    _frame.kernels().sparse_scatter(buf[:end], n, k, HEADER.size, fmt, out, flag)
+    # the torch path's checks name the broken rule
+    _frame.raise_if(flag, lambda: _entries(buf, dtype, expected, bounded=True))
     return out, end
