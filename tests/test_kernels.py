@@ -1575,12 +1575,18 @@ def test_sparse_decode_is_one_scatter_on_the_triton_path(block, monkeypatch):
     tiles = ["_sparse_scatter_kernel"] * (300 // block > 0) + ["_sparse_scatter_kernel"] * (
         300 % block > 0)
     assert ops == ["zeros", "zeros", *tiles, "_local_scalar_dense"], ops
-    for frame in (sparse.encode(idx, val, n, sparse.Qsgd(seed=1)),
-                  sparse.encode(idx[:0], val[:0], n)):
+    with forced("triton"):  # the header's copy to the host, then the flag's
+        reads = host_reads(monkeypatch, lambda: sparse.decode(frame, n=n))
+    assert [name for name, _, _ in reads] == ["cpu", "numpy", "__bool__"], reads
+    # the sparse header is read once (and a qsgd block's header once)
+    for frame, headers in ((sparse.encode(idx, val, n, sparse.Qsgd(seed=1)), 2),
+                           (sparse.encode(idx[:0], val[:0], n), 1)):
         want = sparse.decode(frame)
         with forced("triton"):
             got = sparse.decode(frame)
+            reads = host_reads(monkeypatch, lambda frame=frame: sparse.decode(frame))
         assert torch.equal(got[0], want[0]) and got[1] == want[1]
+        assert [name for name, _, _ in reads].count("cpu") == headers, reads
 
 
 def test_sparse_decode_flags_every_rule_as_the_numpy_path_raises(monkeypatch):

@@ -253,9 +253,11 @@ _VALUE_TYPES = {"fp32": torch.float32, "fp16": torch.float16}
 """The value formats that carry one float a value, and its type."""
 
 
-def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bounded: bool
+def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bounded: bool,
+             head: tuple[int, int, str, int] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    n, k, fmt, off = _header(buf, expected, bounded=bounded)
+    # head: _header's result, where the caller read it already (a host read on a GPU).
+    n, k, fmt, off = _header(buf, expected, bounded=bounded) if head is None else head
     idx = _frame.from_bytes(buf[HEADER.size : off], _index_dtype(n)).to(torch.int64)
     end = off
     val = None
@@ -581,10 +583,10 @@ def _decode_triton(buf: torch.Tensor, dtype: torch.dtype, expected: int | None
     # increasing, values finite, a mean finite and not -0), and one read of the flag at the
     # end. The torch path reads the entries twice (its checks, then index_add_) in a dozen
     # launches; it still decodes a qsgd block and a frame with no entries.
-    n, k, fmt, off = _header(buf, expected, bounded=True)
+    head = n, k, fmt, off = _header(buf, expected, bounded=True)
     end = off + (k * _VALUE_TYPES[fmt].itemsize if fmt in _VALUE_TYPES else 4)
     if fmt == "qsgd" or k == 0 or buf.numel() < end:  # (a cut mean: the torch path's error)
-        idx, val, n, end = _entries(buf, dtype, expected, bounded=True)
+        idx, val, n, end = _entries(buf, dtype, expected, bounded=True, head=head)
         out = torch.zeros(n, dtype=dtype, device=buf.device)
         out.index_add_(0, idx, val)
         return out, end
