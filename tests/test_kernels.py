@@ -419,18 +419,27 @@ def _ops_on_the_triton_path(fn) -> list[str]:
 
 def test_qsgd_fused_encode_checks_its_scales_in_its_pass():
     """The fused encoder's kernel flags a bucket whose scale is not finite and writes the
-    scales where they lie in the frame: besides it, a zeroed flag, the flag's read and the
-    header's copy, and no torch op over the scales (torch's isfinite is five). Inside
-    _frame.deferred the flag is read at the block's end, with the usual error."""
+    scales where they lie in the frame, and the header: besides it, a zeroed flag and the
+    flag's read, no copy of the header from the host and no torch op over the scales
+    (torch's isfinite is five). Inside _frame.deferred the flag is read at the block's end,
+    with the usual error. The unfused encoder (a bucket not a power of two) writes the
+    header in its kernel too, and an empty vector's frame is the header alone."""
     from bitcomm.codecs import _frame
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
     frame = []
     ops = _ops_on_the_triton_path(lambda: frame.append(qsgd.encode(x, 4, 512, seed=1)))
-    assert sorted(ops) == sorted(["zeros", "_qsgd_codes_kernel", "_local_scalar_dense",
-                                  "copy_"]), ops
-    assert ops[-1] == "_local_scalar_dense", ops  # nothing launched behind the read
+    assert ops == ["zeros", "_qsgd_codes_kernel", "_local_scalar_dense"], ops
     assert torch.equal(frame[0], qsgd.encode(x, 4, 512, seed=1))
+    for bucket, n in ((1000, 5000), (512, 0), (1000, 0)):
+        frame.clear()
+        ops = _ops_on_the_triton_path(
+            lambda bucket=bucket, n=n: frame.append(qsgd.encode(x[:n], 4, bucket, seed=1)))
+        # the scales' copy into the frame (torch computes them for such a bucket), none of
+        # the header
+        assert ops.count("copy_") == (bucket == 1000 and n > 0), ops
+        assert ("_head_kernel" in ops) == (n == 0), ops
+        assert torch.equal(frame[0], qsgd.encode(x[:n], 4, bucket, seed=1)), (bucket, n)
     x[2600] = float("inf")
     with forced("triton"), pytest.raises(ValueError, match="max scale inf in bucket 5"):
         with _frame.deferred():
@@ -1648,3 +1657,19 @@ def test_sparse_scatter_reads_int64_indices():
     out.zero_()
     _kernels.sparse_scatter(frame, n, 3, 17, "fp32", out, flag)
     assert flag.item() == 0 and torch.equal(out, want)
+
+
+def test_a_kernel_writes_any_header_to_the_byte():
+    """A header written by a kernel (_store_head, from two int64 words) is HEADER.pack's bytes
+    for lengths that triton passes as int32, uint32 or int64 arguments, and bytes past it
+    stay as they were."""
+    for n in (0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32 + 5, 2**62 + 3, 2**63 - 1):
+        for bucket in (1, 512, 2**31, 2**32 - 1):
+            data = qsgd.HEADER.pack(n, 8, 1, bucket)
+            frame = torch.full((20,), 0xAB, dtype=torch.uint8)
+            _kernels.launch(_kernels._head_kernel, (1,), frame, *_kernels._head_words(data),
+                            HEAD=len(data), num_warps=1)
+            assert bytes(frame[:14].tolist()) == data, (n, bucket)
+            assert frame[14:].tolist() == [0xAB] * 6
+    with pytest.raises(ValueError, match="at most 16 bytes"):
+        _kernels._head_words(bytes(17))

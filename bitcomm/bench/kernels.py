@@ -171,10 +171,13 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
         for bucket in (qsgd.DEFAULT_BUCKET, 4096, 1000):
             scales = meta(-(-n // bucket), torch.float32)
             factors = None if bucket & (bucket - 1) == 0 else scales
+            # writing the frame's header too, as qsgd.encode launches it
             out.append((f"qsgd-{bits} encode, bucket {bucket}", n,
                         lambda b=bits, s=scales, f=factors, bk=bucket:
                         k.qsgd_codes(x, b, bk, 12345, s, f, flags=None if f is not None
-                                     else meta(1, torch.int32))))
+                                     else meta(1, torch.int32),
+                                     header=(meta(qsgd.HEADER.size, torch.uint8),
+                                             qsgd.HEADER.pack(n, b, 0, bk)))))
             # one pass for a power-of-two bucket; else the steps kernel, then the values'
             out.append((f"qsgd-{bits} decode, bucket {bucket}", n,
                         lambda b=bits, bk=bucket: k.qsgd_decode(

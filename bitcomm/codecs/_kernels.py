@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import struct
 import threading
 
 import numpy as np
@@ -202,6 +203,29 @@ def _flag_buffer(checked: bool, device: torch.device) -> torch.Tensor | None:
     # the caller reads nothing (a host read waits for the device). The kernel then takes
     # its output for the flag's pointer: it stores a flag only where a rule is broken.
     return torch.zeros(1, dtype=torch.int32, device=device) if checked else None
+
+
+@triton.jit
+def _store_head(ptr, head0, head1, HEAD: tl.constexpr):
+    # A frame's first HEAD (<= 16) bytes: the little-endian bytes of head0, then head1's.
+    h = tl.arange(0, 16)
+    word = tl.where(h < 8, head0.to(tl.int64), head1.to(tl.int64))
+    tl.store(ptr + h, ((word >> (8 * (h % 8))) & 255).to(tl.uint8), mask=h < HEAD)
+
+
+@triton.jit
+def _head_kernel(ptr, head0, head1, HEAD: tl.constexpr):
+    _store_head(ptr, head0, head1, HEAD)
+
+
+def _head_words(data: bytes) -> tuple[int, int]:
+    # A header of up to 16 bytes as the two words _store_head takes, read as signed int64:
+    # triton would type an int argument in [2**63, 2**64) as uint64. It types one in
+    # [2**31, 2**32) as uint32 and a smaller one as int32; the kernel widens each to int64
+    # before it shifts.
+    if len(data) > 16:
+        raise ValueError(f"expected a header of at most 16 bytes, got {len(data)}")
+    return struct.unpack("<qq", data.ljust(16, b"\0"))
 
 
 def launch_tiles(kernel, tiles: int, full: int, *args, **kwargs) -> None:
@@ -698,16 +722,21 @@ def _shift(bucket: int) -> int:
 
 
 @triton.jit
-def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nbytes, nbuckets,
-                       bucket, key, S: tl.constexpr, BITS: tl.constexpr, ROW: tl.constexpr,
-                       ROWS: tl.constexpr, FUSED: tl.constexpr, SHIFT: tl.constexpr,
-                       SMALL: tl.constexpr, FLAGS: tl.constexpr):
+def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, head_ptr, head0,
+                       head1, n, nbytes, nbuckets, bucket, key, S: tl.constexpr,
+                       BITS: tl.constexpr, ROW: tl.constexpr, ROWS: tl.constexpr,
+                       FUSED: tl.constexpr, SHIFT: tl.constexpr, SMALL: tl.constexpr,
+                       FLAGS: tl.constexpr, HEAD: tl.constexpr):
     # A program's tile: ROWS rows of ROW elements from `base`, addressed by int32 offsets from
-    # it (the tile's size is a power of two of at most 2**15, as _tile_random16 needs).
+    # it (the tile's size is a power of two of at most 2**15, as _tile_random16 needs). With
+    # HEAD, program 0 also writes the frame's header (_store_head).
     PER: tl.constexpr = 8 // BITS
     C: tl.constexpr = ROW // PER
     TILE: tl.constexpr = ROWS * ROW
     pid = tl.program_id(0).to(tl.int64)
+    if HEAD > 0:
+        if pid == 0:
+            _store_head(head_ptr, head0, head1, HEAD)
     base = pid * TILE
     rl = tl.arange(0, ROWS)
     c = tl.arange(0, C)
@@ -751,20 +780,26 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nb
 
 def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.Tensor,
                factors: torch.Tensor | None, *, out: torch.Tensor | None = None,
-               flags: torch.Tensor | None = None) -> torch.Tensor:
+               flags: torch.Tensor | None = None,
+               header: tuple[torch.Tensor, bytes] | None = None) -> torch.Tensor:
     """Return the packed qsgd codes of ``x``; with ``factors=None`` also write ``scales``.
 
     ``factors=None`` needs a power-of-two ``bucket <= MAX_FUSED_BUCKET`` (the bucket max is
     taken in the same pass); otherwise ``factors`` holds each bucket's ``s * 2**16 / scale``.
     ``out`` (contiguous uint8, ``ceil(n * bits / 8)`` bytes) receives the codes. ``flags``
     (one int32, zero; with ``factors=None``) is set when a scale is not finite: the scales'
-    check without a pass of its own.
+    check without a pass of its own. ``header``: ``(frame, data)``, the frame whose first
+    bytes the kernel sets to ``data`` (at most 16 bytes), where a copy from the host would
+    take a pinned buffer and a launch of its own.
     """
     n = x.numel()
     nbytes = (n * bits + 7) // 8
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if n == 0:
+        if header is not None:
+            launch(_head_kernel, (1,), header[0], *_head_words(header[1]),
+                   HEAD=len(header[1]), num_warps=1)
         return out
     fused = factors is None
     if fused:  # a bucket a row; the buckets of one warp's elements, or one bucket on 2-4 warps
@@ -779,11 +814,13 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     grid = _grid(nrows, rows)
     if flags is not None and not fused:
         raise ValueError("flags are set by the fused encoder only (factors=None)")
+    head0, head1 = _head_words(b"" if header is None else header[1])
     launch(_qsgd_codes_kernel, grid, x, out, scales, scales if fused else factors,
-           scales if flags is None else flags, n, nbytes, scales.numel(), bucket,
-           key - (key >> 31 << 32), S=(1 << (bits - 1)) - 1, BITS=bits, ROW=row, ROWS=rows,
-           FUSED=fused, SHIFT=_shift(bucket), SMALL=grid[0] * rows * row < 2**31,
-           FLAGS=flags is not None, enable_fp_fusion=False, **opts)
+           scales if flags is None else flags, out if header is None else header[0], head0,
+           head1, n, nbytes, scales.numel(), bucket, key - (key >> 31 << 32),
+           S=(1 << (bits - 1)) - 1, BITS=bits, ROW=row, ROWS=rows, FUSED=fused,
+           SHIFT=_shift(bucket), SMALL=grid[0] * rows * row < 2**31, FLAGS=flags is not None,
+           HEAD=0 if header is None else len(header[1]), enable_fp_fusion=False, **opts)
     return out
 
 

@@ -205,7 +205,7 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
     key = _rng.key_from(seed, generator)
     n = v.numel()
     path = _frame.backend(v)
-    header = _frame.host_bytes(HEADER.pack(n, bits, SCALES.index(scale), bucket), v.device)
+    header = HEADER.pack(n, bits, SCALES.index(scale), bucket)
     if path == "triton":
         # The kernel writes the codes into the frame itself: a copy of them would add up to
         # half the traffic of reading x (8-bit codes) to a pass that is memory bound. The
@@ -215,10 +215,9 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
         # The scales end where the aligned codes start, so they are 4-byte aligned too: they
         # are written into the frame where they lie, not copied there.
         scales = frame[HEADER.size : start].view(torch.float32)
-        # The header goes first: nothing is launched after the check's read, which waits for
-        # the kernel (the GPU would idle through a launch behind it).
-        frame[: HEADER.size] = header
-        flag = _encode_triton(v, bits, bucket, scale, key, scales, frame[start:])
+        # the kernel writes the header too: no copy from the host, no launch of its own
+        flag = _encode_triton(v, bits, bucket, scale, key, scales, frame[start:],
+                              (frame, header))
         _check_scales(scales, bucket, n, scale, flag)
         return frame
     if path == "numpy" and _has_numba():
@@ -226,7 +225,7 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
     else:
         scales, codes = _encode_torch(v, bits, bucket, scale, key)
     _check_scales(scales, bucket, n, scale)  # once at the end: one device sync, not one a chunk
-    return torch.cat([header, _frame.float_bytes(scales), codes])
+    return torch.cat([_frame.host_bytes(header, v.device), _frame.float_bytes(scales), codes])
 
 
 def _has_numba() -> bool:
@@ -269,9 +268,11 @@ def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
 
 
 def _encode_triton(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int,
-                   scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+                   scales: torch.Tensor, out: torch.Tensor, header: tuple[torch.Tensor, bytes]
+                   ) -> torch.Tensor | None:
     # One kernel pass over x (bitcomm.codecs._kernels); it computes what _encode_torch computes,
-    # writing the scales to ``scales`` and the codes to ``out`` (ceil(n * bits / 8) bytes).
+    # writing the scales to ``scales``, the codes to ``out`` (ceil(n * bits / 8) bytes) and
+    # the header (`header`: the frame and its bytes).
     # Returns the kernel's flag of a non-finite scale where it took the scales itself (None:
     # the scales came from torch, to be checked by _check_scales).
     kernels = _frame.kernels()
@@ -279,11 +280,12 @@ def _encode_triton(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
     if (scale == "max" and 8 <= bucket <= kernels.MAX_FUSED_BUCKET
             and bucket & (bucket - 1) == 0):
         flag = torch.zeros(1, dtype=torch.int32, device=v.device)
-        kernels.qsgd_codes(x, bits, bucket, key, scales, None, out=out, flags=flag)
+        kernels.qsgd_codes(x, bits, bucket, key, scales, None, out=out, flags=flag,
+                           header=header)
         return flag
     _scales_into(scales, x.to(torch.float32), bucket, scale)
     factors = _factors(scales, (1 << (bits - 1)) - 1)
-    kernels.qsgd_codes(x, bits, bucket, key, scales, factors, out=out)
+    kernels.qsgd_codes(x, bits, bucket, key, scales, factors, out=out, header=header)
     return None
 
 
