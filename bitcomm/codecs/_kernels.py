@@ -14,11 +14,15 @@ launch never waits for the device.
   planes of a tile from one read of the values; with ``G > 1`` a value is a base-``(m + 1)`` group
   of ``G`` counts (:mod:`bitcomm.codecs.counts` radix), composed or split inside the kernel
   (split by ``_radix_unpack_kernel``, one code per lane).
-* :func:`qsgd_codes` / :func:`qsgd_values`: the whole qsgd encoder (bucket max, the counter hash
-  of :mod:`bitcomm.codecs._rng`, fixed-point stochastic rounding, packing) in one pass when the
-  bucket is a power of two up to :data:`MAX_FUSED_BUCKET`; otherwise with per-bucket factors
-  computed by torch. The decoder multiplies each level by its bucket's step;
-  :func:`qsgd_mean` decodes many frames at once and writes only their mean.
+* :func:`qsgd_codes` / :func:`qsgd_decode`: the whole qsgd encoder (bucket max, the counter
+  hash of :mod:`bitcomm.codecs._rng`, fixed-point stochastic rounding, packing, the header) in
+  one pass when the bucket is a power of two up to :data:`MAX_FUSED_BUCKET`; otherwise with
+  per-bucket factors computed by torch. The decoder multiplies each level by its bucket's
+  step, computed in the same pass for a power-of-two bucket (else by :func:`qsgd_steps`, then
+  :func:`qsgd_values`); :func:`qsgd_mean` decodes many frames at once and writes only their
+  mean.
+* :func:`sparse_scatter`: a sparse frame's entries written into their dense vector, its rules
+  checked in the same pass.
 * :func:`sidco_stage`: one stage of :mod:`bitcomm.codecs.sidco`'s fits, the float64 sums of
   the scores scaled by the largest (of a later stage's exceedances) in one read.
 * :func:`score_stats` / :func:`count_above` / :func:`indices_above`: the passes of
