@@ -1395,6 +1395,11 @@ def test_indices_above_starts_from_the_runs_count_above_counted(programs, monkey
                 assert got.tolist() == torch.nonzero(s > t).reshape(-1).tolist()
     with pytest.raises(ValueError, match="runs of"):
         _kernels.indices_above(v, 0.5, 3, 0, runs=torch.zeros(p + 1, dtype=torch.int64))
+    # the counts come out of the kernel as the suffix sums they are read as: no pass over
+    # them on the device after it, and a run's count above a bound is a view of its row
+    ops = _ops_on_the_triton_path(lambda: _kernels.count_above(v, bounds, 1, runs=True))
+    assert ops == ["full", "copy_", "zeros", "_count_above_kernel"], ops
+    assert _ops_on_the_triton_path(lambda: runs.above(2)) == ["select"]  # a view, no launch
 
 
 def test_unchecked_nan_is_above_every_score_in_a_top_k_and_above_no_threshold():

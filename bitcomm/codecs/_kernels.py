@@ -1260,8 +1260,10 @@ def _count_above_kernel(x_ptr, bounds_ptr, counts_ptr, rows_ptr, n, SIDE: tl.con
                         BLOCK: tl.constexpr):
     # A fixed number of programs, each taking a run of tiles (as _gather_kernel's programs
     # do) and adding its T counts to the result once: one program per tile would pile
-    # millions of atomic additions onto the same T addresses. With ROWS each program also
-    # writes its own T counts, its row of rows_ptr.
+    # millions of atomic additions onto the same T addresses. A program's count i is of its
+    # scores with i or more bounds below them (the suffix sums of where they fall), so that
+    # count j + 1 is of those above bounds[j], with no pass over the counts afterwards. With
+    # ROWS each program also writes its own T counts, its row of rows_ptr.
     acc = tl.zeros([T], dtype=tl.int32)
     lo, hi = _span(n, BLOCK)
     for start in range(lo, hi, BLOCK):
@@ -1276,6 +1278,7 @@ def _count_above_kernel(x_ptr, bounds_ptr, counts_ptr, rows_ptr, n, SIDE: tl.con
             bound = tl.load(bounds_ptr + pos + (half - 1))
             pos = tl.where(bound < s, pos + half, pos)
         acc += tl.histogram(pos, T, mask=live)
+    acc = tl.cumsum(acc, 0, reverse=True)
     tl.atomic_add(counts_ptr + tl.arange(0, T), acc)
     if ROWS:
         tl.store(rows_ptr + tl.program_id(0) * T + tl.arange(0, T), acc)
@@ -1288,9 +1291,9 @@ COUNT_PROGRAMS = 4096
 class Runs:
     """What each program of :func:`count_above` counted: for :func:`indices_above`.
 
-    ``rows[p, i]``: how many scores of program ``p``'s run of tiles have ``i`` of the bounds
-    below them. The gathering pass of :func:`indices_above` takes the same runs, so the scores
-    above ``bounds[j]`` in each run, ``rows[:, j + 1:]`` summed, are where its runs start,
+    ``rows[p, i]``: how many scores of program ``p``'s run of tiles have ``i`` or more of the
+    bounds below them. The gathering pass of :func:`indices_above` takes the same runs, so the
+    scores above ``bounds[j]`` in each run, ``rows[:, j + 1]``, are where its runs start,
     without a count of its own (a read of ``x`` less).
     """
 
@@ -1298,8 +1301,8 @@ class Runs:
         self.rows = rows
 
     def above(self, j: int) -> torch.Tensor:
-        """Return the int64 count of each run's scores above ``bounds[j]``."""
-        return self.rows[:, j + 1 :].sum(1, dtype=torch.int64)
+        """Return the int32 count of each run's scores above ``bounds[j]`` (a view)."""
+        return self.rows[:, j + 1]
 
 
 def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0, *, runs: bool = False
@@ -1326,8 +1329,8 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0, *, runs: b
     if n:
         launch(_count_above_kernel, grid, x, padded, hist, rows, n, SIDE=side, T=t, LOG=levels,
                ROWS=runs, BLOCK=block, **opts)
-    # scores above bounds[j] are those whose position is past j
-    counts = hist.flip(0).cumsum(0, dtype=torch.int32).flip(0)[1 : m + 1]
+    # scores above bounds[j] are those with j + 1 or more bounds below them
+    counts = hist[1 : m + 1]
     return (counts, Runs(rows)) if runs else counts
 
 
