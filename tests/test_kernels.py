@@ -1399,6 +1399,11 @@ def test_indices_above_starts_from_the_runs_count_above_counted(programs, monkey
     # them on the device after it, and a run's count above a bound is a view of its row
     ops = _ops_on_the_triton_path(lambda: _kernels.count_above(v, bounds, 1, runs=True))
     assert ops == ["full", "copy_", "zeros", "_count_above_kernel"], ops
+    # bounds from the host (a search's): padded there, one copy (none to a CPU tensor)
+    got = []
+    ops = _ops_on_the_triton_path(lambda: got.append(_kernels.count_above(v, bounds.numpy(), 1)))
+    assert ops == ["zeros", "_count_above_kernel"], ops
+    assert torch.equal(got[0], _kernels.count_above(v, bounds, 1))
     assert _ops_on_the_triton_path(lambda: runs.above(2)) == ["select"]  # a view, no launch
 
 

@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitcomm.codecs import _bracket
+from bitcomm.codecs import _bracket, _frame
 
 __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign_unpack",
            "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_decode",
@@ -1305,20 +1305,27 @@ class Runs:
         return self.rows[:, j + 1]
 
 
-def count_above(x: torch.Tensor, bounds: torch.Tensor, side: int = 0, *, runs: bool = False
-                ) -> torch.Tensor | tuple[torch.Tensor, Runs]:
+def count_above(x: torch.Tensor, bounds: torch.Tensor | np.ndarray, side: int = 0, *,
+                runs: bool = False) -> torch.Tensor | tuple[torch.Tensor, Runs]:
     """Return int32 ``c`` with ``c[j]`` = how many scores exceed ``bounds[j]``, on the device.
 
-    ``bounds``: ascending, of the scores' dtype (float32 or float64); scores as in
-    :func:`score_stats`. One read of ``x``; integer counts, so the same on every
-    device and in any order of the atomic additions. With ``runs``, also each program's
-    counts (:class:`Runs`), which :func:`indices_above` can start from.
+    ``bounds``: ascending, of the scores' dtype (float32 or float64), a tensor on ``x``'s
+    device or a numpy array (padded on the host and copied once, as a search that computes
+    its thresholds there has them); scores as in :func:`score_stats`. One read of ``x``;
+    integer counts, so the same on every device and in any order of the atomic additions.
+    With ``runs``, also each program's counts (:class:`Runs`), which :func:`indices_above`
+    can start from.
     """
-    m = bounds.numel()
+    m = len(bounds)
     levels = max(1, m.bit_length())  # T = 2**levels > m: room for every bound
     t = 1 << levels
-    padded = torch.full((t - 1,), float("inf"), dtype=bounds.dtype, device=x.device)
-    padded[:m] = bounds
+    if isinstance(bounds, np.ndarray):
+        padded = np.full(t - 1, np.inf, dtype=bounds.dtype)
+        padded[:m] = bounds
+        padded = _frame.to_device(torch.from_numpy(padded), x.device)
+    else:
+        padded = torch.full((t - 1,), float("inf"), dtype=bounds.dtype, device=x.device)
+        padded[:m] = bounds
     hist = torch.zeros(t, dtype=torch.int32, device=x.device)
     n = x.numel()
     block, opts = _config("key_digits")  # the tiles and runs of indices_above's gathering

@@ -229,13 +229,13 @@ class _Counts:
         rounded = np.asarray(thresholds, dtype=np.float64).astype(
             np.float32 if v.dtype == torch.float32 else np.float64)
         order = np.sort(rounded)
-        bounds = _frame.to_device(torch.from_numpy(order), v.device)
         runs = None
         if self.scores.fused:  # one pass over v, a histogram of positions among the bounds
-            counted, runs = _frame.kernels().count_above(v, bounds, self.scores.side,
+            counted, runs = _frame.kernels().count_above(v, order, self.scores.side,
                                                          runs=True)
             above = counted.tolist()
         else:
+            bounds = _frame.to_device(torch.from_numpy(order), v.device)
             s = self.scores.tensor
             ids = torch.bucketize(s, bounds, out_int32=True)  # how many bounds lie below
             hist = torch.bincount(ids, minlength=len(thresholds) + 1)
