@@ -107,8 +107,8 @@ TUNING: dict[str, tuple[int, int]] = {
     # of 512 cost 24 instructions an element at 4 bits, at 2 warps 16.5 (sm_90)
     "qsgd_decode": (1024, 2),
     "qsgd_mean": (1024, 4),  # elements: a sum and a kept value each, in registers
-    # entries; each is some 80 instructions (its index, the one before it and its value put
-    # together byte by byte): at 1024, 96 registers (sm_90), at 512 48 or fewer
+    # entries; each is some 65 instructions (its index, the one before it and its value put
+    # together byte by byte): at 1024, 48-64 registers (sm_90), at 512 32
     "sparse_scatter": (512, 4),
     "score_stats": (2048, 4),  # elements
     "score_totals": (1024, 4),  # score_stats' rows a step of its one program
@@ -207,6 +207,23 @@ def _flag_buffer(checked: bool, device: torch.device) -> torch.Tensor | None:
     # the caller reads nothing (a host read waits for the device). The kernel then takes
     # its output for the flag's pointer: it stores a flag only where a rule is broken.
     return torch.zeros(1, dtype=torch.int32, device=device) if checked else None
+
+
+@triton.jit
+def _le_bytes(ptr, live, WIDTH: tl.constexpr, EDGE: tl.constexpr):
+    # The little-endian integer of the WIDTH bytes at each of ptr (uint8 pointers of any
+    # alignment: the fields behind a frame's header, 14 bytes for qsgd and 17 for sparse, lie
+    # off their alignment): int32 for up to 4 bytes, else int64. Loads masked by `live` with
+    # EDGE only, as _load masks them.
+    if WIDTH > 4:
+        word = tl.zeros(ptr.shape, dtype=tl.int64)
+        for b in tl.static_range(WIDTH):
+            word |= _load(ptr + b, live, 0, EDGE).to(tl.int64) << (8 * b)
+    else:
+        word = tl.zeros(ptr.shape, dtype=tl.int32)
+        for b in tl.static_range(WIDTH):
+            word |= _load(ptr + b, live, 0, EDGE).to(tl.int32) << (8 * b)
+    return word
 
 
 @triton.jit
@@ -913,9 +930,7 @@ def _qsgd_decode_kernel(frame_ptr, out_ptr, flags_ptr, n, nbytes, nb, codes_at, 
     row = tl.arange(0, ROWS)
     b = ((tile * (ROWS * BYTES * PER)) >> LOG_BUCKET) + row
     live = b < nb
-    bits = tl.zeros([ROWS], dtype=tl.int32)
-    for byte in tl.static_range(4):
-        bits |= _load(frame_ptr + HEAD + 4 * b + byte, live, 0, EDGE).to(tl.int32) << (8 * byte)
+    bits = _le_bytes(frame_ptr + HEAD + 4 * b, live, 4, EDGE)
     scale = bits.to(tl.float32, bitcast=True)
     _flag(flags_ptr, live & (((bits & 0x7F800000) == 0x7F800000) | (scale < 0)))
     if S == 1:  # 2 bits: scale / 1 is the scale itself
@@ -990,9 +1005,7 @@ def _qsgd_steps_kernel(rows_ptr, header_ptr, steps_ptr, flags_ptr, stride, nb, s
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < nb
     at = row + HEAD + 4 * j
-    bits = tl.zeros([BLOCK], dtype=tl.int32)
-    for byte in tl.static_range(4):
-        bits |= tl.load(at + byte, mask=live, other=0).to(tl.int32) << (8 * byte)
+    bits = _le_bytes(at, live, 4, True)
     scale = bits.to(tl.float32, bitcast=True)
     tl.store(steps_ptr + r * nb + j, tl.math.div_rn(scale, S * 1.0), mask=live)
     _flag(flags_ptr, live & (((bits & 0x7F800000) == 0x7F800000) | (scale < 0)))
@@ -1103,22 +1116,6 @@ def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
 
 
 @triton.jit
-def _le_bytes(ptr, live, WIDTH: tl.constexpr):
-    # The little-endian integer of the WIDTH bytes at each of ptr (uint8 pointers of any
-    # alignment: a sparse frame's fields lie behind its 17-byte header): int32 for up to 4
-    # bytes, else int64.
-    if WIDTH > 4:
-        word = tl.zeros(ptr.shape, dtype=tl.int64)
-        for b in tl.static_range(WIDTH):
-            word |= tl.load(ptr + b, mask=live, other=0).to(tl.int64) << (8 * b)
-    else:
-        word = tl.zeros(ptr.shape, dtype=tl.int32)
-        for b in tl.static_range(WIDTH):
-            word |= tl.load(ptr + b, mask=live, other=0).to(tl.int32) << (8 * b)
-    return word
-
-
-@triton.jit
 def _sparse_scatter_kernel(frame_ptr, out_ptr, flags_ptr, n, k, values_at, first,
                            HEAD: tl.constexpr, IW: tl.constexpr, VALUES: tl.constexpr,
                            BLOCK: tl.constexpr, EDGE: tl.constexpr):
@@ -1134,19 +1131,19 @@ def _sparse_scatter_kernel(frame_ptr, out_ptr, flags_ptr, n, k, values_at, first
     else:
         live = j >= 0
     at = frame_ptr + HEAD + IW * j
-    i = _le_bytes(at, live, IW).to(tl.int64)
-    before = _le_bytes(at - IW, live & (j > 0), IW).to(tl.int64)
+    i = _le_bytes(at, live, IW, EDGE).to(tl.int64)
+    before = _le_bytes(at - IW, live & (j > 0), IW, True).to(tl.int64)
     bad = (i < 0) | (i >= n) | ((j > 0) & (i <= before))
     if VALUES == 0:
-        bits = _le_bytes(frame_ptr + values_at + 4 * j, live, 4)
+        bits = _le_bytes(frame_ptr + values_at + 4 * j, live, 4, EDGE)
         bad |= (bits & 0x7F800000) == 0x7F800000
         value = bits.to(tl.float32, bitcast=True)
     elif VALUES == 1:
-        bits = _le_bytes(frame_ptr + values_at + 2 * j, live, 2)
+        bits = _le_bytes(frame_ptr + values_at + 2 * j, live, 2, EDGE)
         bad |= (bits & 0x7C00) == 0x7C00
         value = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
-        bits = _le_bytes(frame_ptr + values_at + 0 * j, live, 4)  # one word, every lane
+        bits = _le_bytes(frame_ptr + values_at + 0 * j, live, 4, EDGE)  # one word, every lane
         bad |= ((bits & 0x7F800000) == 0x7F800000) | (bits == -2147483648)  # inf, NaN, -0.0
         value = bits.to(tl.float32, bitcast=True)
     _flag(flags_ptr, live & bad)
@@ -1695,7 +1692,9 @@ class _Selection:
         self.work = work
         self.hist = work[: d * 256].view(d, 256)
         self.state = work[d * 256 : -2].view(d + 1, 2)
-        self.bound = work[-2:-1]
+        self.rank_at = d * 256 + 1  # state[0, 1]'s word in work
+        self.bound_at = size - 2
+        self.bound = work[self.bound_at : -1]
         self.m = work[-1:]
         self.sampled = False
         if zeroed:
@@ -1726,7 +1725,7 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
     # kernel writes its work buffer first. `programs`: those of the passes. `census`: a row
     # a program for the count pass's census (_count_at_least_kernel's CENSUS), or None.
     work = sel.work
-    launch(_sample_bound_kernel, (1,), x, work, work.numel() - 2, step, r, k, sel.digits * 256 + 1,
+    launch(_sample_bound_kernel, (1,), x, work, sel.bound_at, step, r, k, sel.rank_at,
            SIDE=side, WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH,
            WORK=1 << (work.numel() - 1).bit_length(), num_warps=16)
     counts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)

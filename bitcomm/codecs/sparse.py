@@ -226,11 +226,11 @@ def decode_entries(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32,
 
 
 def _header(buf: torch.Tensor, expected: int | None, *, bounded: bool
-            ) -> tuple[int, int, str, int]:
-    # The frame's (n, k, value format, where its values start), its header checked and its
-    # indices' bytes (and fp32 / fp16 values') present. bounded: the caller will allocate the
-    # dense n, so without an expected length the header's n must be one the frame can justify
-    # (bitcomm.codecs' limit).
+            ) -> tuple[int, int, str, int, int]:
+    # The frame's (n, k, value format, where its values start, where they end: for a qsgd
+    # block, where it starts), its header checked and its indices' bytes (and fp32 / fp16
+    # values') present. bounded: the caller will allocate the dense n, so without an expected
+    # length the header's n must be one the frame can justify (bitcomm.codecs' limit).
     n, k, code = _frame.read_struct(buf, 0, HEADER, _CODEC, "header")
     if n < 0:
         raise ValueError(f"corrupt {_CODEC} frame: expected n >= 0, got {n}")
@@ -244,9 +244,13 @@ def _header(buf: torch.Tensor, expected: int | None, *, bounded: bool
     fmt = FORMATS[code]
     off = HEADER.size + k * _index_dtype(n).itemsize
     _frame.need(buf, off, _CODEC, "indices")
+    end = off
     if fmt in _VALUE_TYPES:
-        _frame.need(buf, off + k * _VALUE_TYPES[fmt].itemsize, _CODEC, "values")
-    return n, k, fmt, off
+        end = off + k * _VALUE_TYPES[fmt].itemsize
+        _frame.need(buf, end, _CODEC, "values")
+    elif fmt == "mean":  # checked where it is read, after the indices
+        end = off + 4
+    return n, k, fmt, off, end
 
 
 _VALUE_TYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -254,15 +258,13 @@ _VALUE_TYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bounded: bool,
-             head: tuple[int, int, str, int] | None = None
+             head: tuple[int, int, str, int, int] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     # head: _header's result, where the caller read it already (a host read on a GPU).
-    n, k, fmt, off = _header(buf, expected, bounded=bounded) if head is None else head
+    n, k, fmt, off, end = _header(buf, expected, bounded=bounded) if head is None else head
     idx = _frame.from_bytes(buf[HEADER.size : off], _index_dtype(n)).to(torch.int64)
-    end = off
     val = None
     if fmt in _VALUE_TYPES:
-        end = off + k * _VALUE_TYPES[fmt].itemsize
         val = _frame.from_bytes(buf[off:end], _VALUE_TYPES[fmt]).to(dtype)
     if k:
         # Every rule in one host read.
@@ -290,7 +292,6 @@ def _entries(buf: torch.Tensor, dtype: torch.dtype, expected: int | None, *, bou
                              f"got {val.numel()}")
         end = off + used
     elif fmt == "mean":
-        end = off + 4
         (mean,) = _frame.read_struct(buf, off, struct.Struct("<f"), _CODEC, "mean")
         if not math.isfinite(mean):
             raise ValueError(f"corrupt {_CODEC} frame: expected a finite mean, got {mean}")
@@ -558,14 +559,18 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
 
     """
     buf = _frame.as_buffer(frame)
+    head = None
     if out is not None:
         _frame.check_float(out, "out")
     elif _frame.use_triton(buf) and dtype in (torch.float32, torch.float64):
-        return _decode_triton(buf, dtype, n)
+        head = _header(buf, n, bounded=True)
+        scattered = _scattered(buf, dtype, n, head)
+        if scattered is not None:
+            return scattered
     # One read of the header (a host copy for a device frame); the entries alone are allocated
     # before the dense length is checked, and they are what the frame's bytes justify.
     idx, val, n, end = _entries(buf, dtype if out is None else out.dtype, n,
-                                bounded=out is None)
+                                bounded=out is None, head=head)
     if out is None:
         out = torch.zeros(n, dtype=dtype, device=val.device)
     elif out.dim() != 1 or out.numel() != n:
@@ -576,20 +581,17 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
     return out, end
 
 
-def _decode_triton(buf: torch.Tensor, dtype: torch.dtype, expected: int | None
-                   ) -> tuple[torch.Tensor, int]:
-    # decode into a fresh vector on the Triton path: the header's read, the zeros, then one
-    # kernel writes every value at its index and flags the frame's rules (indices in range and
-    # increasing, values finite, a mean finite and not -0), and one read of the flag at the
-    # end. The torch path reads the entries twice (its checks, then index_add_) in a dozen
-    # launches; it still decodes a qsgd block and a frame with no entries.
-    head = n, k, fmt, off = _header(buf, expected, bounded=True)
-    end = off + (k * _VALUE_TYPES[fmt].itemsize if fmt in _VALUE_TYPES else 4)
-    if fmt == "qsgd" or k == 0 or buf.numel() < end:  # (a cut mean: the torch path's error)
-        idx, val, n, end = _entries(buf, dtype, expected, bounded=True, head=head)
-        out = torch.zeros(n, dtype=dtype, device=buf.device)
-        out.index_add_(0, idx, val)
-        return out, end
+def _scattered(buf: torch.Tensor, dtype: torch.dtype, expected: int | None,
+               head: tuple[int, int, str, int, int]) -> tuple[torch.Tensor, int] | None:
+    # decode into a fresh vector on the Triton path, the header read (`head`): the zeros, then
+    # one kernel writes every value at its index and flags the frame's rules (indices in range
+    # and increasing, values finite, a mean finite and not -0), and one read of the flag at
+    # the end, where the torch path reads the entries twice (its checks, then index_add_) in a
+    # dozen launches. None for what the torch path decodes: a qsgd block, a frame with no
+    # entries, a mean cut short (the torch path's error).
+    n, k, fmt, _, end = head
+    if fmt == "qsgd" or k == 0 or buf.numel() < end:
+        return None
     out = torch.zeros(n, dtype=dtype, device=buf.device)
     flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
     _frame.kernels().sparse_scatter(buf[:end], n, k, HEADER.size, fmt, out, flag)
