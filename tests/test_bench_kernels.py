@@ -65,7 +65,8 @@ def test_no_kernel_spills_registers_on_an_h100(every_case):
     edges = {r["kernel"] for r in rows if "EDGE=True" in r["config"]}
     assert edges == {"sign_unpack", "planes_unpack", "radix_unpack", "qsgd_decode",
                      "qsgd_values", "qsgd_mean", "count_step", "vote_count", "sign_error",
-                     "weighted_votes", "scaled_signs", "sparse_scatter"}
+                     "weighted_votes", "scaled_signs", "sparse_scatter",
+                     "sparse_frame"}
     assert [(r["case"], r["stack"]) for r in rows if r["stack"]] == []
     assert all(0 < r["registers"] <= 255 for r in rows)
 
@@ -79,8 +80,8 @@ def test_rows_are_printed_and_saved(every_case):
         assert r["case"] in result.stdout
         if r["programs"] == 1:  # a last tile, the one that checks the end, the top-k's
             # sampled bound or the score statistics' totals: no figure per element
-            assert "EDGE=True" in r["config"] or r["kernel"] in ("sample_bound",
-                                                                 "score_totals"), r
+            assert "EDGE=True" in r["config"] or r["kernel"] in (
+                "sample_bound", "score_totals", "sparse_mean"), r
             continue
         if r["kernel"] == "gathered_counts":  # one row of 257 counts a program, not the vector
             assert r["per_element"] < 1 and r["loads"] > 0, r

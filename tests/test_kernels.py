@@ -1669,6 +1669,93 @@ def test_sparse_scatter_reads_int64_indices():
     assert flag.item() == 0 and torch.equal(out, want)
 
 
+@pytest.mark.parametrize("block", [8, 1024])
+def test_sparse_encode_is_one_kernel_on_the_triton_path(block, monkeypatch):
+    """A sparse frame (fp32, fp16 or mean values) is written on the Triton path by one kernel
+    over the entries (full tiles and the last) and, for a mean, a one-program kernel: the
+    numpy path's frame to the byte for every value dtype, checked or not, with int32 and
+    (n >= 2**31) int64 indices. Besides the kernels: no host copy of the header, no cast, no
+    concatenation; checked, the sort, the zeroed flag and its one read."""
+    from bitcomm.codecs import sparse
+
+    monkeypatch.setitem(_kernels.TUNING, "sparse_frame", (block, 4))
+    g = torch.Generator().manual_seed(block)
+    dtypes = {"fp32": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+              "fp16": (torch.float16, torch.float32),
+              "mean": (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+    for n in (5000, 2**32 + 9):
+        for k in (1, 7, 8, 9, 300):
+            idx = torch.randint(0, n, (k,), generator=g).unique()
+            idx = idx[torch.randperm(idx.numel(), generator=g)]
+            val = torch.randn(idx.numel(), generator=g, dtype=torch.float64) * 1000
+            val[0] = -0.0
+            for fmt, kinds in dtypes.items():
+                for dtype in kinds:
+                    v = val.to(dtype)
+                    for check in (True, False):
+                        i = idx if check else idx.sort().values
+                        want = sparse.encode(i, v, n, fmt, check=check)
+                        with forced("triton"):
+                            got = sparse.encode(i, v, n, fmt, check=check)
+                        assert got.dtype == torch.uint8 and torch.equal(got, want), \
+                            (n, k, fmt, dtype, check)
+    # a mean of -0.0 alone is +0.0, as the numpy path writes it
+    zeros = torch.full((block + 3,), -0.0)
+    i = torch.arange(block + 3)
+    with forced("triton"):
+        got = sparse.encode(i, zeros, 100 + block, "mean")
+    assert torch.equal(got, sparse.encode(i, zeros, 100 + block, "mean"))
+    assert got[-4:].tolist() == [0, 0, 0, 0]
+    k = 300
+    i, v = torch.arange(0, 3 * k, 3), torch.randn(k, generator=g)
+    tiles = ["_sparse_frame_kernel"] * (k // block > 0) + ["_sparse_frame_kernel"] * (
+        k % block > 0)
+    assert _ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, check=False)) == tiles
+    ops = _ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, "mean", check=False))
+    assert ops == [*tiles, "_sparse_mean_kernel"], ops
+    ops = _ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, "fp16"))
+    assert ops == ["sort", "index", "zeros", *tiles, "_local_scalar_dense"], ops
+    with forced("triton"):
+        assert host_reads(monkeypatch, lambda: sparse.encode(i, v, 5000, check=False)) == []
+        reads = host_reads(monkeypatch, lambda: sparse.encode(i, v, 5000))
+    assert [name for name, _, _ in reads] == ["__bool__"], reads
+
+
+def test_sparse_encode_flags_every_rule_as_the_numpy_path_raises():
+    """Each broken rule of sparse.encode's entries, in a full tile, the last one or across
+    two (a repeated index where one tile ends and the next begins), raises the numpy path's
+    error on the Triton path (ValueError, or OverflowError for fp16), with the same message;
+    inside _frame.deferred at the block's end."""
+    from bitcomm.codecs import _frame, sparse
+
+    n = 100
+    good = list(range(3, 63, 3))  # 20 entries: two full tiles of 8 and a partial one
+    vals = [float(i) / 4 - 2 for i in range(20)]
+    bad = []
+    for at in (0, 7, 8, 19):
+        for index in ((-1, n, n + 2**20) if at in (0, 19) else ()):
+            bad.append((good[:at] + [index] + good[at + 1 :], vals, "fp32", torch.float32))
+        if at:
+            bad.append((good[:at] + [good[at - 1]] + good[at + 1 :], vals, "fp16",
+                        torch.float32))
+        for v in (float("nan"), float("inf"), -float("inf"), 1e39):
+            for fmt in ("fp32", "fp16", "mean"):
+                bad.append((good, vals[:at] + [v] + vals[at + 1 :], fmt, torch.float64))
+        bad.append((good, vals[:at] + [-70000.0] + vals[at + 1 :], "fp16", torch.float32))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(_kernels.TUNING, "sparse_frame", (8, 4))
+        for idx, val, fmt, dtype in bad:
+            i, v = torch.tensor(idx), torch.tensor(val, dtype=dtype)
+            with pytest.raises((ValueError, OverflowError)) as want:
+                sparse.encode(i, v, n, fmt)
+            message = re.escape(want.value.args[0])
+            with forced("triton"), pytest.raises(want.type, match=message):
+                sparse.encode(i, v, n, fmt)
+            with forced("triton"), pytest.raises(want.type, match=message):
+                with _frame.deferred():
+                    assert sparse.encode(i, v, n, fmt).dtype == torch.uint8
+
+
 def test_a_kernel_writes_any_header_to_the_byte():
     """A header written by a kernel (_store_head, from two int64 words) is HEADER.pack's bytes
     for lengths that triton passes as int32, uint32 or int64 arguments, and bytes past it

@@ -127,7 +127,7 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
     vectors (meta tensors: nothing is allocated); ``elements`` is what its programs cover.
     """
     from bitcomm.codecs import _kernels as k
-    from bitcomm.codecs import counts, qsgd
+    from bitcomm.codecs import counts, qsgd, sparse
     from bitcomm.collectives import _kernels as steps
 
     def meta(size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -219,6 +219,15 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                  meta(17 + 8 * entries, torch.uint8), n, entries, 17, values, x,
                  meta(1, torch.int32)))
             for values in ("fp32", "mean")]
+    # and the frame of a top-k's entries, checked, or RedSync's of a mean; the frame's index
+    # field aligned as the encoder allocates it
+    out += [(f"sparse 1% encode, {values} values{', checked' * checked}", entries,
+             lambda values=values, checked=checked: k.sparse_frame(
+                 meta(entries, torch.int64), meta(entries, torch.float32),
+                 sparse.HEADER.pack(n, entries, sparse.FORMATS.index(values)), values,
+                 meta(15 + 17 + 8 * entries, torch.uint8)[15:],
+                 meta(1, torch.int32) if checked else None))
+            for values, checked in (("fp32", True), ("mean", False))]
     out += [("redsync-1% mean, max, check, count", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
              lambda: k.count_above(x, meta(63, torch.float32), 1, runs=True)),

@@ -110,6 +110,7 @@ TUNING: dict[str, tuple[int, int]] = {
     # entries; each is some 65 instructions (its index, the one before it and its value put
     # together byte by byte): at 1024, 48-64 registers (sm_90), at 512 32
     "sparse_scatter": (512, 4),
+    "sparse_frame": (1024, 4),  # entries
     "score_stats": (2048, 4),  # elements
     "score_totals": (1024, 4),  # score_stats' rows a step of its one program
     "key_digits": (1024, 4),  # elements per tile
@@ -1172,6 +1173,88 @@ def sparse_scatter(frame: torch.Tensor, n: int, k: int, head: int, values: str,
         launch_tiles(_sparse_scatter_kernel, _cdiv(k, block), k // block, frame, out, flags, n,
                      k, head + iw * k, HEAD=head, IW=iw, VALUES=SPARSE_VALUES[values],
                      BLOCK=block, **opts)
+
+
+@triton.jit
+def _sparse_frame_kernel(idx_ptr, val_ptr, frame_ptr, ids_ptr, out_ptr, sums_ptr, flags_ptr,
+                         head0, head1, n, k, first, CODE: tl.constexpr, VALUES: tl.constexpr,
+                         CHECK: tl.constexpr, BLOCK: tl.constexpr, EDGE: tl.constexpr):
+    # Entries [first + program) * BLOCK ...) of a sparse frame: each index (int64 in idx_ptr)
+    # to ids_ptr, the frame's index field as int32 or int64, and its value (val_ptr) to
+    # out_ptr as float32 (VALUES 0) or float16 (1), or (3) the tile's float64 sum of the
+    # values to sums_ptr, for _sparse_mean_kernel; program 0 writes the header. With CHECK
+    # the rules the numpy path checks are flagged: an index outside [0, n) or not above the
+    # one before it, a value not finite once float32 (a float64 beyond its range), or, for
+    # float16, above FP16_MAX.
+    tile = first + tl.program_id(0)
+    if tile == 0:
+        _store_head(frame_ptr, head0, head1, 16)
+        tl.store(frame_ptr + 16 + tl.arange(0, 1), tl.full([1], CODE, tl.uint8))
+    j = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if EDGE:
+        live = j < k
+    else:
+        live = j >= 0
+    i = _load(idx_ptr + j, live, 0, EDGE).to(tl.int64)
+    v = _load(val_ptr + j, live, 0.0, EDGE)
+    _store(ids_ptr + j, i.to(ids_ptr.dtype.element_ty), live, EDGE)
+    if VALUES == 3:
+        tl.store(sums_ptr + tile, tl.sum(v.to(tl.float64), 0))
+    else:
+        _store(out_ptr + j, v.to(out_ptr.dtype.element_ty), live, EDGE)
+    if CHECK:
+        before = tl.load(idx_ptr + j - 1, mask=live & (j > 0), other=-1).to(tl.int64)
+        wide = v.to(tl.float32)
+        bad = (i < 0) | (i >= n) | (i <= before) | (tl.abs(wide) == float("inf"))
+        bad |= wide != wide
+        if VALUES == 1:
+            bad |= tl.abs(wide) > 65504.0
+        _flag(flags_ptr, live & bad)
+
+
+@triton.jit
+def _sparse_mean_kernel(sums_ptr, out_ptr, tiles, k, CHUNK: tl.constexpr):
+    # One program: the tiles' float64 sums added in tile order, divided by k and rounded
+    # once to the float32 the frame carries. The sum starts from +0.0, so values of -0.0
+    # alone give +0.0, as torch's mean does (a frame's mean is never -0.0).
+    total = tl.zeros([CHUNK], dtype=tl.float64)
+    for start in range(0, tiles, CHUNK):
+        t = start + tl.arange(0, CHUNK)
+        total += tl.load(sums_ptr + t, mask=t < tiles, other=0.0)
+    mean = tl.sum(total, 0) / k
+    tl.store(out_ptr, mean.to(tl.float32))
+
+
+SPARSE_ENCODES = {"fp32": 0, "fp16": 1, "mean": 3}
+"""The value formats :func:`sparse_frame` writes, by their code in the kernel."""
+
+
+def sparse_frame(idx: torch.Tensor, val: torch.Tensor, header: bytes, values: str,
+                 frame: torch.Tensor, flags: torch.Tensor | None) -> None:
+    """Write a sparse frame of the ``k`` entries ``(idx[j], val[j])`` into ``frame``.
+
+    ``idx``: int64, ``val``: float, both contiguous and of ``k >= 1`` elements. ``header``:
+    the frame's 17 bytes (``n``, ``k``, the value format's code); ``frame``: uint8 of the
+    frame's size, whose index field (byte 17 on) is aligned for its indices (int32 below
+    ``2**31``, else int64). ``values``: one of :data:`SPARSE_ENCODES`; for ``"mean"`` the
+    tiles' float64 sums are added in a second, one-program launch. ``flags``: one int32,
+    zero, that the rules of ``sparse.encode``'s check set (``None``: no check). One launch,
+    one more for a partial last tile and one for a mean.
+    """
+    k, n = idx.numel(), struct.unpack_from("<q", header)[0]
+    iw = 4 if n < 2**31 else 8
+    at = len(header)
+    ids = frame[at : at + iw * k].view(torch.int32 if iw == 4 else torch.int64)
+    code = SPARSE_ENCODES[values]
+    out = frame[at + iw * k :].view(torch.float16 if code == 1 else torch.float32)
+    block, opts = _config("sparse_frame")
+    tiles = _cdiv(k, block)
+    sums = torch.empty(tiles if code == 3 else 1, dtype=torch.float64, device=frame.device)
+    launch_tiles(_sparse_frame_kernel, tiles, k // block, idx, val, frame, ids, out, sums,
+                 out if flags is None else flags, *_head_words(header[:16]), n, k,
+                 CODE=header[16], VALUES=code, CHECK=flags is not None, BLOCK=block, **opts)
+    if code == 3:
+        launch(_sparse_mean_kernel, (1,), sums, out, tiles, k, CHUNK=1024, num_warps=4)
 
 
 # --- selection (bitcomm.codecs.select) ---------------------------------------------------------

@@ -152,12 +152,16 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
     # with the enclosing block's flags (a collective's, which reads once at its end: a broken
     # frame then still goes out, and its receivers flag it too).
     later = not _frame.use_numpy(idx) and (isinstance(fmt, Qsgd) or _frame.deferring())
+    written = bool(k) and fmt in _WRITTEN and val.dtype in _WRITTEN[fmt] \
+        and _frame.use_triton(val)
     if k and check:
         idx, order = idx.sort()
         val = val[order]
-        if not later:
+        if not (later or written):
             _check_entries(idx, val, n, fp16=fmt == "fp16")
     code = FORMATS.index("qsgd" if isinstance(fmt, Qsgd) else fmt)
+    if written:
+        return _written(idx, val, n, HEADER.pack(n, k, code), fmt, check)
     parts = [
         _frame.host_bytes(HEADER.pack(n, k, code), device),
         _frame.float_bytes(idx.to(_index_dtype(n))),
@@ -184,6 +188,29 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
                                                                        device=device))
             parts.append(_frame.float_bytes(mean.to(torch.float32).reshape(1)))
     return torch.cat(parts)
+
+
+_WRITTEN = {"fp32": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+            "fp16": (torch.float16, torch.float32),
+            "mean": (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+"""The value formats one kernel writes on the Triton path, and the value dtypes it takes: those
+whose conversion to the wire's float rounds once, as torch's does."""
+
+
+def _written(idx: torch.Tensor, val: torch.Tensor, n: int, header: bytes, fmt: str,
+             check: bool) -> torch.Tensor:
+    # The frame written by one kernel (and a one-program one for a mean): header, indices and
+    # values (or the tiles' sums for the mean) in one pass over the entries, the rules flagged
+    # in it and read once (or with the enclosing block's flags), where the torch path takes a
+    # host copy of the header, casts, a reduction for a mean, a concatenation and, checked, a
+    # dozen more launches.
+    device = val.device
+    frame = _frame.empty_aligned_at(encoded_size(n, idx.numel(), fmt), HEADER.size, device)
+    flags = torch.zeros(1, dtype=torch.int32, device=device) if check else None
+    _frame.kernels().sparse_frame(idx.contiguous(), val.contiguous(), header, fmt, frame, flags)
+    # the numpy path's checks name the broken rule
+    _frame.raise_if(flags, lambda: _check_entries(idx, val, n, fp16=fmt == "fp16"))
+    return frame
 
 
 def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) -> None:
