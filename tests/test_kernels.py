@@ -1721,6 +1721,62 @@ def test_sparse_encode_is_one_kernel_on_the_triton_path(block, monkeypatch):
     assert [name for name, _, _ in reads] == ["__bool__"], reads
 
 
+@pytest.mark.parametrize("block", [8, 1024])
+def test_sparse_encode_at_reads_the_values_in_its_kernel(block, monkeypatch):
+    """encode_at(x, idx) is encode(idx, x[idx], n)'s frame on every path, for every value
+    format and dtype, checked (any order) or not; on the Triton path its kernel reads x at
+    each index: no gathered copy, the same ops as encode of ready values. An index outside x
+    is encode's ValueError on both paths (never torch's IndexError), and NaN in x counts only
+    where an index reads it."""
+    from bitcomm.codecs import sparse
+
+    monkeypatch.setitem(_kernels.TUNING, "sparse_frame", (block, 4))
+    g = torch.Generator().manual_seed(block + 1)
+    n = 3000
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 100
+    formats = {"fp32": (torch.bfloat16, torch.float32, torch.float64),
+               "fp16": (torch.float16, torch.float32), "mean": (torch.float32, torch.float64),
+               sparse.Qsgd(bits=2, seed=3): (torch.float32,)}
+    for k in (1, 9, 300):
+        idx = torch.randperm(n, generator=g)[:k]
+        for fmt, kinds in formats.items():
+            for dtype in kinds:
+                v = x.to(dtype)
+                for check in (True, False):
+                    i = idx if check else idx.sort().values
+                    want = sparse.encode(i, v[i], n, fmt, check=check)
+                    assert torch.equal(sparse.encode_at(v, i, fmt, check=check), want)
+                    with forced("triton"):
+                        got = sparse.encode_at(v, i, fmt, check=check)
+                    assert torch.equal(got, want), (k, fmt, dtype, check)
+    i, v = torch.arange(0, 900, 3), x.float()
+    tiles = ["_sparse_frame_kernel"] * (300 // block > 0) + ["_sparse_frame_kernel"] * (
+        300 % block > 0)
+    assert _ops_on_the_triton_path(lambda: sparse.encode_at(v, i, check=False)) == tiles
+    ops = _ops_on_the_triton_path(lambda: sparse.encode_at(v, i, "mean", check=False))
+    assert ops == [*tiles, "_sparse_mean_kernel"], ops
+    ops = _ops_on_the_triton_path(lambda: sparse.encode_at(v, i))
+    assert ops == ["sort", "zeros", *tiles, "_local_scalar_dense"], ops
+    for bad in (-1, n, n + 2**20):
+        i = torch.tensor([5, bad, 7])
+        with pytest.raises(ValueError) as want:
+            sparse.encode(i, torch.ones(3), n)
+        assert str(want.value).startswith("expected indices in [0, 3000)")
+        for fmt in ("fp32", "mean", "qsgd"):
+            with pytest.raises(ValueError, match=re.escape(str(want.value))):
+                sparse.encode_at(v, i, fmt)
+            with forced("triton"), pytest.raises(ValueError, match=re.escape(str(want.value))):
+                sparse.encode_at(v, i, fmt)
+    w = v.clone()
+    w[10] = float("nan")
+    for path in ("numpy", "triton"):
+        with forced(path):
+            assert torch.equal(sparse.encode_at(w, torch.tensor([9, 11])),
+                               sparse.encode(torch.tensor([9, 11]), w[[9, 11]], n))
+            with pytest.raises(ValueError, match="expected finite values"):
+                sparse.encode_at(w, torch.tensor([9, 10]))
+
+
 def test_sparse_encode_flags_every_rule_as_the_numpy_path_raises():
     """Each broken rule of sparse.encode's entries, in a full tile, the last one or across
     two (a repeated index where one tile ends and the next begins), raises the numpy path's

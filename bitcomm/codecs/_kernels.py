@@ -1178,14 +1178,16 @@ def sparse_scatter(frame: torch.Tensor, n: int, k: int, head: int, values: str,
 @triton.jit
 def _sparse_frame_kernel(idx_ptr, val_ptr, frame_ptr, ids_ptr, out_ptr, sums_ptr, flags_ptr,
                          head0, head1, n, k, first, CODE: tl.constexpr, VALUES: tl.constexpr,
-                         CHECK: tl.constexpr, BLOCK: tl.constexpr, EDGE: tl.constexpr):
+                         CHECK: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                         EDGE: tl.constexpr):
     # Entries [first + program) * BLOCK ...) of a sparse frame: each index (int64 in idx_ptr)
-    # to ids_ptr, the frame's index field as int32 or int64, and its value (val_ptr) to
-    # out_ptr as float32 (VALUES 0) or float16 (1), or (3) the tile's float64 sum of the
-    # values to sums_ptr, for _sparse_mean_kernel; program 0 writes the header. With CHECK
-    # the rules the numpy path checks are flagged: an index outside [0, n) or not above the
-    # one before it, a value not finite once float32 (a float64 beyond its range), or, for
-    # float16, above FP16_MAX.
+    # to ids_ptr, the frame's index field as int32 or int64, and its value (val_ptr's at the
+    # entry, or with GATHER at the index: val_ptr is then the dense vector) to out_ptr as
+    # float32 (VALUES 0) or float16 (1), or (3) the tile's float64 sum of the values to
+    # sums_ptr, for _sparse_mean_kernel; program 0 writes the header (an index outside
+    # [0, n) gathers nothing). With CHECK the rules the numpy path checks are flagged: an
+    # index outside [0, n) or not above the one before it, a value not finite once float32
+    # (a float64 beyond its range), or, for float16, above FP16_MAX.
     tile = first + tl.program_id(0)
     if tile == 0:
         _store_head(frame_ptr, head0, head1, 16)
@@ -1196,7 +1198,10 @@ def _sparse_frame_kernel(idx_ptr, val_ptr, frame_ptr, ids_ptr, out_ptr, sums_ptr
     else:
         live = j >= 0
     i = _load(idx_ptr + j, live, 0, EDGE).to(tl.int64)
-    v = _load(val_ptr + j, live, 0.0, EDGE)
+    if GATHER:  # unchecked indices too: an index outside the vector must not address memory
+        v = tl.load(val_ptr + i, mask=live & (i >= 0) & (i < n), other=0.0)
+    else:
+        v = _load(val_ptr + j, live, 0.0, EDGE)
     _store(ids_ptr + j, i.to(ids_ptr.dtype.element_ty), live, EDGE)
     if VALUES == 3:
         tl.store(sums_ptr + tile, tl.sum(v.to(tl.float64), 0))
@@ -1230,10 +1235,13 @@ SPARSE_ENCODES = {"fp32": 0, "fp16": 1, "mean": 3}
 
 
 def sparse_frame(idx: torch.Tensor, val: torch.Tensor, header: bytes, values: str,
-                 frame: torch.Tensor, flags: torch.Tensor | None) -> None:
+                 frame: torch.Tensor, flags: torch.Tensor | None, *, gather: bool = False
+                 ) -> None:
     """Write a sparse frame of the ``k`` entries ``(idx[j], val[j])`` into ``frame``.
 
-    ``idx``: int64, ``val``: float, both contiguous and of ``k >= 1`` elements. ``header``:
+    ``idx``: int64, ``val``: float, both contiguous and of ``k >= 1`` elements (with
+    ``gather``, ``val`` is the dense vector and the entries ``(idx[j], val[idx[j]])``; an index
+    outside it reads nothing). ``header``:
     the frame's 17 bytes (``n``, ``k``, the value format's code); ``frame``: uint8 of the
     frame's size, whose index field (byte 17 on) is aligned for its indices (int32 below
     ``2**31``, else int64). ``values``: one of :data:`SPARSE_ENCODES`; for ``"mean"`` the
@@ -1252,7 +1260,8 @@ def sparse_frame(idx: torch.Tensor, val: torch.Tensor, header: bytes, values: st
     sums = torch.empty(tiles if code == 3 else 1, dtype=torch.float64, device=frame.device)
     launch_tiles(_sparse_frame_kernel, tiles, k // block, idx, val, frame, ids, out, sums,
                  out if flags is None else flags, *_head_words(header[:16]), n, k,
-                 CODE=header[16], VALUES=code, CHECK=flags is not None, BLOCK=block, **opts)
+                 CODE=header[16], VALUES=code, CHECK=flags is not None, GATHER=gather,
+                 BLOCK=block, **opts)
     if code == 3:
         launch(_sparse_mean_kernel, (1,), sums, out, tiles, k, CHUNK=1024, num_warps=4)
 

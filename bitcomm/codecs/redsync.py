@@ -75,6 +75,6 @@ def encode(x: torch.Tensor, k: int, side: str = "top", method: str = "topk",
     idx = select.select_side(v, k, 1 if side == "top" else -1, method, positive=True,
                              **options)
     # ascending, distinct and in range from the selector, finite from its check
-    return sparse.encode(idx, v[idx], v.numel(), "mean", check=False)
+    return sparse.encode_at(v, idx, "mean", check=False)
 
 

@@ -31,7 +31,8 @@ Worked example: ``encode(torch.tensor([5, 2]), torch.tensor([1.0, -2.0]), n=8)``
 ``[2, 5]`` with values ``[-2, 1]``:
 ``08 00 00 00 00 00 00 00 | 02 00 00 00 00 00 00 00 | 00 | 02 00 00 00 05 00 00 00 |
 00 00 00 c0 00 00 80 3f`` (33 bytes). :func:`decode` returns the dense
-``[0, 0, -2, 0, 0, 1, 0, 0]``, or adds those values into ``out``.
+``[0, 0, -2, 0, 0, 1, 0, 0]``, or adds those values into ``out``. :func:`encode_at` makes the
+frame of a dense vector's entries at a selector's indices.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ import torch
 
 from bitcomm.codecs import _frame, qsgd
 
-__all__ = ["encode", "decode", "decode_all", "decode_entries", "encoded_size", "entries_in",
-           "value_format", "Qsgd", "ValueFormat", "HEADER", "FORMATS", "FP16_MAX"]
+__all__ = ["encode", "encode_at", "decode", "decode_all", "decode_entries", "encoded_size",
+           "entries_in", "value_format", "Qsgd", "ValueFormat", "HEADER", "FORMATS", "FP16_MAX"]
 
 HEADER = struct.Struct("<qqB")
 """Frame header: n (int64), k (int64), value format (uint8); 17 bytes."""
@@ -161,7 +162,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
             _check_entries(idx, val, n, fp16=fmt == "fp16")
     code = FORMATS.index("qsgd" if isinstance(fmt, Qsgd) else fmt)
     if written:
-        return _written(idx, val, n, HEADER.pack(n, k, code), fmt, check)
+        return _written(idx, val, n, HEADER.pack(n, k, code), fmt, check, gather=False)
     parts = [
         _frame.host_bytes(HEADER.pack(n, k, code), device),
         _frame.float_bytes(idx.to(_index_dtype(n))),
@@ -198,19 +199,53 @@ whose conversion to the wire's float rounds once, as torch's does."""
 
 
 def _written(idx: torch.Tensor, val: torch.Tensor, n: int, header: bytes, fmt: str,
-             check: bool) -> torch.Tensor:
+             check: bool, *, gather: bool) -> torch.Tensor:
     # The frame written by one kernel (and a one-program one for a mean): header, indices and
     # values (or the tiles' sums for the mean) in one pass over the entries, the rules flagged
     # in it and read once (or with the enclosing block's flags), where the torch path takes a
     # host copy of the header, casts, a reduction for a mean, a concatenation and, checked, a
-    # dozen more launches.
+    # dozen more launches. gather: val is the dense vector, read at each index.
     device = val.device
     frame = _frame.empty_aligned_at(encoded_size(n, idx.numel(), fmt), HEADER.size, device)
     flags = torch.zeros(1, dtype=torch.int32, device=device) if check else None
-    _frame.kernels().sparse_frame(idx.contiguous(), val.contiguous(), header, fmt, frame, flags)
+    _frame.kernels().sparse_frame(idx.contiguous(), val.contiguous(), header, fmt, frame, flags,
+                                  gather=gather)
     # the numpy path's checks name the broken rule
-    _frame.raise_if(flags, lambda: _check_entries(idx, val, n, fp16=fmt == "fp16"))
+    _frame.raise_if(flags, lambda: _check_entries(idx, _at(val, idx) if gather else val, n,
+                                                  fp16=fmt == "fp16"))
     return frame
+
+
+def _at(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    # v's values at idx, and a zero for an index outside v: the entries' check refuses that
+    # index before it looks at any value.
+    if not v.numel():
+        return v.new_zeros(idx.numel())
+    return v[idx.clamp(0, v.numel() - 1)]
+
+
+def encode_at(x: torch.Tensor, indices: torch.Tensor, fmt: ValueFormat = "fp32", *,
+              check: bool = True) -> torch.Tensor:
+    """Encode the entries of ``x`` at ``indices`` as one sparse frame of ``x.numel()`` elements.
+
+    The frame of ``encode(indices, x.reshape(-1)[indices], x.numel(), fmt, check=check)`` and
+    its errors (an index outside ``[0, n)`` is its ``ValueError``, not torch's ``IndexError``),
+    for a selector's indices: on the Triton path one kernel reads each value at its index as it
+    writes fp32, fp16 or mean values, where a gathered copy of the values would be one more
+    launch and pass. Unchecked, the indices are trusted: one outside ``x`` reads nothing (its
+    value is 0) and makes a broken frame.
+    """
+    v = _frame.check_float(x)
+    idx = _frame.check_int(indices, "indices")
+    n, k, fmt = v.numel(), idx.numel(), value_format(fmt)
+    if k and fmt in _WRITTEN and v.dtype in _WRITTEN[fmt] and _frame.use_triton(v):
+        idx = idx.to(device=v.device, dtype=torch.int64)
+        if check:  # the values follow their indices: they are read after the sort
+            idx = idx.sort().values
+        header = HEADER.pack(n, k, FORMATS.index(fmt))
+        return _written(idx, v, n, header, fmt, check, gather=True)
+    idx = idx.to(v.device)
+    return encode(idx, _at(v, idx), n, fmt, check=check)
 
 
 def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) -> None:

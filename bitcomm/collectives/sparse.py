@@ -110,7 +110,7 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
                 form = dataclasses.replace(form, seed=form.seed + comm.rank)
             # With check, the agreement found v finite (and in fp16's range, validate): the
             # selector's ascending entries need no second check, which would read the host.
-            frame = sparse.encode(idx, v[idx], v.numel(), form, check=not check)
+            frame = sparse.encode_at(v, idx, form, check=not check)
         made.append(frame)
         return frame.numel()
 
