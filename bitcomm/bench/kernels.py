@@ -219,15 +219,17 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                  meta(17 + 8 * entries, torch.uint8), n, entries, 17, values, x,
                  meta(1, torch.int32)))
             for values in ("fp32", "mean")]
-    # and the frame of a top-k's entries, checked, or RedSync's of a mean; the frame's index
-    # field aligned as the encoder allocates it
-    out += [(f"sparse 1% encode, {values} values{', checked' * checked}", entries,
-             lambda values=values, checked=checked: k.sparse_frame(
-                 meta(entries, torch.int64), meta(entries, torch.float32),
+    # and a frame of entries: given ones, checked, or read at a top-k's indices (fp32) or
+    # RedSync's (its mean) from the vector; the index field aligned as the encoder allocates it
+    out += [(f"sparse 1% encode, {values} values, {how}", entries,
+             lambda values=values, how=how: k.sparse_frame(
+                 meta(entries, torch.int64), x if how == "gathered" else meta(entries,
+                                                                              torch.float32),
                  sparse.HEADER.pack(n, entries, sparse.FORMATS.index(values)), values,
                  meta(15 + 17 + 8 * entries, torch.uint8)[15:],
-                 meta(1, torch.int32) if checked else None))
-            for values, checked in (("fp32", True), ("mean", False))]
+                 meta(1, torch.int32) if how == "checked" else None, gather=how == "gathered"))
+            for values, how in (("fp32", "checked"), ("fp32", "gathered"),
+                                ("mean", "gathered"))]
     out += [("redsync-1% mean, max, check, count", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
              lambda: k.count_above(x, meta(63, torch.float32), 1, runs=True)),

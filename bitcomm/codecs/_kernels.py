@@ -22,7 +22,9 @@ launch never waits for the device.
   :func:`qsgd_values`); :func:`qsgd_mean` decodes many frames at once and writes only their
   mean.
 * :func:`sparse_scatter`: a sparse frame's entries written into their dense vector, its rules
-  checked in the same pass.
+  checked in the same pass; :func:`sparse_frame`: a frame written from its entries (or from a
+  vector at its indices), the header, indices and values or a float64 mean in one pass over
+  them, checked in it.
 * :func:`sidco_stage`: one stage of :mod:`bitcomm.codecs.sidco`'s fits, the float64 sums of
   the scores scaled by the largest (of a later stage's exceedances) in one read.
 * :func:`score_stats` / :func:`count_above` / :func:`indices_above`: the passes of
@@ -76,7 +78,8 @@ __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign
            "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_decode",
            "qsgd_steps", "qsgd_values", "qsgd_mean", "score_stats", "count_above", "Runs",
            "kth_largest", "top_indices", "indices_above", "sidco_stage", "SIDCO_KINDS",
-           "MAX_FUSED_BUCKET", "DIGIT", "SLACK", "sparse_scatter", "SPARSE_VALUES"]
+           "MAX_FUSED_BUCKET", "DIGIT", "SLACK", "sparse_scatter", "SPARSE_VALUES",
+           "sparse_frame", "SPARSE_ENCODES"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -107,10 +110,10 @@ TUNING: dict[str, tuple[int, int]] = {
     # of 512 cost 24 instructions an element at 4 bits, at 2 warps 16.5 (sm_90)
     "qsgd_decode": (1024, 2),
     "qsgd_mean": (1024, 4),  # elements: a sum and a kept value each, in registers
-    # entries; each is some 65 instructions (its index, the one before it and its value put
-    # together byte by byte): at 1024, 48-64 registers (sm_90), at 512 32
+    # entries; each is some 83 instructions (its index, the one before it and its value put
+    # together byte by byte, masked): at 1024, 48-64 registers (sm_90), at 512 32
     "sparse_scatter": (512, 4),
-    "sparse_frame": (1024, 4),  # entries
+    "sparse_frame": (1024, 4),  # entries: 19-31 instructions each, 32-48 registers (sm_90)
     "score_stats": (2048, 4),  # elements
     "score_totals": (1024, 4),  # score_stats' rows a step of its one program
     "key_digits": (1024, 4),  # elements per tile
@@ -1117,34 +1120,32 @@ def qsgd_mean(rows: torch.Tensor, off: int, n: int, bits: int, bucket: int,
 
 
 @triton.jit
-def _sparse_scatter_kernel(frame_ptr, out_ptr, flags_ptr, n, k, values_at, first,
-                           HEAD: tl.constexpr, IW: tl.constexpr, VALUES: tl.constexpr,
-                           BLOCK: tl.constexpr, EDGE: tl.constexpr):
-    # Entries [first + program) * BLOCK ...) of a sparse frame written into the zeroed dense
+def _sparse_scatter_kernel(frame_ptr, out_ptr, flags_ptr, n, k, values_at, HEAD: tl.constexpr,
+                           IW: tl.constexpr, VALUES: tl.constexpr, BLOCK: tl.constexpr):
+    # Entries [program * BLOCK ...) of a sparse frame written into the zeroed dense
     # out_ptr (float32 or float64): each value at its index. The frame's rules are flagged: an
     # index outside [0, n) or not above the one before it (the previous tile's last included),
     # a value (VALUES 0: float32, 1: float16) that is not finite, or (VALUES 3) a shared mean
     # that is not finite or is -0.0. Out-of-range indices write nothing; a refused frame's
     # other writes go to a vector its caller never sees.
-    j = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if EDGE:
-        live = j < k
-    else:
-        live = j >= 0
+    # Every tile masked: the entries are a sliver of the vector, where a launch of its own
+    # for the last tile (launch_tiles) would cost more than the masks save.
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < k
     at = frame_ptr + HEAD + IW * j
-    i = _le_bytes(at, live, IW, EDGE).to(tl.int64)
+    i = _le_bytes(at, live, IW, True).to(tl.int64)
     before = _le_bytes(at - IW, live & (j > 0), IW, True).to(tl.int64)
     bad = (i < 0) | (i >= n) | ((j > 0) & (i <= before))
     if VALUES == 0:
-        bits = _le_bytes(frame_ptr + values_at + 4 * j, live, 4, EDGE)
+        bits = _le_bytes(frame_ptr + values_at + 4 * j, live, 4, True)
         bad |= (bits & 0x7F800000) == 0x7F800000
         value = bits.to(tl.float32, bitcast=True)
     elif VALUES == 1:
-        bits = _le_bytes(frame_ptr + values_at + 2 * j, live, 2, EDGE)
+        bits = _le_bytes(frame_ptr + values_at + 2 * j, live, 2, True)
         bad |= (bits & 0x7C00) == 0x7C00
         value = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
-        bits = _le_bytes(frame_ptr + values_at + 0 * j, live, 4, EDGE)  # one word, every lane
+        bits = _le_bytes(frame_ptr + values_at + 0 * j, live, 4, True)  # one word, every lane
         bad |= ((bits & 0x7F800000) == 0x7F800000) | (bits == -2147483648)  # inf, NaN, -0.0
         value = bits.to(tl.float32, bitcast=True)
     _flag(flags_ptr, live & bad)
@@ -1165,48 +1166,43 @@ def sparse_scatter(frame: torch.Tensor, n: int, k: int, head: int, values: str,
     ``out``: the dense ``n``-vector, float32 or float64, zeros; each value goes to its index
     (a store: the indices of an accepted frame are distinct). An index outside ``[0, n)`` or
     not above the one before it, a value that is not finite or a mean of -0.0 sets ``flags``
-    (one int32, zero). One launch (and one for the last partial tile).
+    (one int32, zero). One launch.
     """
     if k:
         block, opts = _config("sparse_scatter")
         iw = 4 if n < 2**31 else 8
-        launch_tiles(_sparse_scatter_kernel, _cdiv(k, block), k // block, frame, out, flags, n,
-                     k, head + iw * k, HEAD=head, IW=iw, VALUES=SPARSE_VALUES[values],
-                     BLOCK=block, **opts)
+        launch(_sparse_scatter_kernel, _grid(k, block), frame, out, flags, n, k, head + iw * k,
+               HEAD=head, IW=iw, VALUES=SPARSE_VALUES[values], BLOCK=block, **opts)
 
 
 @triton.jit
 def _sparse_frame_kernel(idx_ptr, val_ptr, frame_ptr, ids_ptr, out_ptr, sums_ptr, flags_ptr,
-                         head0, head1, n, k, first, CODE: tl.constexpr, VALUES: tl.constexpr,
-                         CHECK: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr,
-                         EDGE: tl.constexpr):
-    # Entries [first + program) * BLOCK ...) of a sparse frame: each index (int64 in idx_ptr)
-    # to ids_ptr, the frame's index field as int32 or int64, and its value (val_ptr's at the
-    # entry, or with GATHER at the index: val_ptr is then the dense vector) to out_ptr as
-    # float32 (VALUES 0) or float16 (1), or (3) the tile's float64 sum of the values to
-    # sums_ptr, for _sparse_mean_kernel; program 0 writes the header (an index outside
-    # [0, n) gathers nothing). With CHECK the rules the numpy path checks are flagged: an
-    # index outside [0, n) or not above the one before it, a value not finite once float32
-    # (a float64 beyond its range), or, for float16, above FP16_MAX.
-    tile = first + tl.program_id(0)
+                         head0, head1, n, k, CODE: tl.constexpr, VALUES: tl.constexpr,
+                         CHECK: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    # Entries [program * BLOCK ...) of a sparse frame, every tile masked as the scatter's:
+    # each index (int64 in idx_ptr) to ids_ptr, the frame's index field as int32 or int64,
+    # and its value (val_ptr's at the entry, or with GATHER at the index: val_ptr is then the
+    # dense vector) to out_ptr as float32 (VALUES 0) or float16 (1), or (3) the tile's
+    # float64 sum of the values to sums_ptr, for _sparse_mean_kernel; program 0 writes the
+    # header (an index outside [0, n) gathers nothing). With CHECK the rules the numpy path
+    # checks are flagged: an index outside [0, n) or not above the one before it, a value
+    # not finite once float32 (a float64 beyond its range), or, for float16, above FP16_MAX.
+    tile = tl.program_id(0)
     if tile == 0:
         _store_head(frame_ptr, head0, head1, 16)
         tl.store(frame_ptr + 16 + tl.arange(0, 1), tl.full([1], CODE, tl.uint8))
     j = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if EDGE:
-        live = j < k
-    else:
-        live = j >= 0
-    i = _load(idx_ptr + j, live, 0, EDGE).to(tl.int64)
+    live = j < k
+    i = tl.load(idx_ptr + j, mask=live, other=0).to(tl.int64)
     if GATHER:  # unchecked indices too: an index outside the vector must not address memory
         v = tl.load(val_ptr + i, mask=live & (i >= 0) & (i < n), other=0.0)
     else:
-        v = _load(val_ptr + j, live, 0.0, EDGE)
-    _store(ids_ptr + j, i.to(ids_ptr.dtype.element_ty), live, EDGE)
+        v = tl.load(val_ptr + j, mask=live, other=0.0)
+    tl.store(ids_ptr + j, i.to(ids_ptr.dtype.element_ty), mask=live)
     if VALUES == 3:
         tl.store(sums_ptr + tile, tl.sum(v.to(tl.float64), 0))
     else:
-        _store(out_ptr + j, v.to(out_ptr.dtype.element_ty), live, EDGE)
+        tl.store(out_ptr + j, v.to(out_ptr.dtype.element_ty), mask=live)
     if CHECK:
         before = tl.load(idx_ptr + j - 1, mask=live & (j > 0), other=-1).to(tl.int64)
         wide = v.to(tl.float32)
@@ -1247,7 +1243,7 @@ def sparse_frame(idx: torch.Tensor, val: torch.Tensor, header: bytes, values: st
     ``2**31``, else int64). ``values``: one of :data:`SPARSE_ENCODES`; for ``"mean"`` the
     tiles' float64 sums are added in a second, one-program launch. ``flags``: one int32,
     zero, that the rules of ``sparse.encode``'s check set (``None``: no check). One launch,
-    one more for a partial last tile and one for a mean.
+    and one more for a mean.
     """
     k, n = idx.numel(), struct.unpack_from("<q", header)[0]
     iw = 4 if n < 2**31 else 8
@@ -1258,10 +1254,9 @@ def sparse_frame(idx: torch.Tensor, val: torch.Tensor, header: bytes, values: st
     block, opts = _config("sparse_frame")
     tiles = _cdiv(k, block)
     sums = torch.empty(tiles if code == 3 else 1, dtype=torch.float64, device=frame.device)
-    launch_tiles(_sparse_frame_kernel, tiles, k // block, idx, val, frame, ids, out, sums,
-                 out if flags is None else flags, *_head_words(header[:16]), n, k,
-                 CODE=header[16], VALUES=code, CHECK=flags is not None, GATHER=gather,
-                 BLOCK=block, **opts)
+    launch(_sparse_frame_kernel, (tiles,), idx, val, frame, ids, out, sums,
+           out if flags is None else flags, *_head_words(header[:16]), n, k, CODE=header[16],
+           VALUES=code, CHECK=flags is not None, GATHER=gather, BLOCK=block, **opts)
     if code == 3:
         launch(_sparse_mean_kernel, (1,), sums, out, tiles, k, CHUNK=1024, num_warps=4)
 
