@@ -1773,6 +1773,24 @@ def test_sparse_encode_at_reads_the_values_in_its_kernel(block, monkeypatch):
                 sparse.encode_at(w, torch.tensor([9, 10]))
 
 
+def test_redsyncs_trimmed_search_ranks_and_frames_its_survivors_in_kernels():
+    """RedSync's trimmed search ranks its survivors by their side's scores inside the top-k's
+    kernels (no clamped copy of their values) and writes the frame with its mean in two
+    launches (no gather, cast, reduction or concatenation by torch): the numpy path's frame
+    for both sides."""
+    from bitcomm.codecs import redsync
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20_000, generator=g)
+    for side in ("top", "bottom"):
+        want = redsync.encode(x, 900, side, "trimmed")
+        with forced("triton"):
+            assert torch.equal(redsync.encode(x, 900, side, "trimmed"), want), side
+        ops = _ops_on_the_triton_path(lambda s=side: redsync.encode(x, 900, s, "trimmed"))
+        assert "clamp" not in ops, ops
+        assert ops[-3:] == ["index", "_sparse_frame_kernel", "_sparse_mean_kernel"], ops
+
+
 def test_sparse_encode_flags_every_rule_as_the_numpy_path_raises():
     """Each broken rule of sparse.encode's entries, in a full tile, the last one or across
     two (a repeated index where one tile ends and the next begins), raises the numpy path's

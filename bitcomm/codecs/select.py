@@ -167,6 +167,15 @@ class _Scores:
             return self._of(self.v[idx])
         return self._s[idx]
 
+    def top_at(self, idx: torch.Tensor, k: int) -> torch.Tensor:
+        """Return :func:`topk`'s positions in ``idx`` of the scores at ``idx`` (no check).
+
+        On the Triton path the kernels compute a side's scores of ``v[idx]`` as they read it.
+        """
+        if self.side and _frame.use_triton(self.v) and 0 < k < idx.numel():
+            return _frame.kernels().top_indices(self.v[idx], k, self.side)
+        return _exact(self.at(idx), k)
+
 
 LEVELS = 6
 """Bisection levels a device settles per host read: the ``2**LEVELS - 1`` thresholds the next
@@ -531,7 +540,7 @@ def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: 
     # a count already fetched
     keep = src.above(threshold(hi), kept(hi, lo, hi), counts.runs(threshold(hi)))
     # above a threshold at or above the mean (>= 0): every one is positive
-    return keep[_exact(src.at(keep), k)], k
+    return keep[src.top_at(keep, k)], k
 
 
 def threshold_search(scores: torch.Tensor, k: int, *, eps: float = 1e-3, check: bool = True
