@@ -153,8 +153,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, n: int,
     # with the enclosing block's flags (a collective's, which reads once at its end: a broken
     # frame then still goes out, and its receivers flag it too).
     later = not _frame.use_numpy(idx) and (isinstance(fmt, Qsgd) or _frame.deferring())
-    written = bool(k) and fmt in _WRITTEN and val.dtype in _WRITTEN[fmt] \
-        and _frame.use_triton(val)
+    written = _writes(k, fmt, val)
     if k and check:
         idx, order = idx.sort()
         val = val[order]
@@ -198,6 +197,12 @@ _WRITTEN = {"fp32": (torch.float16, torch.bfloat16, torch.float32, torch.float64
 whose conversion to the wire's float rounds once, as torch's does."""
 
 
+def _writes(k: int, fmt: str | Qsgd, values: torch.Tensor) -> bool:
+    # Whether one kernel writes the frame of k > 0 entries (_written) of these values' dtype.
+    return bool(k) and fmt in _WRITTEN and values.dtype in _WRITTEN[fmt] \
+        and _frame.use_triton(values)
+
+
 def _written(idx: torch.Tensor, val: torch.Tensor, n: int, header: bytes, fmt: str,
              check: bool, *, gather: bool) -> torch.Tensor:
     # The frame written by one kernel (and a one-program one for a mean): header, indices and
@@ -238,7 +243,7 @@ def encode_at(x: torch.Tensor, indices: torch.Tensor, fmt: ValueFormat = "fp32",
     v = _frame.check_float(x)
     idx = _frame.check_int(indices, "indices")
     n, k, fmt = v.numel(), idx.numel(), value_format(fmt)
-    if k and fmt in _WRITTEN and v.dtype in _WRITTEN[fmt] and _frame.use_triton(v):
+    if _writes(k, fmt, v):
         idx = idx.to(device=v.device, dtype=torch.int64)
         if check:  # the values follow their indices: they are read after the sort
             idx = idx.sort().values
