@@ -1245,7 +1245,7 @@ def sparse_frame(idx: torch.Tensor, val: torch.Tensor, header: bytes, values: st
     zero, that the rules of ``sparse.encode``'s check set (``None``: no check). One launch,
     and one more for a mean.
     """
-    k, n = idx.numel(), struct.unpack_from("<q", header)[0]
+    k, n = idx.numel(), int.from_bytes(header[:8], "little")
     iw = 4 if n < 2**31 else 8
     at = len(header)
     ids = frame[at : at + iw * k].view(torch.int32 if iw == 4 else torch.int64)
@@ -1253,7 +1253,8 @@ def sparse_frame(idx: torch.Tensor, val: torch.Tensor, header: bytes, values: st
     out = frame[at + iw * k :].view(torch.float16 if code == 1 else torch.float32)
     block, opts = _config("sparse_frame")
     tiles = _cdiv(k, block)
-    sums = torch.empty(tiles if code == 3 else 1, dtype=torch.float64, device=frame.device)
+    # the tiles' sums of a mean; other frames' kernels never touch the pointer
+    sums = torch.empty(tiles, dtype=torch.float64, device=frame.device) if code == 3 else out
     launch(_sparse_frame_kernel, (tiles,), idx, val, frame, ids, out, sums,
            out if flags is None else flags, *_head_words(header[:16]), n, k, CODE=header[16],
            VALUES=code, CHECK=flags is not None, GATHER=gather, BLOCK=block, **opts)
