@@ -34,6 +34,13 @@ from bitcomm.codecs import _kernels  # noqa: E402  (imports triton)
 SIZES = AWKWARD + [8191, 8193, 65537]  # 8192 elements is one program of the packing kernels
 
 
+@pytest.fixture(autouse=True)
+def _radix_passes(monkeypatch):
+    # The radix selection's tests run it on vectors the interpreter takes in seconds, far
+    # below SMALL_TOP: they take its passes, not the one-program path (whose tests ask for it).
+    monkeypatch.setattr(_kernels, "SMALL_TOP", 0)
+
+
 def _both(fn):
     ref = fn()
     with forced("triton"):
@@ -1272,6 +1279,46 @@ def _launches(fn) -> list[str]:
     with _recorded() as calls, dispatched() as ops:
         fn()
     return [kernel.fn.__name__.strip("_").removesuffix("_kernel") for kernel, *_ in calls] + ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_top_indices_of_a_small_vector_is_one_program(dtype, monkeypatch, launched):
+    """Up to SMALL_TOP scores top_indices is one launch of one program, its passes' results
+    to the brute force's: the k largest, ties (many, across tiles) to lower indices, NaN on
+    top, -0.0 with +0.0, the dtype's extremes, for scores given and every side, n from 1 to
+    several tiles, k from 1 to n; with census, x's NaN and inf and its positive scores."""
+    monkeypatch.setattr(_kernels, "SMALL_TOP", 1 << 16)
+    g = torch.Generator().manual_seed(31)
+    fi = torch.finfo(dtype)
+    for n in (1, 2, 9, 1024, 2500):
+        v = torch.randint(-5, 6, (n,), generator=g).to(torch.float64)
+        v += torch.rand(n, generator=g).round() * 0.25  # ties, across tiles
+        v[: min(n, 6)] = torch.tensor([fi.max, -fi.max, -0.0, fi.tiny, float("nan"), 0.0],
+                                      dtype=torch.float64)[: min(n, 6)]
+        w = v.to(dtype)
+        for side in (0, 1, -1, 2):
+            s = {0: w, 1: w.clamp(min=0), -1: w.neg().clamp(min=0), 2: w.abs()}[side]
+            s = torch.where(s.isnan(), float("inf"), s.double())  # NaN ranks on top
+            for k in sorted({1, max(1, n // 3), n - 1, n} - {0}):
+                launched.clear()
+                got = _kernels.top_indices(w, k, side)
+                assert launched == ["_small_top_kernel"], launched
+                assert got.dtype == torch.int64
+                assert got.tolist() == _brute_top(s, k), (n, side, k)
+    if dtype in (torch.float32, torch.float64):
+        v = torch.randn(3000, generator=g, dtype=dtype)
+        v[:40] = 0.0
+        for side in (0, 1, -1, 2):
+            s = {0: v, 1: v.clamp(min=0), -1: v.neg().clamp(min=0), 2: v.abs()}[side]
+            idx, census = _kernels.top_indices(v, 30, side, census=True)
+            assert census.tolist() == [0, int((s > 0).sum())] and idx.tolist() == _brute_top(
+                s, 30), side
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            w = v.clone()
+            w[2999] = bad
+            assert int(_kernels.top_indices(w, 30, 1, census=True)[1][0]) == 1, bad
+    with pytest.raises(ValueError, match="0 < k <= 9"):
+        _kernels.top_indices(torch.ones(9, dtype=dtype), 10)
 
 
 def test_radix_selection_launches_few_kernels():

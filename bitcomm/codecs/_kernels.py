@@ -39,7 +39,8 @@ launch never waits for the device.
   the k-th largest's. The passes and the writing of the chosen indices read only those: two or
   three reads of ``x``, no sort and no host read. From a sampled bound its count pass can
   also count NaN / inf in ``x`` and the positive scores (``census``): a caller's check and
-  RedSync's count of the side's sign, without a read of their own.
+  RedSync's count of the side's sign, without a read of their own. Up to
+  :data:`SMALL_TOP` scores (a DDP bucket's) the whole selection is one program.
 
 Decoders also set a one-element flag when the payload breaks a rule (non-zero padding, a count
 above ``m``, a radix code out of range): one reduction per program, one store if it is set. The
@@ -79,7 +80,7 @@ __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign
            "qsgd_steps", "qsgd_values", "qsgd_mean", "score_stats", "count_above", "Runs",
            "kth_largest", "top_indices", "indices_above", "sidco_stage", "SIDCO_KINDS",
            "MAX_FUSED_BUCKET", "DIGIT", "SLACK", "sparse_scatter", "SPARSE_VALUES",
-           "sparse_frame", "SPARSE_ENCODES"]
+           "sparse_frame", "SPARSE_ENCODES", "SMALL_TOP"]
 
 MAX_FUSED_BUCKET = 4096
 """Largest qsgd bucket whose scale the encoder computes inside the quantising pass."""
@@ -1907,6 +1908,70 @@ def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     return out.to(x.dtype)  # the keys of 16-bit floats are those of their float32 values
 
 
+SMALL_TOP = 1 << 16
+"""Scores up to which :func:`top_indices` runs in one program (:func:`_small_top_kernel`)."""
+
+
+@triton.jit
+def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE: tl.constexpr,
+                      CENSUS: tl.constexpr, BLOCK: tl.constexpr):
+    # The whole radix selection in one program, for a vector small enough that launches, not
+    # reads, are its cost: a histogram pass over x per key digit, each digit settled in
+    # registers, then one pass writes, tile after tile, the indices of the keys above the
+    # k-th largest and of the first ties at it, in index order. With CENSUS the first pass
+    # also writes [NaN and inf in x, positive scores] (int64) to census_ptr.
+    DIGITS: tl.constexpr = 8 if WIDE else 4
+    if WIDE:
+        prefix = tl.zeros([], dtype=tl.int64)
+    else:
+        prefix = tl.zeros([], dtype=tl.int32)
+    r = k.to(tl.int64)  # the k-th largest's rank among the keys that share the prefix
+    b = tl.arange(0, 256)
+    for d in tl.static_range(DIGITS):
+        SHIFT = (DIGITS - 1 - d) * 8
+        hist = tl.zeros([256], dtype=tl.int32)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        positive = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, n, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            live = j < n
+            x = tl.load(x_ptr + j, mask=live, other=0.0)
+            key = _order_key(x, SIDE, WIDE)
+            digit = ((key >> SHIFT) & 255).to(tl.int32)
+            if d == 0:  # the sign bit: negative keys come first
+                hist += tl.histogram(digit ^ 128, 256, mask=live)
+                if CENSUS:
+                    bad += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+                    positive += (key > 0).to(tl.int32)  # masked lanes' 0.0: key 0
+            else:
+                hist += tl.histogram(digit, 256, mask=live & (key >> (SHIFT + 8)
+                                                                == prefix >> (SHIFT + 8)))
+        if CENSUS and d == 0:
+            tl.store(census_ptr, tl.sum(bad, 0).to(tl.int64))
+            tl.store(census_ptr + 1, tl.sum(positive, 0).to(tl.int64))
+        # the bin of the k-th largest: fewer than r keys in the bins above it, r or more with it
+        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)
+        pick = (above < r) & (above + hist >= r)
+        bin = tl.sum(tl.where(pick, b, 0), 0)
+        r -= tl.sum(tl.where(pick, above, 0), 0)
+        if d == 0:
+            bin = bin ^ 128
+        prefix |= bin.to(prefix.dtype) << SHIFT
+    # prefix is the k-th largest key; r ties at it are taken, the first in index order
+    written = tl.zeros([], dtype=tl.int64)
+    ties = tl.zeros([], dtype=tl.int64)
+    for start in range(0, n, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        live = j < n
+        key = _order_key(tl.load(x_ptr + j, mask=live, other=0.0), SIDE, WIDE)
+        tie = live & (key == prefix)
+        chosen = (live & (key > prefix)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), 0) <= r))
+        slot = written + tl.cumsum(chosen.to(tl.int32), 0) - 1
+        tl.store(out_ptr + slot, j.to(tl.int64), mask=chosen)
+        written += tl.sum(chosen.to(tl.int32), 0)
+        ties += tl.sum(tie.to(tl.int32), 0)
+
+
 def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Return the ascending int64 indices of the ``k`` largest scores, ties to lower indices.
@@ -1929,6 +1994,10 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
       for the usual scores (all within a factor ``1 + 2**-7`` of the k-th largest score or
       above it, for float32), three reads of ``x`` and 12 launches.
 
+    Up to :data:`SMALL_TOP` scores the whole selection is one launch of one program
+    (:func:`_small_top_kernel`): the same passes over ``x``, each digit settled in its
+    registers, then one pass that writes the indices.
+
     Then the counts per tile above and at the k-th key, and each tile's indices at its
     offset, read the candidates too. When the keys at the sampled bound would outnumber
     ``k + n // SLACK`` (many tied at it, such as the exact zeros of a sparse gradient), the
@@ -1948,6 +2017,8 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
     n = x.numel()
     if census and x.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"census takes float32 or float64 scores, got {x.dtype}")
+    if n <= SMALL_TOP:
+        return _small_top(x, k, side, census)
     # the count pass packs two counts into an int32 a lane, each at most the tiles of a run
     runs = -(-_grid(n, _config("key_digits")[0])[0] // _programs(n))
     tally = torch.empty((_programs(n), 2), dtype=torch.int32, device=x.device) \
@@ -1972,6 +2043,18 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
     if sel.sampled and tally is not None:
         return out, tally.sum(0, dtype=torch.int64)
     return out, score_stats(x, side)[2:].to(torch.int64)
+
+
+def _small_top(x: torch.Tensor, k: int, side: int, census: bool
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    # top_indices of at most SMALL_TOP scores: one launch, one program.
+    if not 0 < k <= x.numel():
+        raise ValueError(f"expected 0 < k <= {x.numel()}, got k={k}")
+    out = torch.empty(k, dtype=torch.int64, device=x.device)
+    tally = torch.empty(2, dtype=torch.int64, device=x.device) if census else out
+    launch(_small_top_kernel, (1,), x, out, tally, x.numel(), k, SIDE=side,
+           WIDE=x.dtype == torch.float64, CENSUS=census, BLOCK=1024, num_warps=8)
+    return (out, tally) if census else out
 
 
 # --- indices above a threshold (RedSync's survivors; bitcomm.codecs.select) ----------------------
