@@ -1287,7 +1287,8 @@ def test_top_indices_of_a_small_vector_is_one_program(dtype, monkeypatch, launch
     to the brute force's: the k largest, ties (many, across tiles) to lower indices, NaN on
     top, -0.0 with +0.0, the dtype's extremes, for scores given and every side, n from 1 to
     several tiles, k from 1 to n; with census, x's NaN and inf and its positive scores."""
-    monkeypatch.setattr(_kernels, "SMALL_TOP", 1 << 16)
+    monkeypatch.setattr(_kernels, "SMALL_TOP", 1 << 15)
+    monkeypatch.setitem(_kernels.TUNING, "small_top", (512, 4))  # 2500 scores: five tiles
     g = torch.Generator().manual_seed(31)
     fi = torch.finfo(dtype)
     for n in (1, 2, 9, 1024, 2500):

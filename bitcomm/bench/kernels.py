@@ -246,11 +246,11 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                                                        max(1, n // 100))),
             # beyond the sampled bound's reach: the two-digit gathering
             ("top-k 10% fp32", n, lambda: k.top_indices(x, max(1, n // 10), 2)),
-            # a DDP bucket's 64K scores: the whole selection in one program (SMALL_TOP)
-            ("top-k 1% fp32 of 64K, one program", 1 << 16,
-             lambda: k.top_indices(meta(1 << 16, torch.float32), 655, 2)),
-            ("top-k 1% fp64 of 64K, one program, census", 1 << 16,
-             lambda: k.top_indices(meta(1 << 16, torch.float64), 655, 1, census=True))]
+            # a DDP bucket's 32K scores: the whole selection in one program (SMALL_TOP)
+            ("top-k 1% fp32 of 32K, one program", 1 << 15,
+             lambda: k.top_indices(meta(1 << 15, torch.float32), 327, 2)),
+            ("top-k 1% fp64 of 32K, one program, census", 1 << 15,
+             lambda: k.top_indices(meta(1 << 15, torch.float64), 327, 1, census=True))]
     ranks = 8
     chunk = -(-n // ranks)  # the first ranks' chunks: a partial last tile when n is odd
     cb = (chunk + 7) // 8

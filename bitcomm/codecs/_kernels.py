@@ -119,6 +119,9 @@ TUNING: dict[str, tuple[int, int]] = {
     "score_totals": (1024, 4),  # score_stats' rows a step of its one program
     "key_digits": (1024, 4),  # elements per tile
     "top_write": (1024, 4),  # elements, fewer than 2**16
+    # elements a tile of the one program: 16 warps keep 4096 loads in flight, at 77-84
+    # registers (sm_90; at 8 warps 106-142, at 2048 elements float64 spilled)
+    "small_top": (4096, 16),
 }
 """Tile size and warps of each kernel's launch; any power of two from 8 is correct (the tests
 run the kernels at the smallest sizes too).
@@ -1908,8 +1911,13 @@ def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     return out.to(x.dtype)  # the keys of 16-bit floats are those of their float32 values
 
 
-SMALL_TOP = 1 << 16
-"""Scores up to which :func:`top_indices` runs in one program (:func:`_small_top_kernel`)."""
+SMALL_TOP = 1 << 15
+"""Scores up to which :func:`top_indices` runs in one program (:func:`_small_top_kernel`).
+
+One program's passes wait on their loads tile after tile, where the radix passes spread each
+over the SMs but take 12 launches (each some microseconds of the host's and the device's):
+below some size the one launch wins. Where is to be measured on a GPU (the hooks' buckets);
+32K scores are 8 tiles a pass."""
 
 
 @triton.jit
@@ -2052,8 +2060,9 @@ def _small_top(x: torch.Tensor, k: int, side: int, census: bool
         raise ValueError(f"expected 0 < k <= {x.numel()}, got k={k}")
     out = torch.empty(k, dtype=torch.int64, device=x.device)
     tally = torch.empty(2, dtype=torch.int64, device=x.device) if census else out
+    block, opts = _config("small_top")
     launch(_small_top_kernel, (1,), x, out, tally, x.numel(), k, SIDE=side,
-           WIDE=x.dtype == torch.float64, CENSUS=census, BLOCK=1024, num_warps=8)
+           WIDE=x.dtype == torch.float64, CENSUS=census, BLOCK=block, **opts)
     return (out, tally) if census else out
 
 
