@@ -311,6 +311,30 @@ def test_radix_selection_gives_the_cpus_sets_for_every_dtype_and_side():
             assert _kernels.kth_largest(v.cuda(), k, 2).item() == kth, (dtype, k)
 
 
+def test_a_small_vectors_top_k_is_one_program_with_the_cpus_sets():
+    """Up to SMALL_TOP scores the top-k on the GPU is one program (compiled, not
+    interpreted): the CPU's sets, ties to lower indices, for 32-, 64- and 16-bit floats and
+    every side, with census as the CPU counts, without waiting for the device."""
+    from bitcomm.codecs import _kernels
+
+    g = torch.Generator().manual_seed(14)
+    for n in (1, 1000, _kernels.SMALL_TOP):
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            v = (torch.randint(-20, 21, (n,), generator=g) / 4 + torch.randn(n, generator=g)
+                 * (torch.rand(n, generator=g) < 0.5)).to(dtype)
+            for k in sorted({1, max(1, n // 100), n}):
+                assert torch.equal(select.select_abs(v, k),
+                                   select.select_abs(v.cuda(), k).cpu()), (n, dtype, k)
+                for side in (1, -1):
+                    assert torch.equal(select.select_side(v, k, side),
+                                       select.select_side(v.cuda(), k, side).cpu()), (n, k)
+    v = torch.randn(_kernels.SMALL_TOP, generator=g).cuda()
+    v[:100] = 0.0
+    idx, census = _kernels.top_indices(v, 300, 1, census=True)
+    assert census.tolist() == [0, int((v > 0).sum())]
+    assert count_syncs(lambda: _kernels.top_indices(v, 300, 2)) == 0
+
+
 def test_encoders_copy_their_headers_without_waiting():
     """A header goes to the GPU from pinned memory: sign's and stream's encoders do not wait
     for the device, qsgd's waits once (its scale check), redsync's once or twice (below), and
