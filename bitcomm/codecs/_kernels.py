@@ -1513,13 +1513,8 @@ def _settle(hist_ptr, state_ptr, SHIFT: tl.constexpr, TOP: tl.constexpr, WIDE: t
     # before it (state_ptr: the prefix of the digits settled so far, and the rank r of the
     # k-th largest among the keys that share it). Every program of the kernel that needs the
     # digit settles it alike (256 counts, cached); program 0 writes the next state row.
-    j = tl.arange(0, 256)
-    counts = tl.load(hist_ptr + 255 - j)  # from the largest digit down
-    r = tl.load(state_ptr + 1)
-    ahead = tl.cumsum(counts, 0) < r  # digits whose keys all rank before the k-th
-    digit = 255 - tl.sum(ahead.to(tl.int32), 0)
-    if TOP:
-        digit = digit ^ 128
+    counts = tl.load(hist_ptr + 255 - tl.arange(0, 256))  # from the largest digit down
+    digit, rank = _kth_bin(counts, tl.load(state_ptr + 1), TOP)
     if WIDE:
         bits = digit.to(tl.int64) << SHIFT
     else:  # a top digit shifted into an int32's sign bit gives a negative key, sign-extended
@@ -1527,8 +1522,35 @@ def _settle(hist_ptr, state_ptr, SHIFT: tl.constexpr, TOP: tl.constexpr, WIDE: t
     prefix = tl.load(state_ptr) | bits
     if tl.program_id(0) == 0:
         tl.store(state_ptr + 2, prefix)
-        tl.store(state_ptr + 3, r - tl.sum(tl.where(ahead, counts, 0), 0))
+        tl.store(state_ptr + 3, rank)
     return prefix
+
+
+@triton.jit
+def _kth_bin(counts, r, TOP: tl.constexpr):
+    # The digit of the r-th largest key, from the 256 counts of a digit's histogram ordered
+    # from the largest digit down (with TOP the key's top digit, whose sign bit was flipped
+    # so that negative keys count first), and the key's rank among the keys of its digit:
+    # the digits whose running count stays below r hold only keys that rank before it.
+    ahead = tl.cumsum(counts, 0) < r
+    digit = 255 - tl.sum(ahead.to(tl.int32), 0)
+    if TOP:
+        digit = digit ^ 128
+    return digit, r - tl.sum(tl.where(ahead, counts, 0), 0)
+
+
+@triton.jit
+def _chosen(above, tie, taken, need, BLOCK: tl.constexpr):
+    # Which keys of a tile are chosen, and each chosen key's slot among the tile's: every key
+    # above the k-th largest, and its ties in index order while fewer than `need` are taken
+    # (`taken` by the tiles before). One scan for both running counts: ties in the high half,
+    # keys above in the low (a tile holds fewer than 2**16 elements).
+    both = tl.cumsum((tie.to(tl.int32) << 16) | above.to(tl.int32), 0)
+    # per-element arithmetic in int32: the ties this tile may still take, at most BLOCK
+    room = tl.minimum(tl.maximum(need - taken, 0), BLOCK).to(tl.int32)
+    ties = both >> 16  # the tile's ties up to here, inclusive
+    chosen = above | (tie & (ties <= room))
+    return chosen, (both & 0xFFFF) + tl.minimum(ties, room) - 1
 
 
 @triton.jit
@@ -1737,20 +1759,11 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, ends_ptr, o
     for start in range(lo, hi, BLOCK):
         j, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
                                      BLOCK)
-        # one scan for both running counts: ties in the high half, keys above in the low (a
-        # tile holds fewer than 2**16 elements)
-        both = tl.cumsum((tie.to(tl.int32) << 16) | above.to(tl.int32), 0)
         tile = ends_ptr + start // BLOCK
         above_before = tl.load(tile) - tl.sum(above.to(tl.int32), 0)
         ties_before = tl.load(tile + tiles) - first_half - tl.sum(tie.to(tl.int32), 0)
-        # per-element arithmetic in int32: the ties this tile may still take, at most BLOCK
-        room = tl.minimum(tl.maximum(need - ties_before, 0), BLOCK).to(tl.int32)
-        ties = both >> 16  # the tile's ties up to here, inclusive
-        chosen = above | (tie & (ties <= room))
-        # chosen before this element: the tiles before, then the tile's keys above it and its
-        # ties taken so far
-        first = above_before + tl.minimum(ties_before, need)
-        slot = (both & 0xFFFF) + tl.minimum(ties, room) - 1
+        chosen, slot = _chosen(above, tie, ties_before, need, BLOCK)
+        first = above_before + tl.minimum(ties_before, need)  # chosen by the tiles before
         if gathered:
             i = tl.load(idx_ptr + j, mask=chosen, other=0).to(tl.int64)
         else:
@@ -1934,7 +1947,6 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE
     else:
         prefix = tl.zeros([], dtype=tl.int32)
     r = k.to(tl.int64)  # the k-th largest's rank among the keys that share the prefix
-    b = tl.arange(0, 256)
     for d in tl.static_range(DIGITS):
         SHIFT = (DIGITS - 1 - d) * 8
         hist = tl.zeros([256], dtype=tl.int32)
@@ -1945,9 +1957,11 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE
             live = j < n
             x = tl.load(x_ptr + j, mask=live, other=0.0)
             key = _order_key(x, SIDE, WIDE)
-            digit = ((key >> SHIFT) & 255).to(tl.int32)
-            if d == 0:  # the sign bit: negative keys come first
-                hist += tl.histogram(digit ^ 128, 256, mask=live)
+            # counted from the largest digit down, as _kth_bin takes them; the top digit's
+            # sign bit flipped too (255 - (digit ^ 128)), so that negative keys count last
+            digit = ((key >> SHIFT) & 255).to(tl.int32) ^ (127 if d == 0 else 255)
+            if d == 0:
+                hist += tl.histogram(digit, 256, mask=live)
                 if CENSUS:
                     bad += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
                     positive += (key > 0).to(tl.int32)  # masked lanes' 0.0: key 0
@@ -1957,13 +1971,8 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE
         if CENSUS and d == 0:
             tl.store(census_ptr, tl.sum(bad, 0).to(tl.int64))
             tl.store(census_ptr + 1, tl.sum(positive, 0).to(tl.int64))
-        # the bin of the k-th largest: fewer than r keys in the bins above it, r or more with it
-        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)
-        pick = (above < r) & (above + hist >= r)
-        bin = tl.sum(tl.where(pick, b, 0), 0)
-        r -= tl.sum(tl.where(pick, above, 0), 0)
-        if d == 0:
-            bin = bin ^ 128
+        # named apart from the tiles' digits: the compiler carries a name's type round a loop
+        bin, r = _kth_bin(hist, r, d == 0)
         prefix |= bin.to(prefix.dtype) << SHIFT
     # prefix is the k-th largest key; r ties at it are taken, the first in index order
     written = tl.zeros([], dtype=tl.int64)
@@ -1973,9 +1982,8 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE
         live = j < n
         key = _order_key(tl.load(x_ptr + j, mask=live, other=0.0), SIDE, WIDE)
         tie = live & (key == prefix)
-        chosen = (live & (key > prefix)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), 0) <= r))
-        slot = written + tl.cumsum(chosen.to(tl.int32), 0) - 1
-        tl.store(out_ptr + slot, j.to(tl.int64), mask=chosen)
+        chosen, slot = _chosen(live & (key > prefix), tie, ties, r, BLOCK)
+        tl.store(out_ptr + written + slot, j.to(tl.int64), mask=chosen)
         written += tl.sum(chosen.to(tl.int32), 0)
         ties += tl.sum(tie.to(tl.int32), 0)
 
