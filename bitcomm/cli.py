@@ -245,6 +245,61 @@ def bench_profile(sizes: tuple[int, ...], names: str | None, calls: int, seed: i
           [r.as_dict() for r in rows])
 
 
+@bench.command("tune")
+@click.option("--n", "n", type=Size(), default="64M", show_default=True,
+              help="Elements of the benchmark vector.")
+@click.option("--repeat", type=click.IntRange(1), default=10, show_default=True,
+              help="Timed calls per configuration (median), after a warm-up.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--only", default=None,
+              help="Comma-separated settings (TUNING names, or SMALL_TOP); all by default.")
+@click.option("--small-top-sizes", type=SizeList(), default="4K,8K,16K,32K,64K,128K",
+              show_default=True, help="Lengths at which the one-program top-k is timed.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for tune-cuda.json, .csv and .md.")
+def bench_tune(n: int, repeat: int, seed: int, only: str | None,
+               small_top_sizes: tuple[int, ...], out_dir: str) -> None:
+    """Each Triton kernel's tile and warps against its neighbours, on a GPU.
+
+    Every configuration's calls alternate with the code's configuration; the files are
+    rewritten after each row, so a run cut off by a deadline keeps what it measured.
+    """
+    from bitcomm.bench import tune as bench_mod
+
+    _check_device("cuda")
+    wanted = None if only is None else only.split(",")
+    config = _machine("cuda") | {"n": n, "repeat": repeat, "seed": seed, "only": wanted,
+                                 "small_top_sizes": list(small_top_sizes)}
+    command = (f"bitcomm bench tune --n {_human(n)} --repeat {repeat} --seed {seed}"
+               + (f" --only {only}" if only else "")
+               + f" --small-top-sizes {','.join(_human(s) for s in small_top_sizes)}")
+    _announce("bench tune", config)
+    click.echo(f"{'setting':<20} {'operation':<22} {'n':>6} {'tried':>10} {'against':>12} "
+               f"{'speedup':>7}  same")
+    rows: list = []
+
+    def show(row) -> None:
+        rows.append(row)
+        click.echo(f"{row.setting:<20} {row.case:<22} {_human(row.n):>6} {row.tried:>10} "
+                   f"{row.against:>12} {row.speedup:>7.2f}  {'yes' if row.same else 'NO'}")
+        _save(Path(out_dir), "tune-cuda", config, [r.as_dict() for r in rows],
+              markdown=bench_mod.markdown(rows, config, command), announce=False)
+
+    try:
+        bench_mod.run(n, "cuda", repeat=repeat, seed=seed, only=wanted,
+                      small_top_sizes=small_top_sizes, progress=show)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--only") from e
+    if rows:
+        _save(Path(out_dir), "tune-cuda", config, [r.as_dict() for r in rows],
+              markdown=bench_mod.markdown(rows, config, command))
+    differ = [f"{r.setting} {r.tried}" for r in rows if not r.same]
+    if differ:
+        click.echo(f"# {len(differ)} configurations gave other output than the code's: "
+                   f"{', '.join(differ)}", err=True)
+        sys.exit(1)
+
+
 @bench.command("select")
 @click.option("--sizes", type=SizeList(), default="256K,2560K", show_default=True,
               help="Comma-separated vector lengths (SIDCo's figures use 0.26M-26M).")
@@ -380,10 +435,11 @@ def _check_device(device: str) -> None:
 
 
 def _save(out: Path, name: str, config: dict, dicts: list[dict], *,
-          markdown: str | None = None) -> None:
+          markdown: str | None = None, announce: bool = True) -> None:
     """Write ``name``.json (strict: NaN becomes null) and ``name``.csv under ``out``.
 
-    ``markdown``: a table as the docs quote it, written to ``name``.md as well.
+    ``markdown``: a table as the docs quote it, written to ``name``.md as well. ``announce``:
+    print the files written.
     """
     out.mkdir(parents=True, exist_ok=True)
     strict = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in d.items()}
@@ -398,7 +454,8 @@ def _save(out: Path, name: str, config: dict, dicts: list[dict], *,
     if markdown is not None:
         written.append(out / f"{name}.md")
         written[-1].write_text(markdown)
-    click.echo(f"# wrote {', '.join(map(str, written[:-1]))} and {written[-1]}")
+    if announce:
+        click.echo(f"# wrote {', '.join(map(str, written[:-1]))} and {written[-1]}")
 
 
 @bench.command("collectives")

@@ -4,8 +4,9 @@
 #
 #   tools/gpu-check.sh OUT [STEP...]
 #
-# STEP is any of: tests codecs collectives select hooks profile (default: all of them, in that
-# order; the tests come first because they compile the kernels the benchmarks then find cached).
+# STEP is any of: tests codecs collectives select hooks profile tune (default: all of them, in
+# that order; the tests come first because they compile the kernels the benchmarks then find
+# cached, and tune, which compiles each kernel again at its neighbouring tiles and warps, last).
 #
 # Why a script: a lent machine is held for minutes of a fixed budget, starts bare and cannot
 # reach a package index. So the packages its image lacks travel as wheels (`make gpu-wheels`
@@ -30,16 +31,16 @@
 set -uo pipefail
 
 usage() {
-    echo "usage: $0 OUT [tests|codecs|collectives|select|hooks|profile ...]" >&2
+    echo "usage: $0 OUT [tests|codecs|collectives|select|hooks|profile|tune ...]" >&2
     exit 2
 }
 [ $# -ge 1 ] || usage
 out=$1
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests codecs collectives select hooks profile)
+[ ${#steps[@]} -gt 0 ] || steps=(tests codecs collectives select hooks profile tune)
 for s in "${steps[@]}"; do
-    case $s in tests|codecs|collectives|select|hooks|profile) ;; *) echo "unknown step: $s" >&2; usage ;; esac
+    case $s in tests|codecs|collectives|select|hooks|profile|tune) ;; *) echo "unknown step: $s" >&2; usage ;; esac
 done
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -143,6 +144,8 @@ for s in "${steps[@]}"; do
             --out "$work" ;;
         profile) step profile 120 "${cli[@]}" bench profile --device cuda --sizes 64M \
             --out "$work" ;;
+        # rewrites its files after each row: a cut-off run keeps the settings it reached
+        tune) step tune 300 "${cli[@]}" bench tune --n 64M --out "$work" ;;
     esac
 done
 

@@ -133,7 +133,8 @@ an H100 the plain bit-plane decoder at 1024 bytes a program read 1.00, 0.72, 0.5
 0.42-0.52 of the HBM read for 1, 2, 3 and 4 planes, at 32, 111-127, 168 and 254 registers and
 about 20, 32-36, 34 and 44 instructions an element: the ratio tracked the registers more than
 the instructions. Kernels already at or below 64 registers keep the tiles measured there.
-``bitcomm bench codecs --device cuda`` is the measurement of a change."""
+``bitcomm bench codecs --device cuda`` is the measurement of a change; ``bitcomm bench tune``
+times each entry against half and twice its tile and warps."""
 
 
 def _cdiv(total: int, per: int) -> int:
@@ -1929,8 +1930,8 @@ SMALL_TOP = 1 << 15
 
 One program's passes wait on their loads tile after tile, where the radix passes spread each
 over the SMs but take 12 launches (each some microseconds of the host's and the device's):
-below some size the one launch wins. Where is to be measured on a GPU (the hooks' buckets);
-32K scores are 8 tiles a pass."""
+below some size the one launch wins. Where is to be measured on a GPU (``bitcomm bench tune``
+times both paths at 4K-128K scores); 32K scores are 8 tiles a pass."""
 
 
 @triton.jit

@@ -1,0 +1,264 @@
+"""Each Triton kernel's tile and warps against its neighbours, timed on a GPU.
+
+The tiles and warps in ``TUNING`` (:data:`bitcomm.codecs._kernels.TUNING`,
+:data:`bitcomm.collectives._kernels.TUNING`) were chosen offline from registers and instruction
+counts (``bitcomm bench kernels``); which is fastest is for the GPU to say. For each setting
+this benchmark times the operation that launches the kernel (a codec's encode or decode of the
+benchmark vector, a ring step, a small top-k) with each neighbouring configuration: half and
+twice the tile at the same warps, half and twice the warps at the same tile. Each tried call
+alternates with a call of the configuration in the code (:func:`~bitcomm.bench.codecs.
+time_against`), so the speedup (its median over the tried one's) sees the same machine, and
+each output is compared with the one the code's configuration gives: any power-of-two tile is
+meant to give the same bytes, and ``same`` says whether it did.
+
+:data:`~bitcomm.codecs._kernels.SMALL_TOP` gets rows of its own: at each size, the top-k in one
+program against the radix passes, alternating, so that the threshold can sit where the one
+program stops winning.
+
+It needs the Triton path: a CUDA device (or CPU tensors under ``TRITON_INTERPRET=1`` with the
+path forced, as the tests run it, where the times mean nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from bitcomm._sizes import human
+from bitcomm.bench import heading
+from bitcomm.bench.codecs import _cases, time_against, vector
+from bitcomm.codecs import _frame, counts
+
+__all__ = ["Row", "run", "markdown", "neighbours", "SETTINGS", "SMALL_TOP_SIZES"]
+
+SETTINGS: dict[str, str] = {
+    # the settings of the operations furthest below their targets first, so that a run cut
+    # off by its deadline has measured them
+    "qsgd_decode": "qsgd-4 decode",
+    "qsgd_codes_fused": "qsgd-4 encode",
+    "key_digits": "topk-1% encode",
+    "top_write": "topk-1% encode",
+    "score_stats": "redsync-1% encode",
+    "score_totals": "redsync-1% encode",
+    "count_step": "ring step 6 of 8",
+    "planes_pack_checked": "counts-w2 encode",
+    "planes_unpack": "counts-w2 decode",
+    "sparse_frame": "sparse-fp32-1% encode",
+    "sparse_scatter": "sparse-fp32-1% decode",
+    "small_top": "top-k 1% of 32K",
+    "radix_pack": "counts-radix-m2 encode",
+    "radix_unpack": "counts-radix-m2 decode",
+    "sign_pack": "sign encode",
+    "sign_unpack": "sign decode",
+}
+"""Each ``TUNING`` entry swept, and the operation timed for it."""
+
+SMALL_TOP_SIZES = (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10)
+"""The vector lengths at which the one-program top-k is timed against the radix passes."""
+
+_MAX_WARPS = 16
+
+
+@dataclasses.dataclass
+class Row:
+    """One tried configuration of a setting, timed call for call against another.
+
+    ``setting``: the ``TUNING`` entry (or ``"SMALL_TOP"``); ``case``: the operation timed, on
+    ``n`` elements; ``tried`` and ``against``: the two configurations (``"1024x4"``: a tile of
+    1024, 4 warps; for SMALL_TOP ``"one program"`` and ``"radix passes"``); ``seconds`` and
+    ``against_seconds``: their medians, alternating; ``speedup``: ``against_seconds /
+    seconds`` (above 1: the tried one is faster); ``same``: whether both gave the same output.
+    """
+
+    setting: str
+    case: str
+    n: int
+    tried: str
+    against: str
+    seconds: float
+    against_seconds: float
+    speedup: float
+    same: bool
+
+    def as_dict(self) -> dict:
+        """Return the row as a JSON-friendly dict."""
+        return dataclasses.asdict(self)
+
+
+def neighbours(block: int, warps: int) -> list[tuple[int, int]]:
+    """Return the configurations next to ``(block, warps)``.
+
+    Half and twice the tile (at least 8), then half and twice the warps (1 to 16), each with
+    the other kept.
+    """
+    tried = [(block // 2, warps), (block * 2, warps), (block, warps // 2), (block, warps * 2)]
+    return [(b, w) for b, w in tried if b >= 8 and 1 <= w <= _MAX_WARPS]
+
+
+def _tables() -> dict[str, dict[str, tuple[int, int]]]:
+    # every TUNING entry, by name, and the dict that holds it (codecs' and collectives')
+    from bitcomm.codecs import _kernels as codec_kernels
+    from bitcomm.collectives import _kernels as step_kernels
+
+    out = {name: codec_kernels.TUNING for name in codec_kernels.TUNING}
+    out.update({name: step_kernels.TUNING for name in step_kernels.TUNING})
+    return out
+
+
+def _operations(x: torch.Tensor, n: int, seed: int, wanted: set[str]
+                ) -> dict[str, Callable[[], object]]:
+    # The timed call of each wanted case. Decodes decode a frame their encoder made once.
+    ops: dict[str, Callable[[], object]] = {}
+    for codec, enc, dec, _ in _cases(x, n, seed):
+        if f"{codec} encode" in wanted:
+            ops[f"{codec} encode"] = enc
+        if f"{codec} decode" in wanted:
+            frame = enc()
+            ops[f"{codec} decode"] = lambda d=dec, f=frame: d(f)
+    if "ring step 6 of 8" in wanted:  # a middle step of an 8-rank ring: 3-plane counts in
+        from bitcomm.collectives import _kernels as step_kernels
+
+        chunk = x[: -(-n // 8)]
+        gen = torch.Generator().manual_seed(seed)
+        got = counts.pack(torch.randint(0, 6, (chunk.numel(),), generator=gen,
+                                        dtype=torch.uint8).to(x.device), 5)
+        ops["ring step 6 of 8"] = lambda: step_kernels.count_step(got, chunk, 3, 3)
+    if "top-k 1% of 32K" in wanted:
+        small = x[: 32 << 10]
+        ops["top-k 1% of 32K"] = lambda: _frame.kernels().top_indices(
+            small, max(1, small.numel() // 100))
+    return ops
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, tuple):
+        return isinstance(b, tuple) and len(a) == len(b) and all(map(_same, a, b))
+    return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype \
+        and bool(torch.equal(a, b))
+
+
+def _with(table: dict, name: str, config: tuple[int, int], fn: Callable[[], object]
+          ) -> Callable[[], object]:
+    # fn with the setting at config for the call's launches, the code's config back after
+    def call() -> object:
+        kept = table[name]
+        table[name] = config
+        try:
+            return fn()
+        finally:
+            table[name] = kept
+    return call
+
+
+def _label(config: tuple[int, int]) -> str:
+    return f"{config[0]}x{config[1]}"
+
+
+def run(n: int = 64 << 20, device: str | torch.device = "cuda", *, repeat: int = 10,
+        seed: int = 0, only: Iterable[str] | None = None,
+        small_top_sizes: Iterable[int] = SMALL_TOP_SIZES,
+        progress: Callable[[Row], None] | None = None) -> list[Row]:
+    """Time each setting's neighbours (:data:`SETTINGS`), then SMALL_TOP; return the rows.
+
+    Args:
+        n: elements of the benchmark vector (the ring step takes an eighth of it, the small
+            top-k its first 32K).
+        device: a CUDA device; CPU tensors only under ``TRITON_INTERPRET=1`` with the Triton
+            path forced (a ``RuntimeError`` otherwise: ``TUNING`` reaches only Triton's
+            launches).
+        repeat: timed calls per configuration (median), after a warm-up that compiles it.
+        seed: seed of the test data.
+        only: the settings to sweep (names of :data:`SETTINGS`, or ``"SMALL_TOP"``); all by
+            default. An unknown name is a ``ValueError``, before anything runs.
+        small_top_sizes: the lengths of SMALL_TOP's rows.
+        progress: called with each row as soon as it is measured.
+
+    """
+    wanted = list(SETTINGS) + ["SMALL_TOP"] if only is None else list(only)
+    unknown = sorted(set(wanted) - set(SETTINGS) - {"SMALL_TOP"})
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}; expected some of "
+                         f"{list(SETTINGS) + ['SMALL_TOP']}")
+    sizes = list(small_top_sizes)
+    if "SMALL_TOP" in wanted and (not sizes or any(s < 1 for s in sizes)):
+        raise ValueError(f"expected small_top_sizes >= 1, got {sizes}")
+    device = torch.device(device)
+    x = vector(n, seed, device)
+    if not _frame.use_triton(x):
+        raise RuntimeError("bench tune times Triton's launches: expected a CUDA device with "
+                           "triton installed")
+    rows = []
+    for row in _swept(x, n, seed, wanted, sizes, repeat, device):
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows
+
+
+def _swept(x: torch.Tensor, n: int, seed: int, wanted: list[str], sizes: list[int],
+           repeat: int, device: torch.device) -> Iterator[Row]:
+    tables = _tables()
+    ops = _operations(x, n, seed, {SETTINGS[s] for s in wanted if s in SETTINGS})
+    for name in (s for s in SETTINGS if s in wanted):
+        case, table = SETTINGS[name], tables[name]
+        fn, current = ops[case], table[name]
+        reference = fn()
+        for config in neighbours(*current):
+            tried = _with(table, name, config, fn)
+            same = _same(tried(), reference)
+            t, against = time_against(tried, fn, repeat, device)
+            yield Row(name, case, x.numel(), _label(config), _label(current), t, against,
+                      against / t, same)
+    if "SMALL_TOP" in wanted:
+        yield from _small_top(seed, sizes, repeat, device)
+
+
+def _small_top(seed: int, sizes: list[int], repeat: int, device: torch.device
+               ) -> Iterator[Row]:
+    from bitcomm.codecs import _kernels
+
+    for size in sizes:
+        scores = vector(size, seed, device)
+        k = max(1, size // 100)
+
+        def top(threshold: int, scores: torch.Tensor = scores, k: int = k) -> torch.Tensor:
+            kept = _kernels.SMALL_TOP
+            _kernels.SMALL_TOP = threshold
+            try:
+                return _kernels.top_indices(scores, k)
+            finally:
+                _kernels.SMALL_TOP = kept
+
+        one, radix = (lambda size=size: top(size)), (lambda: top(0))
+        same = _same(one(), radix())
+        t, against = time_against(one, radix, repeat, device)
+        yield Row("SMALL_TOP", "top-k 1%", size, "one program", "radix passes", t, against,
+                  against / t, same)
+
+
+def markdown(rows: list[Row], config: dict, command: str) -> str:
+    """Return the rows as a Markdown table, headed by its date, machine and command.
+
+    One line a tried configuration: the setting, the operation, the two configurations, their
+    medians and the speedup; the best of each setting's, where it beats the code's, in bold.
+    """
+    best: dict[str, Row] = {}
+    for r in rows:
+        if r.same and r.speedup > 1 and (r.setting not in best
+                                         or r.speedup > best[r.setting].speedup):
+            best[r.setting] = r
+    out = heading(config, command) + [
+        "| setting | operation | n | tried | against | tried (us) | against (us) | speedup | "
+        "same output |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        speedup = f"{r.speedup:.2f}" if math.isfinite(r.speedup) else "-"
+        if best.get(r.setting) is r and r.setting != "SMALL_TOP":
+            speedup = f"**{speedup}**"
+        out.append(f"| {r.setting} | {r.case} | {human(r.n)} | {r.tried} | {r.against} | "
+                   f"{r.seconds * 1e6:.1f} | {r.against_seconds * 1e6:.1f} | {speedup} | "
+                   f"{'yes' if r.same else 'NO'} |")
+    return "\n".join(out) + "\n"
