@@ -267,7 +267,10 @@ def bench_tune(n: int, repeat: int, seed: int, only: str | None,
     from bitcomm.bench import tune as bench_mod
 
     _check_device("cuda")
-    wanted = None if only is None else only.split(",")
+    try:
+        wanted = bench_mod.settings(None if only is None else only.split(","))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--only") from e
     config = _machine("cuda") | {"n": n, "repeat": repeat, "seed": seed, "only": wanted,
                                  "small_top_sizes": list(small_top_sizes)}
     command = (f"bitcomm bench tune --n {_human(n)} --repeat {repeat} --seed {seed}"
@@ -285,11 +288,8 @@ def bench_tune(n: int, repeat: int, seed: int, only: str | None,
         _save(Path(out_dir), "tune-cuda", config, [r.as_dict() for r in rows],
               markdown=bench_mod.markdown(rows, config, command), announce=False)
 
-    try:
-        bench_mod.run(n, "cuda", repeat=repeat, seed=seed, only=wanted,
-                      small_top_sizes=small_top_sizes, progress=show)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--only") from e
+    bench_mod.run(n, "cuda", repeat=repeat, seed=seed, only=wanted,
+                  small_top_sizes=small_top_sizes, progress=show)
     if rows:
         _save(Path(out_dir), "tune-cuda", config, [r.as_dict() for r in rows],
               markdown=bench_mod.markdown(rows, config, command))

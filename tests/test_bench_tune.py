@@ -141,6 +141,10 @@ def test_the_cli_needs_a_gpu_and_saves_after_every_row(tmp_path, monkeypatch):
             saved.append(json.loads((tmp_path / "tune-cuda.json").read_text())["rows"])
 
     monkeypatch.setattr(tune, "run", run)
+    bad = CliRunner().invoke(cli.main, ["bench", "tune", "--only", "sign_pack,sign_pak",
+                                        "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "unknown setting(s) ['sign_pak']" in bad.output
+    assert not (tmp_path / "tune-cuda.json").exists()
     r = CliRunner().invoke(cli.main, ["bench", "tune", "--n", "1M", "--repeat", "2", "--only",
                                       "sign_pack", "--small-top-sizes", "4K", "--out",
                                       str(tmp_path)])

@@ -32,7 +32,7 @@ from bitcomm.bench import heading
 from bitcomm.bench.codecs import _cases, time_against, vector
 from bitcomm.codecs import _frame, counts
 
-__all__ = ["Row", "run", "markdown", "neighbours", "SETTINGS", "SMALL_TOP_SIZES"]
+__all__ = ["Row", "run", "markdown", "neighbours", "settings", "SETTINGS", "SMALL_TOP_SIZES"]
 
 SETTINGS: dict[str, str] = {
     # the settings of the operations furthest below their targets first, so that a run cut
@@ -96,6 +96,19 @@ def neighbours(block: int, warps: int) -> list[tuple[int, int]]:
     """
     tried = [(block // 2, warps), (block * 2, warps), (block, warps // 2), (block, warps * 2)]
     return [(b, w) for b, w in tried if b >= 8 and 1 <= w <= _MAX_WARPS]
+
+
+def settings(only: Iterable[str] | None = None) -> list[str]:
+    """Return the settings :func:`run` sweeps for ``only`` (all, by default).
+
+    Names of :data:`SETTINGS` and ``"SMALL_TOP"``; an unknown one is a ``ValueError``.
+    """
+    known = list(SETTINGS) + ["SMALL_TOP"]
+    wanted = known if only is None else list(only)
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}; expected some of {known}")
+    return wanted
 
 
 def _tables() -> dict[str, dict[str, tuple[int, int]]]:
@@ -177,11 +190,7 @@ def run(n: int = 64 << 20, device: str | torch.device = "cuda", *, repeat: int =
         progress: called with each row as soon as it is measured.
 
     """
-    wanted = list(SETTINGS) + ["SMALL_TOP"] if only is None else list(only)
-    unknown = sorted(set(wanted) - set(SETTINGS) - {"SMALL_TOP"})
-    if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}; expected some of "
-                         f"{list(SETTINGS) + ['SMALL_TOP']}")
+    wanted = settings(only)
     sizes = list(small_top_sizes)
     if "SMALL_TOP" in wanted and (not sizes or any(s < 1 for s in sizes)):
         raise ValueError(f"expected small_top_sizes >= 1, got {sizes}")

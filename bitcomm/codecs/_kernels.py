@@ -1530,9 +1530,10 @@ def _settle(hist_ptr, state_ptr, SHIFT: tl.constexpr, TOP: tl.constexpr, WIDE: t
 @triton.jit
 def _kth_bin(counts, r, TOP: tl.constexpr):
     # The digit of the r-th largest key, from the 256 counts of a digit's histogram ordered
-    # from the largest digit down (with TOP the key's top digit, whose sign bit was flipped
-    # so that negative keys count first), and the key's rank among the keys of its digit:
-    # the digits whose running count stays below r hold only keys that rank before it.
+    # from the largest digit down, and the key's rank among the keys of its digit: the
+    # digits whose running count stays below r hold only keys that rank before it. With TOP
+    # the counts are the top digit's with its sign bit flipped (so that negative keys order
+    # below positive ones), and the digit found is flipped back.
     ahead = tl.cumsum(counts, 0) < r
     digit = 255 - tl.sum(ahead.to(tl.int32), 0)
     if TOP:
