@@ -19,7 +19,7 @@ from bitcomm.bench import tune  # noqa: E402
 from bitcomm.codecs import _kernels  # noqa: E402
 from bitcomm.collectives import _kernels as step_kernels  # noqa: E402
 
-from conftest import forced  # noqa: E402
+from conftest import forced, needs_interpreter  # noqa: E402
 
 
 @pytest.fixture
@@ -34,6 +34,8 @@ def test_neighbours_are_half_and_twice_the_tile_and_the_warps():
     assert tune.neighbours(4096, 16) == [(2048, 16), (8192, 16), (4096, 8)]  # nor over 16
 
 
+@needs_interpreter
+@pytest.mark.triton
 def test_each_neighbour_is_timed_against_the_code_and_the_settings_stay(quick, monkeypatch,
                                                                         launched):
     codec_before, step_before = dict(_kernels.TUNING), dict(step_kernels.TUNING)
