@@ -67,6 +67,33 @@ def test_each_neighbour_is_timed_against_the_code_and_the_settings_stay(quick, m
     assert all(r.seconds > 0 and r.speedup == r.against_seconds / r.seconds for r in rows)
 
 
+def test_every_tuning_entry_is_swept_or_says_why_not():
+    swept, left = set(tune.SETTINGS), set(tune.UNSWEPT)
+    assert not swept & left
+    assert swept | left == set(_kernels.TUNING) | set(step_kernels.TUNING)
+
+
+@needs_interpreter
+@pytest.mark.triton
+def test_every_settings_operation_runs_and_repeats_its_output(monkeypatch):
+    """Each operation the sweep times, built at a small size, gives the same output twice
+    (the sweep compares configurations by it) and launches Triton kernels (so TUNING
+    reaches it)."""
+    x = bench_codecs.vector(3001, 0, "cpu")
+    names = []
+    original = _kernels.launch
+    monkeypatch.setattr(_kernels, "launch", lambda kernel, *a, **k: names.append(
+        kernel.fn.__name__) or original(kernel, *a, **k))
+    with forced("triton"):
+        ops = tune._operations(x, x.numel(), 0, set(tune.SETTINGS.values()))
+        assert set(ops) == set(tune.SETTINGS.values())
+        for case, op in ops.items():
+            names.clear()
+            first, again = op(), op()
+            assert names, case
+            assert tune._same(first, again), case
+
+
 def test_a_configuration_whose_output_differs_is_reported(quick, monkeypatch):
     table = _kernels.TUNING
 

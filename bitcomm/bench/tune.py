@@ -3,13 +3,16 @@
 The tiles and warps in ``TUNING`` (:data:`bitcomm.codecs._kernels.TUNING`,
 :data:`bitcomm.collectives._kernels.TUNING`) were chosen offline from registers and instruction
 counts (``bitcomm bench kernels``); which is fastest is for the GPU to say. For each setting
-this benchmark times the operation that launches the kernel (a codec's encode or decode of the
-benchmark vector, a ring step, a small top-k) with each neighbouring configuration: half and
-twice the tile at the same warps, half and twice the warps at the same tile. Each tried call
-alternates with a call of the configuration in the code (:func:`~bitcomm.bench.codecs.
-time_against`), so the speedup (its median over the tried one's) sees the same machine, and
-each output is compared with the one the code's configuration gives: any power-of-two tile is
-meant to give the same bytes, and ``same`` says whether it did.
+this benchmark times an operation that launches the kernel (a codec's encode or decode of the
+benchmark vector, a collective's step, a check, a small top-k) with each neighbouring
+configuration: half and twice the tile at the same warps, half and twice the warps at the same
+tile. Each tried call alternates with a call of the configuration in the code
+(:func:`~bitcomm.bench.codecs.time_against`), so the speedup (the code's median over the tried
+one's) sees the same machine, and each output is compared with the one the code's
+configuration gives: any power-of-two tile is meant to give the same bytes, and ``same`` says
+whether it did (where a float sum feeds the output, a scaled sign frame's scale, another tile
+adds in another order, which can move a rounding tie: such a ``same`` of False is a difference
+of one bit, not a broken kernel).
 
 :data:`~bitcomm.codecs._kernels.SMALL_TOP` gets rows of its own: at each size, the top-k in one
 program against the radix passes, alternating, so that the threshold can sit where the one
@@ -30,9 +33,10 @@ import torch
 from bitcomm._sizes import human
 from bitcomm.bench import heading
 from bitcomm.bench.codecs import _cases, time_against, vector
-from bitcomm.codecs import _frame, counts
+from bitcomm.codecs import _frame, counts, qsgd
 
-__all__ = ["Row", "run", "markdown", "neighbours", "settings", "SETTINGS", "SMALL_TOP_SIZES"]
+__all__ = ["Row", "run", "markdown", "neighbours", "settings", "SETTINGS", "UNSWEPT",
+           "SMALL_TOP_SIZES"]
 
 SETTINGS: dict[str, str] = {
     # the settings of the operations furthest below their targets first, so that a run cut
@@ -53,8 +57,27 @@ SETTINGS: dict[str, str] = {
     "radix_unpack": "counts-radix-m2 decode",
     "sign_pack": "sign encode",
     "sign_unpack": "sign decode",
+    # the checks and steps of the collectives and DDP hooks
+    "nonfinite": "finiteness check",
+    "momentum": "momentum",
+    "qsgd_mean": "qsgd-4 mean of 8 frames",
+    "vote_count": "alltoall vote count of 8",
+    "sign_error": "onebit sign+error",
+    "weighted_votes": "onebit weighted votes of 8",
+    "scaled_signs": "onebit scaled signs of 8",
+    "partial_sums": "sign-scaled encode",
+    "planes_pack": "counts-w2 encode, unchecked",
+    "qsgd_codes": "qsgd-4 encode, bucket 1000",
+    "qsgd_values": "qsgd-4 decode, bucket 1000",
 }
-"""Each ``TUNING`` entry swept, and the operation timed for it."""
+"""Each ``TUNING`` entry swept, and the operation timed for it: every entry but those of
+:data:`UNSWEPT`."""
+
+UNSWEPT = {
+    "sidco_stage": "its result is float64 sums, which another tile adds in another order: "
+                   "no output to hold equal",
+}
+"""The ``TUNING`` entries :func:`run` leaves alone, and why."""
 
 SMALL_TOP_SIZES = (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10)
 """The vector lengths at which the one-program top-k is timed against the radix passes."""
@@ -131,22 +154,85 @@ def _operations(x: torch.Tensor, n: int, seed: int, wanted: set[str]
         if f"{codec} decode" in wanted:
             frame = enc()
             ops[f"{codec} decode"] = lambda d=dec, f=frame: d(f)
-    if "ring step 6 of 8" in wanted:  # a middle step of an 8-rank ring: 3-plane counts in
-        from bitcomm.collectives import _kernels as step_kernels
-
-        chunk = x[: -(-n // 8)]
-        gen = torch.Generator().manual_seed(seed)
-        got = counts.pack(torch.randint(0, 6, (chunk.numel(),), generator=gen,
-                                        dtype=torch.uint8).to(x.device), 5)
-        ops["ring step 6 of 8"] = lambda: step_kernels.count_step(got, chunk, 3, 3)
-    if "top-k 1% of 32K" in wanted:
-        small = x[: 32 << 10]
-        ops["top-k 1% of 32K"] = lambda: _frame.kernels().top_indices(
-            small, max(1, small.numel() // 100))
+    builders = _builders(x, n, seed)
+    ops.update({case: builders[case]() for case in wanted if case in builders})
     return ops
 
 
+def _builders(x: torch.Tensor, n: int, seed: int) -> dict[str, Callable[[], Callable]]:
+    # The operations that are not bench codecs' cases, each built only when wanted: a ring
+    # or all-to-all step and 1-bit Adam's on the chunk of rank 0 of 8, the others on x.
+    from bitcomm.collectives import _kernels as step_kernels
+
+    kernels = _frame.kernels()
+    gen = torch.Generator().manual_seed(seed)
+    chunk = x[: -(-n // 8)]
+    cb = (chunk.numel() + 7) // 8
+
+    def random_bytes(*shape: int, high: int = 256) -> torch.Tensor:
+        return torch.randint(0, high, shape, generator=gen, dtype=torch.uint8).to(x.device)
+
+    def ring_step() -> Callable:  # a middle step: 3-plane counts of 5 ranks in, 3 out
+        got = counts.pack(random_bytes(chunk.numel(), high=6), 5)
+        return lambda: step_kernels.count_step(got, chunk, 3, 3)
+
+    def small_top() -> Callable:
+        small = x[: 32 << 10]
+        return lambda: kernels.top_indices(small, max(1, small.numel() // 100))
+
+    def momentum() -> Callable:
+        m, out = torch.zeros_like(x), torch.empty_like(x)
+        return lambda: (kernels.momentum(m, x, 0.9, out), out)[1]
+
+    def mean_of_8() -> Callable:
+        frames = [qsgd.encode(x, 4, seed=seed + r) for r in range(8)]
+        return lambda: qsgd.mean_all(frames, n, 4, qsgd.DEFAULT_BUCKET)
+
+    def sign_error() -> Callable:
+        buf = x[: n - n % 8]
+        error, scale = torch.empty_like(buf), buf.abs().mean()
+        return lambda: (step_kernels.sign_error(buf, scale, error), error)
+
+    def weighted_votes() -> Callable:
+        votes, weights = random_bytes(8, cb), torch.rand(8, generator=gen).to(x.device)
+        error = x[: 8 * cb]  # 1-bit Adam's error buffer: whole bytes of elements
+        return lambda: step_kernels.weighted_votes(votes, weights, error)
+
+    def scaled_signs() -> Callable:
+        packed, scales = random_bytes((n + 7) // 8), torch.rand(8, generator=gen).to(x.device)
+        return lambda: step_kernels.scaled_signs(packed, scales, n, chunk.numel())
+
+    def unchecked_pack() -> Callable:
+        c = random_bytes(n, high=4)
+        return lambda: counts.pack(c, 3, check=False)
+
+    def odd_bucket_decode() -> Callable:
+        frame = qsgd.encode(x, 4, 1000, seed=seed)
+        return lambda: qsgd.decode(frame, n=n)[0]
+
+    def vote_count() -> Callable:
+        votes = random_bytes(8, cb)
+        return lambda: step_kernels.vote_count(votes, chunk.numel())
+
+    return {
+        "ring step 6 of 8": ring_step,
+        "top-k 1% of 32K": small_top,
+        "finiteness check": lambda: (lambda: kernels.nonfinite(x)),
+        "momentum": momentum,
+        "qsgd-4 mean of 8 frames": mean_of_8,
+        "alltoall vote count of 8": vote_count,
+        "onebit sign+error": sign_error,
+        "onebit weighted votes of 8": weighted_votes,
+        "onebit scaled signs of 8": scaled_signs,
+        "counts-w2 encode, unchecked": unchecked_pack,
+        "qsgd-4 encode, bucket 1000": lambda: (lambda: qsgd.encode(x, 4, 1000, seed=seed)),
+        "qsgd-4 decode, bucket 1000": odd_bucket_decode,
+    }
+
+
 def _same(a: object, b: object) -> bool:
+    if a is None or b is None:
+        return a is b
     if isinstance(a, tuple):
         return isinstance(b, tuple) and len(a) == len(b) and all(map(_same, a, b))
     return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype \
