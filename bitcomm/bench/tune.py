@@ -89,11 +89,13 @@ _MAX_WARPS = 16
 class Row:
     """One tried configuration of a setting, timed call for call against another.
 
-    ``setting``: the ``TUNING`` entry (or ``"SMALL_TOP"``); ``case``: the operation timed, on
-    ``n`` elements; ``tried`` and ``against``: the two configurations (``"1024x4"``: a tile of
-    1024, 4 warps; for SMALL_TOP ``"one program"`` and ``"radix passes"``); ``seconds`` and
-    ``against_seconds``: their medians, alternating; ``speedup``: ``against_seconds /
-    seconds`` (above 1: the tried one is faster); ``same``: whether both gave the same output.
+    ``setting``: the ``TUNING`` entry (or ``"SMALL_TOP"``); ``case``: the operation timed;
+    ``n``: the length of the benchmark vector (the case names the part of it some operations
+    take: a ring step's chunk, the small top-k's 32K) or of SMALL_TOP's scores; ``tried`` and
+    ``against``: the two configurations (``"1024x4"``: a tile of 1024, 4 warps; for SMALL_TOP
+    ``"one program"`` and ``"radix passes"``); ``seconds`` and ``against_seconds``: their
+    medians, alternating; ``speedup``: ``against_seconds / seconds`` (above 1: the tried one
+    is faster); ``same``: whether both gave the same output.
     """
 
     setting: str
@@ -239,9 +241,9 @@ def _same(a: object, b: object) -> bool:
         and bool(torch.equal(a, b))
 
 
-def _with(table: dict, name: str, config: tuple[int, int], fn: Callable[[], object]
+def _with(table: dict, name: str, config: object, fn: Callable[[], object]
           ) -> Callable[[], object]:
-    # fn with the setting at config for the call's launches, the code's config back after
+    # fn with table[name] at config for the call's launches, the code's value back after
     def call() -> object:
         kept = table[name]
         table[name] = config
@@ -319,15 +321,12 @@ def _small_top(seed: int, sizes: list[int], repeat: int, device: torch.device
         scores = vector(size, seed, device)
         k = max(1, size // 100)
 
-        def top(threshold: int, scores: torch.Tensor = scores, k: int = k) -> torch.Tensor:
-            kept = _kernels.SMALL_TOP
-            _kernels.SMALL_TOP = threshold
-            try:
-                return _kernels.top_indices(scores, k)
-            finally:
-                _kernels.SMALL_TOP = kept
+        def top(scores: torch.Tensor = scores, k: int = k) -> torch.Tensor:
+            return _kernels.top_indices(scores, k)
 
-        one, radix = (lambda size=size: top(size)), (lambda: top(0))
+        # the module's globals are the table SMALL_TOP stands in
+        one, radix = (_with(vars(_kernels), "SMALL_TOP", size, top),
+                      _with(vars(_kernels), "SMALL_TOP", 0, top))
         same = _same(one(), radix())
         t, against = time_against(one, radix, repeat, device)
         yield Row("SMALL_TOP", "top-k 1%", size, "one program", "radix passes", t, against,

@@ -119,7 +119,7 @@ TUNING: dict[str, tuple[int, int]] = {
     "score_totals": (1024, 4),  # score_stats' rows a step of its one program
     "key_digits": (1024, 4),  # elements per tile
     "top_write": (1024, 4),  # elements, fewer than 2**16
-    # elements a tile of the one program: 16 warps keep 4096 loads in flight, at 77-84
+    # elements a tile of the one program: 16 warps keep 4096 loads in flight, at 77-78
     # registers (sm_90; at 8 warps 106-142, at 2048 elements float64 spilled)
     "small_top": (4096, 16),
 }
@@ -1867,6 +1867,12 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
            SHIFT=0, KEYS=keys is not None, NAN=nan, STRICT=strict, BLOCK=block, **opts)
 
 
+def _check_k(n: int, k: int) -> None:
+    # outside, the rank would run off the counts and the writes off `out`
+    if not 0 < k <= n:
+        raise ValueError(f"expected 0 < k <= {n}, got k={k}")
+
+
 def _radix_select(x: torch.Tensor, k: int, side: int, census: torch.Tensor | None = None
                   ) -> _Selection:
     # Every digit of the k-th largest key but the last, settled on the device; the last pass's
@@ -1880,8 +1886,7 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: torch.Tensor | Non
     # and the later passes read those instead. `census`: as _sampled's; whether the sampled
     # path wrote it is sel.sampled.
     n = x.numel()
-    if not 0 < k <= n:  # outside, the rank would run off the counts and the writes off `out`
-        raise ValueError(f"expected 0 < k <= {n}, got k={k}")
+    _check_k(n, k)
     wide = x.dtype == torch.float64
     plan = _sampling(n, k)
     sel = _Selection(x, k, zeroed=plan is None)
@@ -2066,8 +2071,7 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
 def _small_top(x: torch.Tensor, k: int, side: int, census: bool
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     # top_indices of at most SMALL_TOP scores: one launch, one program.
-    if not 0 < k <= x.numel():
-        raise ValueError(f"expected 0 < k <= {x.numel()}, got k={k}")
+    _check_k(x.numel(), k)
     out = torch.empty(k, dtype=torch.int64, device=x.device)
     tally = torch.empty(2, dtype=torch.int64, device=x.device) if census else out
     block, opts = _config("small_top")
