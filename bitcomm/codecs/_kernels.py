@@ -1706,15 +1706,24 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
         floor = (tl.load(state_ptr) >> SHIFT) + col
         at = tl.load(ends_ptr + col * programs + pid - 1, mask=(pid > 0) | (col == 1),
                      other=0) - col * reached
+        # A tile as rows of 16 bytes of x, a load each: a key's slot is the running count of
+        # the rows before its own (a scan of one count a row) and of its row's keys before it.
+        # One scan over the flat tile compiled, under triton 3.6, to a warp scan for each
+        # element a thread holds: 62 instructions an element, 36 as rows (sm_90, float32).
+        R: tl.constexpr = 2 if WIDE else 4
         lo, hi = _span(n, BLOCK)
         for start in range(lo, hi, BLOCK):
-            i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
+            i = start + tl.arange(0, BLOCK // R)[:, None] * R + tl.arange(0, R)[None, :]
+            live = i < n
+            key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
             take = live & ((key >> SHIFT) >= floor.to(key.dtype)) & _counted(key, NAN)
-            slot = tl.cumsum(take.to(tl.int32), 0) - 1  # int32 offsets from the run's end
+            row = tl.sum(take.to(tl.int32), 1)
+            # int32 offsets from the run's end
+            slot = (tl.cumsum(row, 0) - row)[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
             if KEYS:
                 tl.store(keys_ptr + at + slot, key, mask=take)
             tl.store(idx_ptr + at + slot, i.to(idx_ptr.dtype.element_ty), mask=take)
-            at += tl.sum(take.to(tl.int32), 0)
+            at += tl.sum(row, 0)
         if pid == 0:
             tl.store(m_ptr, total)
 
