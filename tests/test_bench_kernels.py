@@ -56,7 +56,7 @@ def test_no_kernel_spills_registers_on_an_h100(every_case):
             "qsgd-8 encode, bucket 512", "qsgd-2 decode, bucket 512",
             "qsgd-4 decode, bucket 1000", "qsgd-4 mean of 8 frames", "ring last step (decide)",
             "redsync-1% counts of 63 bounds", "top-k 1% fp32", "top-k 1% fp64",
-            "top-k 10% fp32"} <= names
+            "top-k 1% bf16, magnitude", "top-k 10% fp32"} <= names
     # the top-k of 1% from the sampled bound, of 10% from two digits
     assert {r["kernel"] for r in rows if r["case"] == "top-k 1% fp32"} == {
         "sample_bound", "count_at_least", "gather", "key_digits", "chosen_counts",

@@ -244,6 +244,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
             ("top-k 1% fp32, magnitude", n, lambda: k.top_indices(x, max(1, n // 100), 2)),
             ("top-k 1% fp64", n, lambda: k.top_indices(meta(n, torch.float64),
                                                        max(1, n // 100))),
+            # an AMP gradient's: 16-bit scores take the gathering's flat tiles
+            ("top-k 1% bf16, magnitude", n, lambda: k.top_indices(meta(n, torch.bfloat16),
+                                                                  max(1, n // 100), 2)),
             # beyond the sampled bound's reach: the two-digit gathering
             ("top-k 10% fp32", n, lambda: k.top_indices(x, max(1, n // 10), 2)),
             # a DDP bucket's 32K scores: the whole selection in one program (SMALL_TOP)

@@ -1669,6 +1669,35 @@ def _sample_bound_kernel(x_ptr, work_ptr, at, step, r, k, rank_at, SIDE: tl.cons
 
 
 @triton.jit
+def _rows_of(start, BLOCK: tl.constexpr, R: tl.constexpr):
+    # The positions of the tile at `start`: as [BLOCK // R, R] rows of R (R > 1), else flat.
+    # A running count over rows is a scan of one count a row and one along each row, where
+    # one scan over the flat tile compiled, under triton 3.6.0, to a warp scan for each
+    # element a thread holds (the gathering pass: 62 instructions an element, 36 as rows of
+    # 4 float32, sm_90).
+    if R > 1:
+        i = start + tl.arange(0, BLOCK // R)[:, None] * R + tl.arange(0, R)[None, :]
+    else:
+        i = start + tl.arange(0, BLOCK)
+    return i
+
+
+@triton.jit
+def _slots(take, R: tl.constexpr):
+    # Each taken element's slot among a tile's taken elements (the running count, less one)
+    # in index order, and how many are taken; the tile as _rows_of(..., R) lays it out.
+    flags = take.to(tl.int32)
+    if R > 1:
+        row = tl.sum(flags, 1)
+        slot = (tl.cumsum(row, 0) - row)[:, None] + tl.cumsum(flags, 1) - 1
+        taken = tl.sum(row, 0)
+    else:
+        slot = tl.cumsum(flags, 0) - 1
+        taken = tl.sum(flags, 0)
+    return slot, taken
+
+
+@triton.jit
 def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled_ptr, n, need,
                    room, SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
                    KEYS: tl.constexpr, NAN: tl.constexpr, STRICT: tl.constexpr,
@@ -1706,24 +1735,21 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
         floor = (tl.load(state_ptr) >> SHIFT) + col
         at = tl.load(ends_ptr + col * programs + pid - 1, mask=(pid > 0) | (col == 1),
                      other=0) - col * reached
-        # A tile as rows of 16 bytes of x, a load each: a key's slot is the running count of
-        # the rows before its own (a scan of one count a row) and of its row's keys before it.
-        # One scan over the flat tile compiled, under triton 3.6, to a warp scan for each
-        # element a thread holds: 62 instructions an element, 36 as rows (sm_90, float32).
-        R: tl.constexpr = 2 if WIDE else 4
+        # Float32 and float64 tiles as rows of 16 bytes, a load each (_rows_of). Triton 3.6.0
+        # fails to compile rows of 16-bit floats (its layout pass): those stay flat.
+        R: tl.constexpr = 1 if x_ptr.dtype.element_ty.primitive_bitwidth == 16 else (
+            2 if WIDE else 4)
         lo, hi = _span(n, BLOCK)
         for start in range(lo, hi, BLOCK):
-            i = start + tl.arange(0, BLOCK // R)[:, None] * R + tl.arange(0, R)[None, :]
+            i = _rows_of(start, BLOCK, R)
             live = i < n
             key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
             take = live & ((key >> SHIFT) >= floor.to(key.dtype)) & _counted(key, NAN)
-            row = tl.sum(take.to(tl.int32), 1)
-            # int32 offsets from the run's end
-            slot = (tl.cumsum(row, 0) - row)[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+            slot, taken = _slots(take, R)  # int32 offsets from the run's end
             if KEYS:
                 tl.store(keys_ptr + at + slot, key, mask=take)
             tl.store(idx_ptr + at + slot, i.to(idx_ptr.dtype.element_ty), mask=take)
-            at += tl.sum(row, 0)
+            at += taken
         if pid == 0:
             tl.store(m_ptr, total)
 
