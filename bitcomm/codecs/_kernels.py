@@ -1685,16 +1685,15 @@ def _rows_of(start, BLOCK: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _slots(take, R: tl.constexpr):
     # Each taken element's slot among a tile's taken elements (the running count, less one)
-    # in index order, and how many are taken; the tile as _rows_of(..., R) lays it out.
-    flags = take.to(tl.int32)
+    # in index order, the tile as _rows_of(..., R) lays it out; and the counts whose sum is
+    # how many are taken (a row's, or each element's in a flat tile).
     if R > 1:
-        row = tl.sum(flags, 1)
-        slot = (tl.cumsum(row, 0) - row)[:, None] + tl.cumsum(flags, 1) - 1
-        taken = tl.sum(row, 0)
+        counts = tl.sum(take.to(tl.int32), 1)
+        slot = (tl.cumsum(counts, 0) - counts)[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
     else:
-        slot = tl.cumsum(flags, 0) - 1
-        taken = tl.sum(flags, 0)
-    return slot, taken
+        counts = take.to(tl.int32)
+        slot = tl.cumsum(counts, 0) - 1
+    return slot, counts
 
 
 @triton.jit
@@ -1745,11 +1744,11 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
             live = i < n
             key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
             take = live & ((key >> SHIFT) >= floor.to(key.dtype)) & _counted(key, NAN)
-            slot, taken = _slots(take, R)  # int32 offsets from the run's end
+            slot, counts = _slots(take, R)  # int32 offsets from the run's end
             if KEYS:
                 tl.store(keys_ptr + at + slot, key, mask=take)
             tl.store(idx_ptr + at + slot, i.to(idx_ptr.dtype.element_ty), mask=take)
-            at += taken
+            at += tl.sum(counts, 0)
         if pid == 0:
             tl.store(m_ptr, total)
 
