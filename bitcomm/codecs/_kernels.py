@@ -1496,10 +1496,10 @@ def _source(m_ptr, n, BLOCK: tl.constexpr, PASS: tl.constexpr):
 
 @triton.jit
 def _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE: tl.constexpr, WIDE: tl.constexpr,
-               BLOCK: tl.constexpr):
+               BLOCK: tl.constexpr, R: tl.constexpr):
     # The keys of the tile at `start`: the gathered candidates' (a uniform branch per tile),
-    # or those of x's scores.
-    j = start + tl.arange(0, BLOCK)
+    # or those of x's scores; laid out as _rows_of(start, BLOCK, R).
+    j = _rows_of(start, BLOCK, R)
     live = j < total
     if gathered:
         key = tl.load(keys_ptr + j, mask=live, other=0)
@@ -1581,7 +1581,8 @@ def _key_digits_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, rows_ptr, n,
     acc = tl.zeros([256], dtype=tl.int32)
     outside = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
-        _, live, key = _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE, WIDE, BLOCK)
+        _, live, key = _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE, WIDE, BLOCK,
+                                  1)
         digit = ((key >> SHIFT) & 255).to(tl.int32)
         if TOP:  # the sign bit: negative keys come first
             acc += tl.histogram(digit ^ 128, 256, mask=live)
@@ -1740,9 +1741,7 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
             2 if WIDE else 4)
         lo, hi = _span(n, BLOCK)
         for start in range(lo, hi, BLOCK):
-            i = _rows_of(start, BLOCK, R)
-            live = i < n
-            key = _order_key(tl.load(x_ptr + i, mask=live, other=0.0), SIDE, WIDE)
+            i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, R)
             take = live & ((key >> SHIFT) >= floor.to(key.dtype)) & _counted(key, NAN)
             slot, counts = _slots(take, R)  # int32 offsets from the run's end
             if KEYS:
@@ -1757,7 +1756,7 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
 def _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE: tl.constexpr,
                  WIDE: tl.constexpr, BLOCK: tl.constexpr):
     # A tile's positions, and which of its keys lie above the k-th largest and which equal it.
-    j, live, key = _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE, WIDE, BLOCK)
+    j, live, key = _tile_keys(x_ptr, keys_ptr, start, total, gathered, SIDE, WIDE, BLOCK, 1)
     kth = kth.to(key.dtype)
     return j, live & (key > kth), live & (key == kth)
 
@@ -2146,7 +2145,7 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl
             # the masked lanes' 0.0 has the key 0: not positive
             census += (key > 0).to(tl.int32) | (bad.to(tl.int32) << 16)
         else:
-            _, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK)
+            _, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, 1)
         counted = live & _counted(key, NAN)
         acc += (counted & (key >= floor.to(key.dtype))).to(tl.int32)
         if STRICT:
