@@ -129,3 +129,60 @@ def test_interpreted_kernels_cannot_be_compiled(monkeypatch):
     assert "TRITON_INTERPRET" in kernels.available()
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         kernels.run(1 << 10)
+
+
+_AT_ONE = r"""
+import json, torch
+from bitcomm.bench import kernels
+from bitcomm.codecs import _kernels
+
+launches = []
+for _, _, launch in kernels.cases(1 << 20):
+    with kernels._recorded() as calls:
+        launch()
+    launches += calls
+with kernels._recorded() as calls:  # an empty vector's frame header: a kernel of its own
+    meta = torch.empty(0, device="meta")
+    _kernels.qsgd_codes(meta, 4, 512, 7, meta, None,
+                        header=(torch.empty(16, dtype=torch.uint8, device="meta"), bytes(16)))
+launches += calls
+done, failed = set(), []
+for kernel, _, args, options in launches:
+    args, options = list(args), dict(options)
+    for i, (param, value) in enumerate(zip(kernel.params, args)):
+        if not param.is_constexpr and type(value) is int:
+            args[i] = 1
+    for param in kernel.params[len(args):]:
+        if not param.is_constexpr and type(options.get(param.name)) is int:
+            options[param.name] = 1
+    key = (kernel.fn.__name__, repr(sorted(options.items())))
+    if key in done:
+        continue
+    done.add(key)
+    try:
+        kernels._compile(kernel, tuple(args), options, 90)
+    except Exception as e:
+        failed.append([kernel.fn.__name__, str(e).splitlines()[:12]])
+print(json.dumps({"kernels": sorted({k for k, _ in done}), "compiled": len(done),
+                  "failed": failed}))
+"""
+
+
+def test_every_kernel_compiles_with_its_int_arguments_equal_to_one():
+    """A launch makes an int argument equal to 1 a compile-time constant, a Python int in the
+    kernel: a data word (a header's, k) used as a tensor there fails to compile on a GPU,
+    for the rare call whose value is 1, while the interpreter runs it. Every configuration of
+    `bench kernels` and the empty frame's header kernel compile with all their ints at 1."""
+    result = subprocess.run([sys.executable, "-c", _AT_ONE], capture_output=True, text=True,
+                            env=_compiled_env(), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["failed"] == []
+    # every kernel the codecs and collectives launch, but one whose arguments are all
+    # pointers and constants (the k-th value's, read from the selection's state)
+    from bitcomm.collectives import _kernels as steps
+
+    defined = {name for module in (_kernels, steps) for name in vars(module)
+               if name.endswith("_kernel") and name.startswith("_")}
+    assert set(report["kernels"]) == defined - {"_kth_value_kernel"}
+    assert report["compiled"] > len(defined)

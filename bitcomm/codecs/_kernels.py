@@ -235,6 +235,15 @@ def _le_bytes(ptr, live, WIDTH: tl.constexpr, EDGE: tl.constexpr):
     return word
 
 
+HEAD_WORDS = ("head0", "head1")
+"""The header-word arguments of the kernels that write a frame's header (_store_head).
+
+A launch makes an int argument equal to 1 a compile-time constant (a Python int in the kernel,
+with no ``.to``) and compiles a variant for it. Arguments that carry data (header words, a
+float's bits, k) are left unspecialised (``do_not_specialize``): any value may be 1, and a
+value is no reason for another compile."""
+
+
 @triton.jit
 def _store_head(ptr, head0, head1, HEAD: tl.constexpr):
     # A frame's first HEAD (<= 16) bytes: the little-endian bytes of head0, then head1's.
@@ -243,7 +252,7 @@ def _store_head(ptr, head0, head1, HEAD: tl.constexpr):
     tl.store(ptr + h, ((word >> (8 * (h % 8))) & 255).to(tl.uint8), mask=h < HEAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=HEAD_WORDS)
 def _head_kernel(ptr, head0, head1, HEAD: tl.constexpr):
     _store_head(ptr, head0, head1, HEAD)
 
@@ -464,7 +473,7 @@ SIDCO_KINDS = ("exponential", "pareto", "gamma")
 """What a SIDCo stage sums (:func:`sidco_stage`): the kinds of fit it feeds."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("top_bits", "eta_bits"))
 def _sidco_stage_kernel(x_ptr, top_ptr, top_bits, eta_bits, out_ptr, n, KIND: tl.constexpr,
                         FIRST: tl.constexpr, WIDEN: tl.constexpr, BLOCK: tl.constexpr):
     # One program's row of a stage's sums over y = x / top (float64, correctly rounded; the
@@ -751,7 +760,7 @@ def _shift(bucket: int) -> int:
     return bucket.bit_length() - 1 if bucket & (bucket - 1) == 0 else -1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=HEAD_WORDS)
 def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, head_ptr, head0,
                        head1, n, nbytes, nbuckets, bucket, key, S: tl.constexpr,
                        BITS: tl.constexpr, ROW: tl.constexpr, ROWS: tl.constexpr,
@@ -1180,7 +1189,7 @@ def sparse_scatter(frame: torch.Tensor, n: int, k: int, head: int, values: str,
                HEAD=head, IW=iw, VALUES=SPARSE_VALUES[values], BLOCK=block, **opts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=HEAD_WORDS)
 def _sparse_frame_kernel(idx_ptr, val_ptr, frame_ptr, ids_ptr, out_ptr, sums_ptr, flags_ptr,
                          head0, head1, n, k, CODE: tl.constexpr, VALUES: tl.constexpr,
                          CHECK: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr):
@@ -1964,16 +1973,17 @@ def kth_largest(x: torch.Tensor, k: int, side: int = 0) -> torch.Tensor:
     return out.to(x.dtype)  # the keys of 16-bit floats are those of their float32 values
 
 
-SMALL_TOP = 1 << 15
+SMALL_TOP = 1 << 16
 """Scores up to which :func:`top_indices` runs in one program (:func:`_small_top_kernel`).
 
 One program's passes wait on their loads tile after tile, where the radix passes spread each
 over the SMs but take 12 launches (each some microseconds of the host's and the device's):
-below some size the one launch wins. Where is to be measured on a GPU (``bitcomm bench tune``
-times both paths at 4K-128K scores); 32K scores are 8 tiles a pass."""
+below some size the one launch wins. On an H100 (``bitcomm bench tune``, which times both
+paths at 4K-128K scores; docs/results/gpu-h100.md) it won by 25x at 4K, 2.3x at 64K and tied
+at 128K (1.06x); 64K scores are 16 tiles a pass."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("k",))
 def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE: tl.constexpr,
                       CENSUS: tl.constexpr, BLOCK: tl.constexpr):
     # The whole radix selection in one program, for a vector small enough that launches, not
