@@ -1036,6 +1036,21 @@ def test_selection_statistics_and_counts(dtype, programs, monkeypatch):
                                                    (s > 0).sum().item()]
     meta = v.to("meta")
     assert _launches(lambda: _kernels.score_stats(meta, 1)) == ["score_stats", "score_totals"]
+    # runs of tiles: 5 tiles on 4 programs are runs of 2, 2, 1 and none (a row that adds
+    # nothing to the sums and the counts, -inf to the max)
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", 4)
+    v = torch.randint(-8, 9, (80,), generator=g).to(dtype) / 4
+    s = v.neg().clamp(min=0)
+    assert _kernels.score_stats(v, -1).tolist() == [s.double().sum().item(), s.max().item(), 0,
+                                                    (s > 0).sum().item()]
+    # at most COUNT_PROGRAMS rows for the one program that adds them, however long x is
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", 4096)
+    from bitcomm.bench.kernels import _recorded
+
+    with _recorded() as calls:
+        _kernels.score_stats(torch.empty(1 << 26, dtype=dtype, device="meta"), 1)
+    (stats, grid, args, _), (totals, _, rows, _) = calls
+    assert grid == (4096,) and args[1].shape == (4096, 4) and rows[2] == 4096
     v = torch.ones(5000, dtype=dtype)
     v[4500] = float("nan")
     assert _kernels.score_stats(v, 1).tolist() == [4999.0, 1.0, 1.0, 4999.0]

@@ -281,7 +281,8 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
 
 
 _STRIDED = ("_count_above_kernel", "_key_digits_kernel", "_gather_kernel",
-            "_chosen_counts_kernel", "_chosen_write_kernel", "_count_at_least_kernel")
+            "_chosen_counts_kernel", "_chosen_write_kernel", "_count_at_least_kernel",
+            "_score_stats_kernel")
 """Kernels whose programs loop over several tiles of the vector."""
 
 _REPEATED = {"_qsgd_mean_kernel": "frames"}

@@ -115,7 +115,9 @@ TUNING: dict[str, tuple[int, int]] = {
     # together byte by byte, masked): at 1024, 48-64 registers (sm_90), at 512 32
     "sparse_scatter": (512, 4),
     "sparse_frame": (1024, 4),  # entries: 19-31 instructions each, 32-48 registers (sm_90)
-    "score_stats": (2048, 4),  # elements
+    # elements a tile; a lane keeps its four sums over its program's run of tiles: 63-64
+    # registers at 1024 (sm_90), 118 at 2048
+    "score_stats": (1024, 4),
     "score_totals": (1024, 4),  # score_stats' rows a step of its one program
     "key_digits": (1024, 4),  # elements per tile
     "top_write": (1024, 4),  # elements, fewer than 2**16
@@ -1295,19 +1297,32 @@ def _side_scores(x, SIDE: tl.constexpr):
 
 @triton.jit
 def _score_stats_kernel(x_ptr, out_ptr, n, SIDE: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
-    x = tl.load(x_ptr + i, mask=live, other=0.0)
-    bad = (x != x) | (tl.abs(x) == float("inf"))
-    s = tl.where(bad, 0.0, _side_scores(x, SIDE))
-    # Only the sum needs float64 (exact conversions of every float dtype); the max and the
-    # check stay in the scores' dtype.
-    tl.store(out_ptr + pid * 4, tl.sum(s.to(tl.float64), axis=0))
-    top = tl.max(tl.where(live, s, -float("inf")), axis=0)
-    tl.store(out_ptr + pid * 4 + 1, top.to(tl.float64))
-    tl.store(out_ptr + pid * 4 + 2, tl.max(bad.to(tl.float64), axis=0))
-    tl.store(out_ptr + pid * 4 + 3, tl.sum((s > 0).to(tl.int32), axis=0).to(tl.float64))
+    # A fixed number of programs, each taking a run of tiles (_span) and writing one row:
+    # its lanes keep their own sums and maxima over the run, reduced once at its end. The
+    # fewer rows, the shorter _score_totals_kernel's walk over them, which one program makes
+    # in series.
+    lo, hi = _span(n, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.float64)
+    top = tl.full([BLOCK], -float("inf"), x_ptr.dtype.element_ty)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    positive = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(lo, hi, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        live = i < n
+        x = tl.load(x_ptr + i, mask=live, other=0.0)
+        nonfinite = (x != x) | (tl.abs(x) == float("inf"))
+        s = tl.where(nonfinite, 0.0, _side_scores(x, SIDE))
+        # Only the sum needs float64 (exact conversions of every float dtype); the max and
+        # the check stay in the scores' dtype.
+        total += s.to(tl.float64)
+        top = tl.maximum(top, tl.where(live, s, -float("inf")))
+        bad |= nonfinite.to(tl.int32)
+        positive += (s > 0).to(tl.int32)
+    row = out_ptr + tl.program_id(0) * 4
+    tl.store(row, tl.sum(total, axis=0))
+    tl.store(row + 1, tl.max(top, axis=0).to(tl.float64))
+    tl.store(row + 2, tl.max(bad, axis=0).to(tl.float64))
+    tl.store(row + 3, tl.sum(positive, axis=0).to(tl.float64))
 
 
 def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
@@ -1316,12 +1331,12 @@ def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
     The scores are ``x`` (``side=0``), ``max(x, 0)`` (1), ``max(-x, 0)`` (-1) or ``|x|`` (2);
     ``bad`` is 1 if ``x`` holds NaN or inf (those elements are left out of the sum, the max
     and the count); ``positive`` counts the scores above 0. One read of ``x`` and no host
-    read: block sums in float64 (exact for counts below 2**53), then one program adds the
-    blocks.
+    read: at most :data:`COUNT_PROGRAMS` programs sum their runs of tiles in float64 (exact
+    for counts below 2**53), then one program adds their rows, in the same order every call.
     """
     n = x.numel()
     block, opts = _config("score_stats")
-    grid = _grid(n, block)
+    grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)  # a run of tiles a program
     parts = torch.empty((grid[0], 4), dtype=torch.float64, device=x.device)
     launch(_score_stats_kernel, grid, x, parts, n, SIDE=side, BLOCK=block, **opts)
     out = torch.empty(4, dtype=torch.float64, device=x.device)
