@@ -1426,7 +1426,18 @@ def test_indices_above_a_threshold_without_a_host_read(programs, monkeypatch):
                 got = _kernels.indices_above(v, t, count, side)
                 assert got.dtype == torch.int64
                 assert got.tolist() == torch.nonzero(s > t).reshape(-1).tolist(), (side, t)
+            # the scores beside them, from the same pass: bit for bit s[idx] (+0.0 for -0.0)
+            for t in (-2.0, 0.5):
+                count = int((s > t).sum())
+                idx, scores = _kernels.indices_above(v, t, count, side, scores=True)
+                assert torch.equal(idx, torch.nonzero(s > t).reshape(-1)), (side, t)
+                want = s[idx] + 0.0  # -0.0 + 0.0 is +0.0
+                bits = torch.int32 if dtype == torch.float32 else torch.int64
+                assert scores.dtype == dtype
+                assert torch.equal(scores.view(bits), want.view(bits)), (side, t)
     assert _kernels.indices_above(v, 1e39, 0).numel() == 0
+    idx, scores = _kernels.indices_above(v, 1e39, 0, scores=True)
+    assert idx.numel() == scores.numel() == 0 and scores.dtype == v.dtype
 
 
 @pytest.mark.parametrize("programs", [4096, 2])

@@ -4,7 +4,7 @@ import torch
 
 from bitcomm.codecs import _bracket, select
 
-from conftest import OTHER_PATHS, forced, host_reads, needs_interpreter
+from conftest import OTHER_PATHS, dispatched, forced, host_reads, needs_interpreter
 
 
 def brute_topk(s: torch.Tensor, k: int) -> list[int]:
@@ -412,8 +412,25 @@ def test_the_searches_survivors_start_from_the_counting_pass_on_the_triton_path(
 
     with forced("numpy"):
         want = run()
-    with forced("triton"):
+    from bitcomm.codecs import _kernels
+
+    inside = []  # the interpreter's own torch ops while a kernel runs are not the search's
+    original = _kernels.launch
+
+    def launch(kernel, *a, **k):
+        inside.append(True)
+        try:
+            original(kernel, *a, **k)
+        finally:
+            inside.pop()
+
+    with forced("triton"), pytest.MonkeyPatch.context() as mp, \
+            dispatched(lambda: bool(inside)) as ops:
+        mp.setattr(_kernels, "launch", launch)
         got = run()
     assert torch.equal(got, want)
     assert "_count_above_kernel" in launched and "_gather_kernel" in launched
     assert "_count_at_least_kernel" not in launched, launched
+    if method == "trimmed" and side in (1, 2):  # a side's survivors' top-k: the scores the
+        # survivors' pass wrote beside their indices, no gather of v at those indices
+        assert ops.count("index") == 1, ops  # the survivors at the top-k's positions

@@ -236,6 +236,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
             # from the runs of the counting pass, as the searches write their survivors
             ("redsync-1% survivors", n, lambda: k.indices_above(
                 x, 2.0, n // 100, 1, runs=meta(k._programs(n), torch.int64))),
+            # the trimmed search's: their scores beside them, for the top-k among them
+            ("redsync-1% survivors and their scores", n, lambda: k.indices_above(
+                x, 2.0, n // 100, 1, runs=meta(k._programs(n), torch.int64), scores=True)),
             ("top-k 1% fp32", n, lambda: k.top_indices(x, max(1, n // 100))),
             ("top-k 1% fp32, top side", n, lambda: k.top_indices(x, max(1, n // 100), 1)),
             # RedSync's checked top-k: the count pass also counts NaN / inf and positives

@@ -1628,14 +1628,20 @@ def _key_digits_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, rows_ptr, n,
 def _kth_value_kernel(hist_ptr, state_ptr, m_ptr, out_ptr, WIDE: tl.constexpr):
     # One program: the last digit of the k-th largest key, and the score whose key it is
     # (float64, or float32 for 32-bit and 16-bit scores).
-    key = _kth_key(hist_ptr, state_ptr, m_ptr, WIDE)
+    tl.store(out_ptr, _key_score(_kth_key(hist_ptr, state_ptr, m_ptr, WIDE), WIDE))
+
+
+@triton.jit
+def _key_score(key, WIDE: tl.constexpr):
+    # The score whose order key (_order_key) is `key`: float64, or float32 for 32-bit and
+    # 16-bit scores; +0.0 for both zeros, and the one NaN's key gives a NaN.
     if WIDE:
-        bits = key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)
-        tl.store(out_ptr, bits.to(tl.float64, bitcast=True))
+        bits = key.to(tl.int64)
+        score = (bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)).to(tl.float64, bitcast=True)
     else:
         bits = key.to(tl.int32)
-        bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        tl.store(out_ptr, bits.to(tl.float32, bitcast=True))
+        score = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return score
 
 
 @triton.jit
@@ -1724,11 +1730,12 @@ def _slots(take, R: tl.constexpr):
 @triton.jit
 def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled_ptr, n, need,
                    room, SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
-                   KEYS: tl.constexpr, NAN: tl.constexpr, STRICT: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   KEYS: tl.constexpr, SCORES: tl.constexpr, NAN: tl.constexpr,
+                   STRICT: tl.constexpr, BLOCK: tl.constexpr):
     # The candidates: every key whose digits from SHIFT up are at least those of the key in
     # state_ptr (the k-th largest's prefix, or a sampled bound: a superset of the top k when
-    # there are at least `need` of them), with its index (and, with KEYS, the key), each
+    # there are at least `need` of them), with its index (and, with KEYS, the key, or with
+    # SCORES too the score whose key it is, in the scores' float dtype), each
     # program's run at the end of the runs before it (ends: the running sum of the programs'
     # counts), so in index order; their number goes to m_ptr. Nothing when they are fewer
     # than `need` or would not fit in `room`: m stays 0 and the passes go on reading x. NaN
@@ -1768,9 +1775,11 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
             i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, R)
             take = live & ((key >> SHIFT) >= floor.to(key.dtype)) & _counted(key, NAN)
             slot, counts = _slots(take, R)  # int32 offsets from the run's end
-            if KEYS:
-                tl.store(keys_ptr + at + slot, key, mask=take)
             tl.store(idx_ptr + at + slot, i.to(idx_ptr.dtype.element_ty), mask=take)
+            if SCORES:
+                tl.store(keys_ptr + at + slot, _key_score(key, WIDE), mask=take)
+            elif KEYS:
+                tl.store(keys_ptr + at + slot, key, mask=take)
             at += tl.sum(counts, 0)
         if pid == 0:
             tl.store(m_ptr, total)
@@ -1899,10 +1908,11 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
 
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                      counts: torch.Tensor, idx: torch.Tensor, need: int, room: int, side: int,
-                     *, keys: torch.Tensor | None = None, nan: bool,
+                     *, keys: torch.Tensor | None = None, scores: bool = False, nan: bool,
                      settled: torch.Tensor | None = None, known: bool = False,
                      census: torch.Tensor | None = None) -> None:
-    # The indices (and, given `keys`, the keys) of every key at or above floor's, in index
+    # The indices (and, given `keys`, the keys, or with `scores` the scores whose keys they
+    # are, in `keys` of x's dtype) of every key at or above floor's, in index
     # order, when there are `need` to `room` of them (their number to m): a count of each
     # program's run (an element of `counts` a program), then the gathering pass. `nan`:
     # whether NaN's key takes part (_counted). Given `settled` (a state row; `counts` then
@@ -1921,7 +1931,8 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                STRICT=strict, CENSUS=census is not None, BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, floor, m, counts.cumsum(0), idx if keys is None else keys,
            idx, floor if settled is None else settled, n, need, room, SIDE=side, WIDE=wide,
-           SHIFT=0, KEYS=keys is not None, NAN=nan, STRICT=strict, BLOCK=block, **opts)
+           SHIFT=0, KEYS=keys is not None, SCORES=scores, NAN=nan, STRICT=strict, BLOCK=block,
+           **opts)
 
 
 def _check_k(n: int, k: int) -> None:
@@ -1969,7 +1980,8 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: torch.Tensor | Non
                    SHIFT=shift, TOP=False, WIDE=wide, num_warps=1)
             launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
                    sel.idx, sel.state[2], n, 0, sel.keys.numel(), SIDE=side, WIDE=wide,
-                   SHIFT=shift, KEYS=True, NAN=True, STRICT=False, BLOCK=block, **opts)
+                   SHIFT=shift, KEYS=True, SCORES=False, NAN=True, STRICT=False, BLOCK=block,
+                   **opts)
     return sel
 
 
@@ -2205,7 +2217,8 @@ def _programs(n: int) -> int:
 
 
 def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0, *,
-                  runs: torch.Tensor | None = None) -> torch.Tensor:
+                  runs: torch.Tensor | None = None, scores: bool = False
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Return the ascending int64 indices of the ``count`` scores above ``threshold``.
 
     Scores as in :func:`score_stats`, float32 or float64; ``threshold`` is rounded to their
@@ -2214,12 +2227,15 @@ def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0, 
     the device to learn its size: one pass counts each program's run of tiles, a second
     writes each run's indices after the runs before it. ``runs``: those counts already, from
     :meth:`Runs.above` of the :func:`count_above` that counted ``threshold``; then only the
-    writing pass reads ``x``.
+    writing pass reads ``x``. With ``scores`` also return those scores (of the side, in
+    ``x``'s dtype; +0.0 for -0.0), written beside their indices by the same pass: the
+    scores at the indices without a second, scattered read of ``x``.
     """
     out = torch.empty(count, dtype=torch.int64, device=x.device)
+    values = torch.empty(count, dtype=x.dtype, device=x.device) if scores else None
     n = x.numel()
     if count == 0:
-        return out
+        return out if values is None else (out, values)
     wide = x.dtype == torch.float64
     # [the least key above the threshold, a slot for the number written]
     aux = torch.full((2,), _key_of(threshold, wide) + 1, dtype=torch.int64, device=x.device)
@@ -2230,6 +2246,6 @@ def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0, 
                          f"{tuple(runs.shape)}")
     else:
         counts = runs
-    _gather_at_least(x, aux, aux[1:], counts, out, count, count, side, nan=False,
-                     known=runs is not None)
-    return out
+    _gather_at_least(x, aux, aux[1:], counts, out, count, count, side, keys=values,
+                     scores=scores, nan=False, known=runs is not None)
+    return out if values is None else (out, values)
