@@ -1043,6 +1043,12 @@ def test_selection_statistics_and_counts(dtype, programs, monkeypatch):
     s = v.neg().clamp(min=0)
     assert _kernels.score_stats(v, -1).tolist() == [s.double().sum().item(), s.max().item(), 0,
                                                     (s > 0).sum().item()]
+    if dtype == torch.float32:  # 16-bit scores, widened to float32 in the pass
+        for half in (torch.float16, torch.bfloat16):
+            w = (torch.randint(-8, 9, (80,), generator=g) / 4).to(half)
+            s = w.float().clamp(min=0)
+            assert _kernels.score_stats(w, 1).tolist() == [
+                s.double().sum().item(), s.max().item(), 0, (s > 0).sum().item()], half
     # at most COUNT_PROGRAMS rows for the one program that adds them, however long x is
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", 4096)
     from bitcomm.bench.kernels import _recorded

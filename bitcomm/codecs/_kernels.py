@@ -1301,19 +1301,22 @@ def _score_stats_kernel(x_ptr, out_ptr, n, SIDE: tl.constexpr, BLOCK: tl.constex
     # its lanes keep their own sums and maxima over the run, reduced once at its end. The
     # fewer rows, the shorter _score_totals_kernel's walk over them, which one program makes
     # in series.
+    # 16-bit scores widen to float32, exactly, as _order_key widens them: triton 3.6.0
+    # refuses _side_scores of 16-bit floats (its branches' results differ in dtype).
+    WIDE: tl.constexpr = x_ptr.dtype.element_ty == tl.float64
     lo, hi = _span(n, BLOCK)
     total = tl.zeros([BLOCK], dtype=tl.float64)
-    top = tl.full([BLOCK], -float("inf"), x_ptr.dtype.element_ty)
+    top = tl.full([BLOCK], -float("inf"), tl.float64 if WIDE else tl.float32)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     positive = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
         i = start + tl.arange(0, BLOCK)
         live = i < n
-        x = tl.load(x_ptr + i, mask=live, other=0.0)
+        x = tl.load(x_ptr + i, mask=live, other=0.0).to(tl.float64 if WIDE else tl.float32)
         nonfinite = (x != x) | (tl.abs(x) == float("inf"))
         s = tl.where(nonfinite, 0.0, _side_scores(x, SIDE))
         # Only the sum needs float64 (exact conversions of every float dtype); the max and
-        # the check stay in the scores' dtype.
+        # the check stay in single precision where the scores are.
         total += s.to(tl.float64)
         top = tl.maximum(top, tl.where(live, s, -float("inf")))
         bad |= nonfinite.to(tl.int32)
