@@ -1036,6 +1036,8 @@ def test_selection_statistics_and_counts(dtype, programs, monkeypatch):
                                                    (s > 0).sum().item()]
     meta = v.to("meta")
     assert _launches(lambda: _kernels.score_stats(meta, 1)) == ["score_stats", "score_totals"]
+    with pytest.raises(TypeError, match="float32 or float64 scores"):
+        _kernels.count_above(v.half(), torch.tensor([0.5]).half())
     # runs of tiles: 5 tiles on 4 programs are runs of 2, 2, 1 and none (a row that adds
     # nothing to the sums and the counts, -inf to the max)
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", 4)

@@ -1433,6 +1433,8 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor | np.ndarray, side: int = 
     With ``runs``, also each program's counts (:class:`Runs`), which :func:`indices_above`
     can start from.
     """
+    if x.dtype not in (torch.float32, torch.float64):  # the kernel compares in x's dtype
+        raise TypeError(f"expected float32 or float64 scores, got {x.dtype}")
     m = len(bounds)
     levels = max(1, m.bit_length())  # T = 2**levels > m: room for every bound
     t = 1 << levels
