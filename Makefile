@@ -13,6 +13,12 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo torch==2.13.
 DEEPSPEED_SPEC ?= deepspeed==0.17.6
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.bitcomm-installed
+# Triton as the GPU image's torch ships it (torch 2.11's CUDA build pins 3.6.0), in a folder of
+# its own beside the venv's packages: tests/test_bench_kernels.py compiles every kernel with it
+# too (no GPU needed), since it rejects code that the dev extra's Triton and the interpreter
+# accept.
+TRITON_GPU_SPEC ?= triton==3.6.0
+TRITON_GPU := $(VENV)/triton-gpu
 
 .PHONY: run test bench lint clean gpu-wheels
 
@@ -28,9 +34,14 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/bitcomm run experiment --overwrite
 
-test: $(STAMP)
+test: $(STAMP) $(TRITON_GPU)/.installed
 	$(BIN)/python -m ruff check bitcomm tests
 	$(BIN)/python -m pytest -q
+
+$(TRITON_GPU)/.installed: $(STAMP)
+	rm -rf $(TRITON_GPU)
+	$(BIN)/python -m pip install -q --no-deps --target $(TRITON_GPU) "$(TRITON_GPU_SPEC)"
+	touch $@
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check bitcomm tests

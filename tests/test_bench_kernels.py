@@ -131,31 +131,49 @@ def test_interpreted_kernels_cannot_be_compiled(monkeypatch):
         kernels.run(1 << 10)
 
 
-_AT_ONE = r"""
-import json, torch
+_SWEEP = r"""
+import json, sys, torch
 from bitcomm.bench import kernels
 from bitcomm.codecs import _kernels
 
-launches = []
-for _, _, launch in kernels.cases(1 << 20):
-    with kernels._recorded() as calls:
-        launch()
+mode = sys.argv[1]
+if mode == "bf16":  # every case's float32 vectors as bfloat16 (an AMP gradient's)
+    empty = torch.empty
+
+    def bf16_empty(*a, dtype=None, device=None, **kw):
+        if str(device) == "meta" and dtype == torch.float32:
+            dtype = torch.bfloat16
+        return empty(*a, dtype=dtype, device=device, **kw)
+
+    torch.empty = bf16_empty
+launches, refused = [], []
+for name, _, launch in kernels.cases(1 << 20):
+    try:
+        with kernels._recorded() as calls:
+            launch()
+    except (TypeError, ValueError) as e:  # a wrapper that takes float32 or float64 only
+        refused.append([name, type(e).__name__])
+        continue
     launches += calls
-with kernels._recorded() as calls:  # an empty vector's frame header: a kernel of its own
-    meta = torch.empty(0, device="meta")
-    _kernels.qsgd_codes(meta, 4, 512, 7, meta, None,
-                        header=(torch.empty(16, dtype=torch.uint8, device="meta"), bytes(16)))
-launches += calls
+if mode == "ones":
+    with kernels._recorded() as calls:  # an empty vector's frame header: a kernel of its own
+        meta = torch.empty(0, device="meta")
+        _kernels.qsgd_codes(meta, 4, 512, 7, meta, None,
+                            header=(torch.empty(16, dtype=torch.uint8, device="meta"),
+                                    bytes(16)))
+    launches += calls
 done, failed = set(), []
 for kernel, _, args, options in launches:
     args, options = list(args), dict(options)
-    for i, (param, value) in enumerate(zip(kernel.params, args)):
-        if not param.is_constexpr and type(value) is int:
-            args[i] = 1
-    for param in kernel.params[len(args):]:
-        if not param.is_constexpr and type(options.get(param.name)) is int:
-            options[param.name] = 1
-    key = (kernel.fn.__name__, repr(sorted(options.items())))
+    if mode == "ones":
+        for i, (param, value) in enumerate(zip(kernel.params, args)):
+            if not param.is_constexpr and type(value) is int:
+                args[i] = 1
+        for param in kernel.params[len(args):]:
+            if not param.is_constexpr and type(options.get(param.name)) is int:
+                options[param.name] = 1
+    key = (kernel.fn.__name__, repr(sorted(options.items())),
+           repr([getattr(a, "dtype", None) for a in args]))
     if key in done:
         continue
     done.add(key)
@@ -163,21 +181,39 @@ for kernel, _, args, options in launches:
         kernels._compile(kernel, tuple(args), options, 90)
     except Exception as e:
         failed.append([kernel.fn.__name__, str(e).splitlines()[:12]])
-print(json.dumps({"kernels": sorted({k for k, _ in done}), "compiled": len(done),
-                  "failed": failed}))
+print(json.dumps({"kernels": sorted({k for k, _, _ in done}), "compiled": len(done),
+                  "failed": failed, "refused": refused}))
 """
 
+_GPU_TRITON = os.path.join(sys.prefix, "triton-gpu")
+"""Triton as the GPU image's torch ships it (`make test` installs it there): it rejects code
+that the dev extra's Triton and the interpreter accept."""
 
-def test_every_kernel_compiles_with_its_int_arguments_equal_to_one():
-    """A launch makes an int argument equal to 1 a compile-time constant, a Python int in the
-    kernel: a data word (a header's, k) used as a tensor there fails to compile on a GPU,
-    for the rare call whose value is 1, while the interpreter runs it. Every configuration of
-    `bench kernels` and the empty frame's header kernel compile with all their ints at 1."""
-    result = subprocess.run([sys.executable, "-c", _AT_ONE], capture_output=True, text=True,
-                            env=_compiled_env(), timeout=600)
+TRITONS = [pytest.param(None, id="dev-triton"), pytest.param(_GPU_TRITON, id="gpu-triton")]
+
+
+def _sweep(mode: str, triton_dir: str | None) -> dict:
+    if triton_dir is not None and not os.path.isdir(triton_dir):
+        pytest.skip(f"{triton_dir} is missing: `make test` installs the GPU image's triton")
+    env = _compiled_env()
+    if triton_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [triton_dir, env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", _SWEEP, mode], capture_output=True,
+                            text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["failed"] == []
+    return report
+
+
+@pytest.mark.parametrize("triton_dir", TRITONS)
+def test_every_kernel_compiles_with_its_int_arguments_equal_to_one(triton_dir):
+    """A launch makes an int argument equal to 1 a compile-time constant, a Python int in the
+    kernel: a data word (a header's, k) used as a tensor there fails to compile on a GPU,
+    for the rare call whose value is 1, while the interpreter runs it. Every configuration of
+    `bench kernels` and the empty frame's header kernel compile with all their ints at 1,
+    under the dev extra's Triton and the GPU image's."""
+    report = _sweep("ones", triton_dir)
     # every kernel the codecs and collectives launch, but one whose arguments are all
     # pointers and constants (the k-th value's, read from the selection's state)
     from bitcomm.collectives import _kernels as steps
@@ -186,3 +222,17 @@ def test_every_kernel_compiles_with_its_int_arguments_equal_to_one():
                if name.endswith("_kernel") and name.startswith("_")}
     assert set(report["kernels"]) == defined - {"_kth_value_kernel"}
     assert report["compiled"] > len(defined)
+
+
+@pytest.mark.parametrize("triton_dir", TRITONS)
+def test_every_kernel_compiles_for_bfloat16_inputs(triton_dir):
+    """Every case of `bench kernels` with its float32 vectors as bfloat16 compiles, or its
+    wrapper refuses them with a TypeError or ValueError: the GPU image's Triton failed on
+    16-bit floats where the dev extra's and the interpreter did not (rows of a tile, a
+    helper whose branches return different dtypes)."""
+    report = _sweep("bf16", triton_dir)
+    assert report["compiled"] > 100
+    # the wrappers documented as float32 / float64 only
+    assert {name for name, _ in report["refused"]} == {
+        "momentum fp32", "momentum of bf16", "qsgd-4 mean of 8 frames, residual",
+        "top-k 1% fp32, top side, census", "redsync-1% counts of 63 bounds"}
