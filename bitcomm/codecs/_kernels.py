@@ -1771,10 +1771,9 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
         floor = (tl.load(state_ptr) >> SHIFT) + col
         at = tl.load(ends_ptr + col * programs + pid - 1, mask=(pid > 0) | (col == 1),
                      other=0) - col * reached
-        # Float32 and float64 tiles as rows of 16 bytes, a load each (_rows_of). Triton 3.6.0
-        # fails to compile rows of 16-bit floats (its layout pass): those stay flat.
-        R: tl.constexpr = 1 if x_ptr.dtype.element_ty.primitive_bitwidth == 16 else (
-            2 if WIDE else 4)
+        # The tile as rows of 16 bytes, a load each (_rows_of): 8 16-bit, 4 32-bit or 2
+        # 64-bit scores.
+        R: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
         lo, hi = _span(n, BLOCK)
         for start in range(lo, hi, BLOCK):
             i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, R)
