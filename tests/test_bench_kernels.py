@@ -132,7 +132,7 @@ def test_interpreted_kernels_cannot_be_compiled(monkeypatch):
 
 
 _SWEEP = r"""
-import json, sys, torch
+import json, sys, torch, triton
 from bitcomm.bench import kernels
 from bitcomm.codecs import _kernels
 
@@ -182,7 +182,7 @@ for kernel, _, args, options in launches:
     except Exception as e:
         failed.append([kernel.fn.__name__, str(e).splitlines()[:12]])
 print(json.dumps({"kernels": sorted({k for k, _, _ in done}), "compiled": len(done),
-                  "failed": failed, "refused": refused}))
+                  "failed": failed, "refused": refused, "triton": triton.__version__}))
 """
 
 _GPU_TRITON = os.path.join(sys.prefix, "triton-gpu")
@@ -203,6 +203,15 @@ def _sweep(mode: str, triton_dir: str | None) -> dict:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["failed"] == []
+    import triton
+
+    if triton_dir is None:
+        assert report["triton"] == triton.__version__
+    else:  # the installed one, not the venv's
+        installed = {d.name.removesuffix(".dist-info").split("-")[1]
+                     for d in os.scandir(triton_dir)
+                     if d.name.startswith("triton-") and d.name.endswith(".dist-info")}
+        assert installed == {report["triton"]} and report["triton"] != triton.__version__
     return report
 
 
