@@ -174,7 +174,8 @@ class _Scores:
         Of the ``count`` scores above ``threshold`` (>= 0), the ``k`` largest. On the Triton
         path the pass that writes the survivors' indices writes their scores beside them, and
         the kernels rank those: no gather of ``v`` at the indices, a scattered read (in
-        RedSync's encode of 64M elements on an H100, a torch index kernel of 92 us).
+        RedSync's encode of 64M elements on an H100, most likely a torch index kernel of 92
+        us).
         """
         if self.side and self.fused and 0 < k < count:
             keep, scores = _frame.kernels().indices_above(self.v, threshold, count, self.side,
