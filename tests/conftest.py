@@ -70,6 +70,30 @@ def dispatched(paused=lambda: False, counted=frozenset()):
         yield names
 
 
+def ops_on_the_triton_path(fn) -> list[str]:
+    """Run fn on the Triton path; return the kernels it launches and the torch ops it
+    dispatches that launch one (select too), in order. The interpreter's own torch ops while
+    a kernel runs are not fn's, and are left out."""
+    from bitcomm.codecs import _kernels
+
+    inside = []
+    original = _kernels.launch
+
+    def launch(kernel, *a, **k):
+        ops.append(kernel.fn.__name__)
+        inside.append(True)
+        try:
+            original(kernel, *a, **k)
+        finally:
+            inside.pop()
+
+    with pytest.MonkeyPatch.context() as mp, forced("triton"), \
+            dispatched(lambda: bool(inside), counted={"select"}) as ops:
+        mp.setattr(_kernels, "launch", launch)
+        fn()
+    return ops
+
+
 SCANS = ("cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin", "logcumsumexp")
 """Torch's scans, as functions of torch and methods of tensors."""
 

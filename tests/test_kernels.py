@@ -23,6 +23,7 @@ from conftest import (
     forced,
     host_reads,
     needs_interpreter,
+    ops_on_the_triton_path,
     serial_scans,
 )
 
@@ -190,7 +191,7 @@ def test_momentum_gives_torchs_bits_in_one_kernel(dtype):
     assert (unfused.view(torch.int32) != m.mul(0.9).add_(g.float(), alpha=0.1)
             .view(torch.int32)).sum() > 100
     out = torch.empty_like(m)
-    assert _ops_on_the_triton_path(lambda: momentum(m, g, 0.9, out)) == ["_momentum_kernel"]
+    assert ops_on_the_triton_path(lambda: momentum(m, g, 0.9, out)) == ["_momentum_kernel"]
     with pytest.raises(TypeError, match="float32 momentum"):
         _kernels.momentum(m.double(), g, 0.9, out)
     with pytest.raises(ValueError, match="one length"):
@@ -212,7 +213,7 @@ def test_momenta_launch_a_kernel_only_for_large_tensors():
     for path in ("numpy", "torch", "triton"):
         got = [m.clone() for m in ms]
         if path == "triton":
-            ops = _ops_on_the_triton_path(lambda got=got: momenta(got, gs, 0.9))
+            ops = ops_on_the_triton_path(lambda got=got: momenta(got, gs, 0.9))
             assert ops.count("_momentum_kernel") == 2, ops
             assert len(ops) == 4, ops  # and the two multi-tensor ops for the other four
         else:
@@ -402,28 +403,6 @@ def test_qsgd_non_finite_buckets_raise_the_same_errors(bucket):
         assert a == got and named in a, (a, got)
 
 
-def _ops_on_the_triton_path(fn) -> list[str]:
-    # Run fn on the Triton path; return the kernels it launches and the torch ops it
-    # dispatches that launch one (select too), in order. The interpreter's own torch ops
-    # while a kernel runs are not fn's, and are left out.
-    inside = []
-    original = _kernels.launch
-
-    def launch(kernel, *a, **k):
-        ops.append(kernel.fn.__name__)
-        inside.append(True)
-        try:
-            original(kernel, *a, **k)
-        finally:
-            inside.pop()
-
-    with pytest.MonkeyPatch.context() as mp, forced("triton"), \
-            dispatched(lambda: bool(inside), counted={"select"}) as ops:
-        mp.setattr(_kernels, "launch", launch)
-        fn()
-    return ops
-
-
 def test_qsgd_fused_encode_checks_its_scales_in_its_pass():
     """The fused encoder's kernel flags a bucket whose scale is not finite and writes the
     scales where they lie in the frame, and the header: besides it, a zeroed flag and the
@@ -435,12 +414,12 @@ def test_qsgd_fused_encode_checks_its_scales_in_its_pass():
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
     frame = []
-    ops = _ops_on_the_triton_path(lambda: frame.append(qsgd.encode(x, 4, 512, seed=1)))
+    ops = ops_on_the_triton_path(lambda: frame.append(qsgd.encode(x, 4, 512, seed=1)))
     assert ops == ["zeros", "_qsgd_codes_kernel", "_local_scalar_dense"], ops
     assert torch.equal(frame[0], qsgd.encode(x, 4, 512, seed=1))
     for bucket, n in ((1000, 5000), (512, 0), (1000, 0)):
         frame.clear()
-        ops = _ops_on_the_triton_path(
+        ops = ops_on_the_triton_path(
             lambda bucket=bucket, n=n: frame.append(qsgd.encode(x[:n], 4, bucket, seed=1)))
         # the scales' copy into the frame (torch computes them for such a bucket), none of
         # the header
@@ -464,7 +443,7 @@ def test_qsgd_decode_is_one_pass_and_one_read():
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
     frame = qsgd.encode(x, 4, 512, seed=1)
     got = []
-    ops = _ops_on_the_triton_path(lambda: got.append(qsgd.decode(frame, n=5000)))
+    ops = ops_on_the_triton_path(lambda: got.append(qsgd.decode(frame, n=5000)))
     # the header's read is not a torch op on a CPU tensor; 5000 elements are full tiles and a
     # partial one; the check's read comes behind the kernels
     assert ops == ["zeros", "_qsgd_decode_kernel", "_qsgd_decode_kernel",
@@ -479,7 +458,7 @@ def test_qsgd_decode_is_one_pass_and_one_read():
             qsgd.decode(bad, n=5000)
     # a bucket that is not a power of two: the steps kernel, then the values'
     frame = qsgd.encode(x, 4, 500, seed=1)
-    ops = _ops_on_the_triton_path(lambda: qsgd.decode(frame, n=5000))
+    ops = ops_on_the_triton_path(lambda: qsgd.decode(frame, n=5000))
     assert ops == ["zeros", "_qsgd_steps_kernel", "_qsgd_values_kernel",
                    "_qsgd_values_kernel", "_local_scalar_dense"], ops
 
@@ -541,16 +520,16 @@ def test_the_finiteness_checks_are_one_kernel_on_the_triton_path():
     from bitcomm.comm.local import LocalComm, LocalGroup
 
     x = torch.randn(5000, dtype=torch.float64)
-    assert sorted(_ops_on_the_triton_path(lambda: _frame.all_finite(x, as_float32=True))) \
+    assert sorted(ops_on_the_triton_path(lambda: _frame.all_finite(x, as_float32=True))) \
         == sorted(["zeros", "_nonfinite_kernel", "select", "ne", "_local_scalar_dense"])
     narrow = x.float()
-    assert sorted(_ops_on_the_triton_path(lambda: _frame.nonfinite_any(narrow))) \
+    assert sorted(ops_on_the_triton_path(lambda: _frame.nonfinite_any(narrow))) \
         == sorted(["zeros", "_nonfinite_kernel", "select", "ne"])
     # zeroing in place rides on the same read: no isfinite, no where or masked fill, no copy
-    assert sorted(_ops_on_the_triton_path(lambda: _frame.zero_nonfinite_(x, as_float32=True))) \
+    assert sorted(ops_on_the_triton_path(lambda: _frame.zero_nonfinite_(x, as_float32=True))) \
         == sorted(["zeros", "_nonfinite_kernel", "select", "ne"])
     comm = LocalComm(LocalGroup(1), 0)
-    ops = _ops_on_the_triton_path(lambda: _common.prepare(comm, x, True, "test"))
+    ops = ops_on_the_triton_path(lambda: _common.prepare(comm, x, True, "test"))
     assert ops.count("_nonfinite_kernel") == 1 and "isfinite" not in ops and "abs" not in ops
 
 
@@ -1479,14 +1458,14 @@ def test_indices_above_starts_from_the_runs_count_above_counted(programs, monkey
         _kernels.indices_above(v, 0.5, 3, 0, runs=torch.zeros(p + 1, dtype=torch.int64))
     # the counts come out of the kernel as the suffix sums they are read as: no pass over
     # them on the device after it, and a run's count above a bound is a view of its row
-    ops = _ops_on_the_triton_path(lambda: _kernels.count_above(v, bounds, 1, runs=True))
+    ops = ops_on_the_triton_path(lambda: _kernels.count_above(v, bounds, 1, runs=True))
     assert ops == ["full", "copy_", "zeros", "_count_above_kernel"], ops
     # bounds from the host (a search's): padded there, one copy (none to a CPU tensor)
     got = []
-    ops = _ops_on_the_triton_path(lambda: got.append(_kernels.count_above(v, bounds.numpy(), 1)))
+    ops = ops_on_the_triton_path(lambda: got.append(_kernels.count_above(v, bounds.numpy(), 1)))
     assert ops == ["zeros", "_count_above_kernel"], ops
     assert torch.equal(got[0], _kernels.count_above(v, bounds, 1))
-    assert _ops_on_the_triton_path(lambda: runs.above(2)) == ["select"]  # a view, no launch
+    assert ops_on_the_triton_path(lambda: runs.above(2)) == ["select"]  # a view, no launch
 
 
 def test_unchecked_nan_is_above_every_score_in_a_top_k_and_above_no_threshold():
@@ -1615,7 +1594,7 @@ def test_packing_checks_the_range_in_the_packing_pass(monkeypatch):
         v = torch.randint(0, top + 1, (n,), generator=g).to(dtype)
         for fn, extra in ((pack, []), (encode, ["copy_"])):
             want, got = fn(v), []
-            ops = _ops_on_the_triton_path(lambda fn=fn, v=v: got.append(fn(v)))
+            ops = ops_on_the_triton_path(lambda fn=fn, v=v: got.append(fn(v)))
             assert torch.equal(got[0], want), top
             assert sorted(ops) == sorted(kernel + extra), (top, ops)
         with forced("triton"), _frame.deferred():
@@ -1672,7 +1651,7 @@ def test_sparse_decode_is_one_scatter_on_the_triton_path(block, monkeypatch):
                 assert got[1] == want[1] == frame.numel(), (k, fmt)
                 assert torch.equal(got[0], want[0]) and got[0].dtype == dtype, (k, fmt, dtype)
     frame = sparse.encode(idx, val, n)
-    ops = _ops_on_the_triton_path(lambda: sparse.decode(frame, n=n))
+    ops = ops_on_the_triton_path(lambda: sparse.decode(frame, n=n))
     assert ops == ["zeros", "zeros", "_sparse_scatter_kernel", "_local_scalar_dense"], ops
     with forced("triton"):  # the header's copy to the host, then the flag's
         reads = host_reads(monkeypatch, lambda: sparse.decode(frame, n=n))
@@ -1789,10 +1768,10 @@ def test_sparse_encode_is_one_kernel_on_the_triton_path(block, monkeypatch):
     k = 300
     i, v = torch.arange(0, 3 * k, 3), torch.randn(k, generator=g)
     tiles = ["_sparse_frame_kernel"]  # one launch, its last tile masked as the others
-    assert _ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, check=False)) == tiles
-    ops = _ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, "mean", check=False))
+    assert ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, check=False)) == tiles
+    ops = ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, "mean", check=False))
     assert ops == [*tiles, "_sparse_mean_kernel"], ops
-    ops = _ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, "fp16"))
+    ops = ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, "fp16"))
     assert ops == ["sort", "index", "zeros", *tiles, "_local_scalar_dense"], ops
     with forced("triton"):
         assert host_reads(monkeypatch, lambda: sparse.encode(i, v, 5000, check=False)) == []
@@ -1830,10 +1809,10 @@ def test_sparse_encode_at_reads_the_values_in_its_kernel(block, monkeypatch):
                     assert torch.equal(got, want), (k, fmt, dtype, check)
     i, v = torch.arange(0, 900, 3), x.float()
     tiles = ["_sparse_frame_kernel"]  # one launch, its last tile masked as the others
-    assert _ops_on_the_triton_path(lambda: sparse.encode_at(v, i, check=False)) == tiles
-    ops = _ops_on_the_triton_path(lambda: sparse.encode_at(v, i, "mean", check=False))
+    assert ops_on_the_triton_path(lambda: sparse.encode_at(v, i, check=False)) == tiles
+    ops = ops_on_the_triton_path(lambda: sparse.encode_at(v, i, "mean", check=False))
     assert ops == [*tiles, "_sparse_mean_kernel"], ops
-    ops = _ops_on_the_triton_path(lambda: sparse.encode_at(v, i))
+    ops = ops_on_the_triton_path(lambda: sparse.encode_at(v, i))
     assert ops == ["sort", "zeros", *tiles, "_local_scalar_dense"], ops
     for bad in (-1, n, n + 2**20):
         i = torch.tensor([5, bad, 7])
@@ -1868,7 +1847,7 @@ def test_redsyncs_trimmed_search_ranks_and_frames_its_survivors_in_kernels():
         want = redsync.encode(x, 900, side, "trimmed")
         with forced("triton"):
             assert torch.equal(redsync.encode(x, 900, side, "trimmed"), want), side
-        ops = _ops_on_the_triton_path(lambda s=side: redsync.encode(x, 900, s, "trimmed"))
+        ops = ops_on_the_triton_path(lambda s=side: redsync.encode(x, 900, s, "trimmed"))
         assert "clamp" not in ops, ops
         assert ops[-3:] == ["index", "_sparse_frame_kernel", "_sparse_mean_kernel"], ops
 

@@ -4,7 +4,7 @@ import torch
 
 from bitcomm.codecs import _bracket, select
 
-from conftest import OTHER_PATHS, dispatched, forced, host_reads, needs_interpreter
+from conftest import OTHER_PATHS, forced, host_reads, needs_interpreter, ops_on_the_triton_path
 
 
 def brute_topk(s: torch.Tensor, k: int) -> list[int]:
@@ -412,22 +412,9 @@ def test_the_searches_survivors_start_from_the_counting_pass_on_the_triton_path(
 
     with forced("numpy"):
         want = run()
-    from bitcomm.codecs import _kernels
-
-    inside = []  # the interpreter's own torch ops while a kernel runs are not the search's
-    original = _kernels.launch
-
-    def launch(kernel, *a, **k):
-        inside.append(True)
-        try:
-            original(kernel, *a, **k)
-        finally:
-            inside.pop()
-
-    with forced("triton"), pytest.MonkeyPatch.context() as mp, \
-            dispatched(lambda: bool(inside)) as ops:
-        mp.setattr(_kernels, "launch", launch)
-        got = run()
+    got = []
+    ops = ops_on_the_triton_path(lambda: got.append(run()))
+    got = got[0]
     assert torch.equal(got, want)
     assert "_count_above_kernel" in launched and "_gather_kernel" in launched
     assert "_count_at_least_kernel" not in launched, launched

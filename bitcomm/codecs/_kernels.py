@@ -1339,7 +1339,7 @@ def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
     """
     n = x.numel()
     block, opts = _config("score_stats")
-    grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)  # a run of tiles a program
+    grid = (_programs(n, "score_stats"),)  # a run of tiles a program
     parts = torch.empty((grid[0], 4), dtype=torch.float64, device=x.device)
     launch(_score_stats_kernel, grid, x, parts, n, SIDE=side, BLOCK=block, **opts)
     out = torch.empty(4, dtype=torch.float64, device=x.device)
@@ -2215,9 +2215,9 @@ def _key_of(threshold: float, wide: bool) -> int:
     return bits ^ ((bits >> (width - 1)) & ((1 << (width - 1)) - 1))
 
 
-def _programs(n: int) -> int:
-    # The programs of the passes that take runs of tiles over n scores.
-    return min(COUNT_PROGRAMS, _grid(n, _config("key_digits")[0])[0])
+def _programs(n: int, tiles: str = "key_digits") -> int:
+    # The programs of the passes that take runs of tiles over n scores (TUNING[tiles]'s).
+    return min(COUNT_PROGRAMS, _grid(n, _config(tiles)[0])[0])
 
 
 def indices_above(x: torch.Tensor, threshold: float, count: int, side: int = 0, *,
