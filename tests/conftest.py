@@ -134,6 +134,15 @@ def serial_scans():
             setattr(owner, name, original)
 
 
+@pytest.fixture(autouse=True)
+def _no_layouts_seen():
+    """Each test starts with no qsgd header remembered: what a decode launches and reads
+    depends on the frames of its length decoded before it in the process."""
+    from bitcomm.codecs import qsgd
+
+    qsgd._SEEN = qsgd._Layouts()
+
+
 @pytest.fixture
 def launched(monkeypatch):
     """The names of the Triton kernels launched while the test runs, in order (they run)."""

@@ -433,11 +433,11 @@ def test_qsgd_fused_encode_checks_its_scales_in_its_pass():
 
 
 def test_qsgd_decode_is_one_pass_and_one_read():
-    """A qsgd frame's decode on the Triton path reads its header, then launches one kernel
-    (over its full tiles and its partial one) that computes the steps, checks both rules and
-    writes the values, then reads the check's flag; no steps kernel and no steps in memory. A
-    broken rule still raises its precise error, and a flagged frame in _frame.deferred at the
-    block's end."""
+    """A qsgd frame's decode on the Triton path (no frame of its length decoded before)
+    reads its header, then launches one kernel (over its full tiles and its partial one)
+    that computes the steps, checks both rules and writes the values, then reads the check's
+    flag; no steps kernel and no steps in memory. A broken rule still raises its precise
+    error, and a flagged frame in _frame.deferred at the block's end."""
     from bitcomm.codecs import _frame
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
@@ -458,9 +458,96 @@ def test_qsgd_decode_is_one_pass_and_one_read():
             qsgd.decode(bad, n=5000)
     # a bucket that is not a power of two: the steps kernel, then the values'
     frame = qsgd.encode(x, 4, 500, seed=1)
+    qsgd._SEEN = qsgd._Layouts()
     ops = ops_on_the_triton_path(lambda: qsgd.decode(frame, n=5000))
     assert ops == ["zeros", "_qsgd_steps_kernel", "_qsgd_values_kernel",
                    "_qsgd_values_kernel", "_local_scalar_dense"], ops
+
+
+def _outcome(fn):
+    # A decode's values as int32 bits (with the bytes it consumed), or its error's message.
+    try:
+        values, used = fn()
+    except ValueError as e:
+        return str(e)
+    return values.view(torch.int16 if values.element_size() == 2 else torch.int32), used
+
+
+@pytest.mark.parametrize("bucket", [512, 500])
+def test_qsgd_decode_of_a_layout_seen_before_is_one_read_after_the_launch(bucket, monkeypatch):
+    """With n given, a frame with the header of the last frame of n elements decoded on its
+    device decodes with one host read, behind the launch (one pass for a power-of-two bucket,
+    the steps kernel then the values' for another); the pass compares the header on the
+    device. Whatever the frame holds - another layout of n elements, a header that differs
+    in any byte, a broken rule, too few bytes - the result or the error is the one a decode
+    with nothing remembered gives."""
+    from bitcomm.codecs import _frame
+
+    from conftest import host_reads
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5000, generator=g)
+    first, frame = (qsgd.encode(x * s, 4, bucket, seed=s) for s in (1, 2))
+    with forced("triton"):
+        # the header's (.cpu().numpy(), one line), then the flag's
+        reads = host_reads(monkeypatch, lambda: qsgd.decode(first, n=5000))
+        assert len({r[1:] for r in reads}) == 2, reads
+        reads = host_reads(monkeypatch, lambda: qsgd.decode(frame, n=5000))
+        assert [r[0] for r in reads] == ["item"], reads
+    ops = ops_on_the_triton_path(lambda: qsgd.decode(frame, n=5000))
+    kernels = (["_qsgd_decode_kernel"] * 2 if bucket == 512 else
+               ["_qsgd_steps_kernel", "_qsgd_values_kernel", "_qsgd_values_kernel"])
+    # the header's bytes for the steps kernel come from pinned memory
+    assert [o for o in ops if o not in ("empty", "copy_")] == \
+        ["zeros", *kernels, "_local_scalar_dense"], ops
+    want = _qsgd_decoded_by_numpy(frame, 5000, 4, bucket)
+    with forced("triton"):
+        got, used = qsgd.decode(frame, n=5000)
+        assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32))
+        assert used == frame.numel()
+        half = qsgd.decode(frame, n=5000, dtype=torch.bfloat16)[0]
+        assert torch.equal(half, torch.from_numpy(want).bfloat16())
+        tail = qsgd.decode(torch.cat([frame, frame[:7]]), n=5000)
+        assert torch.equal(tail[0], got) and tail[1] == frame.numel()
+
+    def fresh(buf):  # the same decode with nothing remembered
+        qsgd._SEEN = qsgd._Layouts()
+        return _outcome(lambda: qsgd.decode(buf, n=5000))
+
+    def primed(buf):
+        qsgd._SEEN = qsgd._Layouts()
+        qsgd.decode(frame, n=5000)
+        return _outcome(lambda: qsgd.decode(buf, n=5000))
+
+    others = [qsgd.encode(x, 2, bucket, seed=3), qsgd.encode(x, 4, bucket, scale="l2", seed=3),
+              qsgd.encode(x, 4, 256, seed=3), qsgd.encode(x[:4999], 4, bucket, seed=3),
+              torch.cat([qsgd.encode(x[:4999], 4, bucket, seed=3), frame[-8:]]),
+              frame[:-1], frame[:14]]
+    for i in range(qsgd.HEADER.size):  # a header that differs in one byte
+        bad = frame.clone()
+        bad[i] ^= 1 << (i % 8)
+        others.append(bad)
+    bad = frame.clone()
+    bad[14 + 4 * 3 + 3] = 0xFF  # bucket 3's scale becomes a NaN
+    others.append(bad)
+    bad = frame.clone()
+    bad[-1] |= 1  # 5000 4-bit codes fill their bytes: the last code, not padding
+    others.append(bad)
+    with forced("triton"):
+        for i, buf in enumerate(others):
+            want, got = fresh(buf), primed(buf)
+            assert type(want) is type(got), (i, want, got)
+            if isinstance(want, str):
+                assert got == want, i
+            else:
+                assert torch.equal(got[0], want[0]) and got[1] == want[1], i
+        assert "finite scale >= 0 in bucket 3" in fresh(others[-2])
+        qsgd.decode(frame, n=5000)
+        with pytest.raises(ValueError, match="finite scale >= 0 in bucket 3"), \
+                _frame.deferred():
+            qsgd.decode(others[-2], n=5000)
+        with pytest.raises(TypeError, match="n"):
+            qsgd.decode(frame, n=5000.0)
 
 
 def _qsgd_decoded_by_numpy(frame: torch.Tensor, n: int, nbits: int, bucket: int) -> np.ndarray:

@@ -183,6 +183,12 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                         lambda b=bits, bk=bucket: k.qsgd_decode(
                             meta(qsgd.encoded_size(n, b, bk), torch.uint8), qsgd.HEADER.size,
                             n, b, bk, torch.float32, meta(1, torch.int32))))
+        # a decode with n given, of a layout decoded before: the header checked in the pass
+        out.append((f"qsgd-{bits} decode, known header", n,
+                    lambda b=bits, bk=qsgd.DEFAULT_BUCKET: k.qsgd_decode(
+                        meta(qsgd.encoded_size(n, b, bk), torch.uint8), qsgd.HEADER.size, n, b,
+                        bk, torch.float32, meta(1, torch.int32),
+                        header=qsgd.HEADER.pack(n, b, 0, bk))))
         steps_ = meta(-(-n // qsgd.DEFAULT_BUCKET), torch.float32)
         # qsgd_allgather's mean of 8 ranks' frames, keeping this rank's values, after their
         # checks and steps

@@ -247,11 +247,27 @@ value is no reason for another compile."""
 
 
 @triton.jit
-def _store_head(ptr, head0, head1, HEAD: tl.constexpr):
-    # A frame's first HEAD (<= 16) bytes: the little-endian bytes of head0, then head1's.
+def _head_bytes(head0, head1):
+    # The 16 bytes of head0 then head1, little-endian: a header of up to 16 bytes.
     h = tl.arange(0, 16)
     word = tl.where(h < 8, head0.to(tl.int64), head1.to(tl.int64))
-    tl.store(ptr + h, ((word >> (8 * (h % 8))) & 255).to(tl.uint8), mask=h < HEAD)
+    return ((word >> (8 * (h % 8))) & 255).to(tl.uint8)
+
+
+@triton.jit
+def _store_head(ptr, head0, head1, HEAD: tl.constexpr):
+    # A frame's first HEAD (<= 16) bytes: head0's, then head1's.
+    h = tl.arange(0, 16)
+    tl.store(ptr + h, _head_bytes(head0, head1), mask=h < HEAD)
+
+
+@triton.jit
+def _head_differs(ptr, head0, head1, HEAD: tl.constexpr):
+    # Whether a frame's first HEAD (<= 16) bytes differ from head0's, then head1's.
+    h = tl.arange(0, 16)
+    mine = h < HEAD
+    got = tl.load(ptr + h, mask=mine, other=0)
+    return mine & (got != _head_bytes(head0, head1))
 
 
 @triton.jit(do_not_specialize=HEAD_WORDS)
@@ -933,20 +949,25 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
     return out
 
 
-@triton.jit
-def _qsgd_decode_kernel(frame_ptr, out_ptr, flags_ptr, n, nbytes, nb, codes_at, pad, first,
-                        BITS: tl.constexpr, LOG_BUCKET: tl.constexpr, HEAD: tl.constexpr,
-                        ROWS: tl.constexpr, BYTES: tl.constexpr, SMALL: tl.constexpr,
-                        BF16: tl.constexpr, EDGE: tl.constexpr):
+@triton.jit(do_not_specialize=HEAD_WORDS)
+def _qsgd_decode_kernel(frame_ptr, out_ptr, flags_ptr, n, nbytes, nb, codes_at, pad, head0,
+                        head1, first, BITS: tl.constexpr, LOG_BUCKET: tl.constexpr,
+                        HEAD: tl.constexpr, HEADER: tl.constexpr, ROWS: tl.constexpr,
+                        BYTES: tl.constexpr, SMALL: tl.constexpr, BF16: tl.constexpr,
+                        EDGE: tl.constexpr):
     # One frame's values with its steps and its rules in the same pass. A program's ROWS *
     # BYTES code bytes are ROWS whole buckets of 2**LOG_BUCKET elements (BYTES bytes each) or,
     # with ROWS 1, part of one: its steps are ROWS scales, each put together from its four
     # bytes (they lie 4-byte unaligned behind the HEAD-byte header), divided once and flagged
     # if not finite or below 0. The one EDGE program also checks the padding bits (`pad`) of
-    # the last code byte. The values are _qsgd_decoded's, to the bit.
+    # the last code byte; with HEADER the first tile's program flags a header other than
+    # head0's and head1's bytes. The values are _qsgd_decoded's, to the bit.
     PER: tl.constexpr = 8 // BITS
     S: tl.constexpr = (1 << (BITS - 1)) - 1
     tile = (first + tl.program_id(0)).to(tl.int64)
+    if HEADER:
+        if tile == 0:
+            _flag(flags_ptr, _head_differs(frame_ptr, head0, head1, HEAD))
     row = tl.arange(0, ROWS)
     b = ((tile * (ROWS * BYTES * PER)) >> LOG_BUCKET) + row
     live = b < nb
@@ -976,20 +997,24 @@ def _qsgd_decode_kernel(frame_ptr, out_ptr, flags_ptr, n, nbytes, nb, codes_at, 
 
 
 def qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
-                dtype: torch.dtype, flags: torch.Tensor) -> torch.Tensor:
+                dtype: torch.dtype, flags: torch.Tensor, header: bytes | None = None
+                ) -> torch.Tensor:
     """Return the values of the qsgd frame ``frame`` (uint8, exactly the frame) as ``dtype``.
 
-    The frame holds ``n`` elements of ``bits`` in buckets of ``bucket`` behind a ``head``-byte
-    header; a scale that is not finite or below 0, or a set padding bit, sets ``flags`` (one
-    int32, zero). Where the bucket is a power of two of at least a code byte's elements, one
-    pass computes each program's steps and its values (a step launch fewer, and no steps in
+    The frame holds ``n`` (> 0 with ``header``) elements of ``bits`` in buckets of ``bucket``
+    behind a ``head``-byte header; a scale that is not finite or below 0, a set padding bit,
+    or with ``header`` (``head`` bytes) a header other than it, sets ``flags`` (one int32,
+    zero). Where the bucket is a power of two of at least a code byte's elements, one pass
+    computes each program's steps and its values (a step launch fewer, and no steps in
     memory); otherwise :func:`qsgd_steps` then :func:`qsgd_values`.
     """
     nb = -(-n // bucket)
     per_byte = 8 // bits
     shift = _shift(bucket)
     if shift < 0 or bucket < per_byte:
-        steps = qsgd_steps(frame.view(1, -1), head, nb, n, bits, None, flags)
+        steps = qsgd_steps(frame.view(1, -1), head, nb, n, bits,
+                           None if header is None else _frame.host_bytes(header, frame.device),
+                           flags)
         return qsgd_values(frame[head + 4 * nb :], n, bits, bucket, steps.view(-1), dtype)
     out = torch.empty(n, dtype=dtype, device=frame.device)
     if n:
@@ -1003,8 +1028,9 @@ def qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
         bf16 = dtype == torch.bfloat16
         launch_tiles(_qsgd_decode_kernel, tiles, n // per, frame,
                      out.view(torch.int16) if bf16 else out, flags, n, nbytes, nb,
-                     head + 4 * nb, (1 << (8 - used)) - 1 if used else 0, BITS=bits,
-                     LOG_BUCKET=shift, HEAD=head, ROWS=rows, BYTES=block // rows,
+                     head + 4 * nb, (1 << (8 - used)) - 1 if used else 0,
+                     *_head_words(header or b""), BITS=bits, LOG_BUCKET=shift, HEAD=head,
+                     HEADER=header is not None, ROWS=rows, BYTES=block // rows,
                      SMALL=tiles * per < 2**31, BF16=bf16, enable_fp_fusion=False, **opts)
     return out
 
