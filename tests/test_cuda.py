@@ -219,6 +219,26 @@ def test_device_checks_give_the_cpus_results_with_one_read_per_decode():
     assert len(sites) == 2, sites
 
 
+def test_a_qsgd_decode_of_a_layout_seen_before_waits_once():
+    """With n, a qsgd frame whose header is the last one of that length decoded on the GPU
+    waits once, after its launch, where the first waits twice (its header, then its check);
+    frames of that layout and of another give the CPU's bits, and a broken one its error."""
+    g = torch.Generator().manual_seed(12)
+    n = 100_003
+    frames = [qsgd.encode(torch.randn(n, generator=g), 4, 512, seed=i) for i in range(2)]
+    frames.append(qsgd.encode(torch.randn(n, generator=g), 2, 512, seed=3))
+    on_gpu = [f.cuda() for f in frames]
+    assert count_syncs(lambda: qsgd.decode(on_gpu[0], n=n)) == 2
+    assert count_syncs(lambda: qsgd.decode(on_gpu[1], n=n)) == 1
+    for f, d in zip(frames, on_gpu, strict=True):
+        assert torch.equal(qsgd.decode(f, n=n)[0].view(torch.int32),
+                           qsgd.decode(d, n=n)[0].cpu().view(torch.int32))
+    bad = on_gpu[2].clone()
+    bad[14 + 4 * 3 + 3] = 0xFF  # bucket 3's scale becomes a NaN
+    with pytest.raises(ValueError, match="finite scale >= 0 in bucket 3"):
+        qsgd.decode(bad, n=n)
+
+
 def test_the_device_checks_and_redsyncs_top_k_read_once():
     """On the GPU: a finiteness check is one kernel and one read, with the CPU's answer for
     NaN, inf and float64 beyond float32's range; RedSync's checked top-k from a sampled bound
