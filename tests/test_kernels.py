@@ -1939,6 +1939,44 @@ def test_redsyncs_trimmed_search_ranks_and_frames_its_survivors_in_kernels():
         assert ops[-3:] == ["index", "_sparse_frame_kernel", "_sparse_mean_kernel"], ops
 
 
+def test_redsyncs_exact_top_k_reads_its_check_behind_the_frames_launches(launched,
+                                                                          monkeypatch):
+    """RedSync's encode with the exact top-k launches its frame's kernels before its one host
+    read (the selection's check, and how many values have the side's sign): the frame of the
+    k as if all had it, which they do where k or more values do, and where fewer do, a frame
+    of those after the read. Both give the numpy path's frames; NaN raises the check's
+    error."""
+    import sys
+
+    from bitcomm.codecs import redsync
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(20_000, generator=g)
+    few = -x.abs()
+    few[torch.randperm(20_000, generator=g)[:50]] = 1.0  # 50 of the top side's sign
+    original = torch.Tensor.tolist
+
+    def tolist(t):
+        if sys._getframe(1).f_code.co_filename.endswith("select.py"):
+            launched.append("read")
+        return original(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    frame = ["_sparse_frame_kernel", "_sparse_mean_kernel"]
+    for v, tail in ((x, [*frame, "read"]), (few, [*frame, "read", *frame])):
+        with forced("numpy"):
+            want = redsync.encode(v, 200, "top")
+        launched.clear()
+        with forced("triton"):
+            got = redsync.encode(v, 200, "top")
+        assert launched[-len(tail):] == tail and launched.count("read") == 1, launched
+        assert torch.equal(got, want)
+    assert redsync.decode_entries(got)[0].numel() == 50
+    x[123] = float("nan")
+    with forced("triton"), pytest.raises(ValueError, match="expected finite values"):
+        redsync.encode(x, 200, "top")
+
+
 def test_sparse_encode_flags_every_rule_as_the_numpy_path_raises():
     """Each broken rule of sparse.encode's entries, in a full tile, the last one or across
     two (a repeated index where one tile ends and the next begins), raises the numpy path's

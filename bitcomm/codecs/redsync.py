@@ -72,9 +72,10 @@ def encode(x: torch.Tensor, k: int, side: str = "top", method: str = "topk",
     # NaN or inf raise from the selector's check, which on the Triton path rides on its
     # first read of v; the scores of the side are never written there.
     # Zeros and the other sign are not sent.
-    idx = select.select_side(v, k, 1 if side == "top" else -1, method, positive=True,
-                             **options)
-    # ascending, distinct and in range from the selector, finite from its check
-    return sparse.encode_at(v, idx, "mean", check=False)
+    # The indices come ascending, distinct and in range from the selector, finite from its
+    # check; the frame's launches go ahead of the exact top-k's check (select_side's then).
+    return select.select_side(v, k, 1 if side == "top" else -1, method, positive=True,
+                              then=lambda idx: sparse.encode_at(v, idx, "mean", check=False),
+                              **options)
 
 

@@ -40,11 +40,15 @@ precision's resolution never ends.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from bitcomm.codecs import _bracket, _frame, sidco
+
+_T = TypeVar("_T")
 
 __all__ = ["topk", "trimmed_topk", "threshold_search", "select", "select_side", "select_abs",
            "METHODS", "SIDCO", "MIN_EPS"]
@@ -501,18 +505,29 @@ def _top_counted(src: _Scores, k: int, positive: int | None
     return src.top(k), None if positive is None else min(k, positive)
 
 
-def _checked_top(src: _Scores, k: int) -> tuple[torch.Tensor, int]:
-    """Return the exact top-k of a side's scores on the Triton path, checked, with its count.
+def _checks_top(src: _Scores, k: int) -> bool:
+    """Whether :func:`_census_top` selects: a side's checked top-k on the Triton path."""
+    return src.fused and src.side in (1, -1) and 0 < k < src.numel()
+
+
+def _census_top(src: _Scores, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the exact top-k of a side's scores on the Triton path and its census, unread.
 
     The selection's own first read of ``v`` (from a sampled bound) also counts the NaN and inf
-    of ``v`` (``ValueError``) and the positive scores, which says how many of the k are
-    positive: one host read, and no read of ``v`` for the check.
+    of ``v`` and the positive scores (:func:`_read_census`): no read of ``v`` for the check.
     """
-    idx, census = _frame.kernels().top_indices(src.v, k, src.side, census=True)
-    bad, positive = census.tolist()  # the one host read
+    return _frame.kernels().top_indices(src.v, k, src.side, census=True)
+
+
+def _read_census(src: _Scores, census: torch.Tensor, k: int) -> int:
+    """Raise ``ValueError`` if the census counted NaN or inf; return how many of k are positive.
+
+    One host read.
+    """
+    bad, positive = census.tolist()
     if bad:
         raise ValueError(f"expected finite {src.what}, got NaN or inf")
-    return idx, min(k, positive)
+    return min(k, positive)
 
 
 def _fallback(src: _Scores, k: int, counts: _Counts) -> tuple[torch.Tensor, int | None]:
@@ -598,7 +613,9 @@ def _threshold(src: _Scores, k: int, eps: float, mean: float, top: float, counts
 
 
 def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
-                check: bool = True, positive: bool = False, **options: float) -> torch.Tensor:
+                check: bool = True, positive: bool = False,
+                then: Callable[[torch.Tensor], _T] | None = None, **options: float
+                ) -> torch.Tensor | _T:
     """Select among the scores ``max(v, 0)`` (``side=1``) or ``max(-v, 0)`` (``side=-1``).
 
     The same indices as ``select(scores, k, method, **options)`` on those scores, for
@@ -614,6 +631,12 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
     selection above its threshold is all positive, and its first fetch of counts brings the
     number of positive scores for when it falls back to the exact top-k; on the Triton path
     the check of ``"topk"`` (with ``check``) brings that number too.
+
+    ``then``: a function of the indices whose result is returned in their place (RedSync's
+    frame). With ``positive``, ``check`` and ``"topk"`` on the Triton path the check's host
+    read, which says how many are positive, then waits behind ``then``'s launches too:
+    ``then`` runs on the k indices as if all were positive, and again on the positive ones
+    where fewer are (or raises the check's error).
     """
     if side not in (1, -1):
         raise ValueError(f"expected side 1 or -1, got {side!r}")
@@ -621,13 +644,25 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
         raise TypeError(f"expected positive to be a bool, got {type(positive).__name__}")
     v = _frame.check_float(v, "v")
     src = _Scores(v, side)
+    if then is None:
+        then = _same
+    k = min(_frame.check_count(k, "k"), src.numel())
+    if positive and check and method == "topk" and not options and _checks_top(src, k):
+        idx, census = _census_top(src, k)
+        out = then(idx)  # as if all k were positive: they are where k or more scores are
+        count = _read_census(src, census, k)
+        return out if count == k else then(idx[_frame.indices_of(src.at(idx) > 0, count)])
     idx, count = _select_of(src, k, method, check, options, positive)
     if not positive or count == idx.numel():
-        return idx
+        return then(idx)
     keep = src.at(idx) > 0
     if count is None:
-        return idx[torch.nonzero(keep).reshape(-1)]  # one host read: their number
-    return idx[_frame.indices_of(keep, count)]
+        return then(idx[torch.nonzero(keep).reshape(-1)])  # one host read: their number
+    return then(idx[_frame.indices_of(keep, count)])
+
+
+def _same(idx: torch.Tensor) -> torch.Tensor:
+    return idx
 
 
 def select_abs(v: torch.Tensor, k: int, method: str = "topk", *, check: bool = True,
@@ -658,8 +693,9 @@ def _select_of(src: _Scores, k: int, method: str, check: bool, options: dict,
     if method == "topk":
         if options:
             raise TypeError(f"topk takes no options, got {sorted(options)}")
-        if check and src.fused and src.side and 0 < k < src.numel():
-            return _checked_top(src, k)
+        if check and _checks_top(src, k):
+            idx, census = _census_top(src, k)
+            return idx, _read_census(src, census, k)
         return _top_counted(src, k, _finite(src, check, count))
     _finite(src, check)
     return select(src.tensor, k, method, check=False, **options), None
