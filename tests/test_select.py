@@ -378,6 +378,7 @@ def test_the_exact_top_k_checks_and_counts_in_its_own_read_on_the_triton_path(sm
             assert len(seen) == 1, seen
             got = redsync.encode(x, k, "top"), select.select_abs(x, k)
             assert "_score_stats_kernel" not in launched, launched
+            assert "_nonfinite_kernel" not in launched, launched  # no check of its own
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), x.dtype
     assert redsync.decode_entries(got[0])[0].numel() == 60
     with forced("numpy"):

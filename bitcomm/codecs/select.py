@@ -506,12 +506,12 @@ def _top_counted(src: _Scores, k: int, positive: int | None
 
 
 def _checks_top(src: _Scores, k: int) -> bool:
-    """Whether :func:`_census_top` selects: a side's checked top-k on the Triton path."""
-    return src.fused and src.side in (1, -1) and 0 < k < src.numel()
+    """Whether :func:`_census_top` selects: a checked top-k of ``max(+-v, 0)`` or ``|v|``."""
+    return src.fused and src.side != 0 and 0 < k < src.numel()
 
 
 def _census_top(src: _Scores, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the exact top-k of a side's scores on the Triton path and its census, unread.
+    """Return the exact top-k of ``src``'s scores (:func:`_checks_top`) and its census, unread.
 
     The selection's own first read of ``v`` (from a sampled bound) also counts the NaN and inf
     of ``v`` and the positive scores (:func:`_read_census`): no read of ``v`` for the check.
