@@ -1555,6 +1555,38 @@ def test_indices_above_starts_from_the_runs_count_above_counted(programs, monkey
     assert ops_on_the_triton_path(lambda: runs.above(2)) == ["select"]  # a view, no launch
 
 
+@pytest.mark.parametrize("sampled", [True, False])
+def test_the_top_ks_running_sums_scan_int64_counts_without_a_cast(sampled, monkeypatch):
+    """On a GPU torch scans int32 counts into int64 running sums by a cast, a launch of its
+    own, then the scan: the top-k's counts (each program's run, each tile's chosen) are
+    int64 where its kernels write them, so that each running sum is one scan. On the
+    sampled path and on the two-digit one."""
+    import sys
+
+    from bitcomm.codecs import _bracket
+
+    if sampled:
+        monkeypatch.setattr(_bracket, "SAMPLE", 256)
+        monkeypatch.setattr(_bracket, "MIN_N", 4096)
+        monkeypatch.setattr(_kernels, "SLACK", 4)
+    else:
+        monkeypatch.setattr(_bracket, "MIN_N", 1 << 30)
+    scans = []
+    original = torch.Tensor.cumsum
+
+    def cumsum(t, *a, **k):
+        if sys._getframe(1).f_code.co_filename == _kernels.__file__:
+            scans.append((t.dtype, k.get("dtype", t.dtype)))
+        return original(t, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", cumsum)
+    x = torch.randn(6000, generator=torch.Generator().manual_seed(3))
+    with forced("triton"):
+        got = _kernels.top_indices(x, 60)
+    assert torch.equal(got, torch.topk(x, 60).indices.sort().values)
+    assert len(scans) == 2 and set(scans) == {(torch.int64, torch.int64)}, scans
+
+
 def test_unchecked_nan_is_above_every_score_in_a_top_k_and_above_no_threshold():
     """NaN of either sign (x86 makes negative ones: inf - inf) ranks above every score in the
     exact top-k, ties to the lower index, as on the numpy and torch paths; and is above no

@@ -2153,13 +2153,14 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
     grid = (min(COUNT_PROGRAMS, tiles),)
     wide = x.dtype == torch.float64
     # both counts of a tile in one 1-D buffer: on a GPU a scan down the columns of a
-    # [tiles, 2] tensor runs in one thread a column (milliseconds at 64M scores)
-    per_tile = torch.empty(2 * tiles, dtype=torch.int32, device=x.device)
+    # [tiles, 2] tensor runs in one thread a column (milliseconds at 64M scores); int64, the
+    # running sums' dtype, so that the scan is not preceded by a cast (a launch of its own)
+    per_tile = torch.empty(2 * tiles, dtype=torch.int64, device=x.device)
     launch(_chosen_counts_kernel, grid, x, sel.keys, sel.hist[d - 1], sel.state[d - 1], sel.m,
            per_tile, n, tiles, SIDE=side, WIDE=wide, BLOCK=block, **opts)
     out = torch.empty(k, dtype=torch.int64, device=x.device)
     launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m,
-           per_tile.cumsum(0, dtype=torch.int64), out, n, tiles, SIDE=side, WIDE=wide,
+           per_tile.cumsum(0), out, n, tiles, SIDE=side, WIDE=wide,
            BLOCK=block, **opts)
     if not census:
         return out
