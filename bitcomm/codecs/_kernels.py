@@ -1701,15 +1701,15 @@ def _gathered_counts_kernel(hist_ptr, state_ptr, rows_ptr, counts_ptr, SHIFT: tl
 
 
 @triton.jit
-def _sample_bound_kernel(x_ptr, work_ptr, at, step, r, k, rank_at, SIDE: tl.constexpr,
-                         WIDE: tl.constexpr, M: tl.constexpr, HASH: tl.constexpr,
-                         WORK: tl.constexpr):
-    # First the selection's work buffer (its first `at + 2` words, the bound's at `at`): all
-    # zeros but its first rank, k, at `rank_at`; the bound's word is left to its own store,
-    # so that no two threads write one word.
+def _sample_bound_kernel(x_ptr, work_ptr, words, at, step, r, k, rank_at,
+                         SIDE: tl.constexpr, WIDE: tl.constexpr, M: tl.constexpr,
+                         HASH: tl.constexpr, WORK: tl.constexpr):
+    # First the selection's work buffer (`words` words, the bound's at `at`): all zeros but
+    # its first rank, k, at `rank_at`; the bound's word is left to its own store, so that no
+    # two threads write one word.
     w = tl.arange(0, WORK)
     tl.store(work_ptr + w, tl.where(w == rank_at, k, 0).to(tl.int64),
-             mask=(w < at + 2) & (w != at))
+             mask=(w < words) & (w != at))
     # One program: the r-th largest key of the stratified sample of _bracket.positions (the
     # same positions, computed here), rounded down to its sign, exponent and first 7 (float32)
     # or 8 (float64) mantissa bits: a bound a few more keys reach, for half the search. The
@@ -1877,11 +1877,12 @@ class _Selection:
     the k-th largest still to take once every digit is). ``m``: how many candidates were
     gathered into ``keys`` and ``idx`` (0: none; room for ``k + n // SLACK``; -1: the k-th
     largest key is the sampled bound, in ``state[digits]``, and no pass counts). ``bound``: the
-    key of the sampled bound, when the selection starts from one. All zeros but ``state[0]``'s
-    rank, ``k``, in one buffer (``work``): two launches, or none where the selection starts
-    from a sampled bound, whose one-program kernel writes them (``zeroed=False``).
-    ``sampled``: whether the selection started from a sampled bound (its count pass read all
-    of ``x``).
+    key of the sampled bound, when the selection starts from one. ``census``: int64 ``[bad,
+    positive]``, which the sampled path's count pass adds its programs' census to
+    (:func:`_count_at_least_kernel`'s CENSUS). All zeros but ``state[0]``'s rank, ``k``, in one
+    buffer (``work``): two launches, or none where the selection starts from a sampled bound,
+    whose one-program kernel writes them (``zeroed=False``). ``sampled``: whether the
+    selection started from a sampled bound (its count pass read all of ``x``).
     """
 
     def __init__(self, x: torch.Tensor, k: int, zeroed: bool = True):
@@ -1889,16 +1890,17 @@ class _Selection:
         wide = x.dtype == torch.float64
         self.digits = (64 if wide else 32) // DIGIT
         d = self.digits
-        size = d * 256 + 2 * (d + 1) + 2
-        work = (torch.zeros if zeroed else torch.empty)(size, dtype=torch.int64,
+        at = d * 256 + 2 * (d + 1)  # the bound's word, behind the histograms and states
+        work = (torch.zeros if zeroed else torch.empty)(at + 4, dtype=torch.int64,
                                                         device=x.device)
         self.work = work
         self.hist = work[: d * 256].view(d, 256)
-        self.state = work[d * 256 : -2].view(d + 1, 2)
+        self.state = work[d * 256 : at].view(d + 1, 2)
         self.rank_at = d * 256 + 1  # state[0, 1]'s word in work
-        self.bound_at = size - 2
-        self.bound = work[self.bound_at : -1]
-        self.m = work[-1:]
+        self.bound_at = at
+        self.bound = work[at : at + 1]
+        self.m = work[at + 1 : at + 2]
+        self.census = work[at + 2 :]
         self.sampled = False
         if zeroed:
             self.state[0, 1:].fill_(k)  # one fill kernel on the device, no copy from the host
@@ -1920,20 +1922,22 @@ def _sampling(n: int, k: int) -> tuple[int, int] | None:
 
 
 def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
-             census: torch.Tensor | None, step: int, r: int) -> None:
+             census: bool, step: int, r: int) -> None:
     # Gathers the keys at or above the sampled bound of _bracket (their number to sel.m when
     # they are k or more and fit), or those strictly above it when the keys at it overflow
     # the room, or settles the k-th largest key at the bound when fewer than k lie above it
     # (a mass of equal scores, such as exact zeros: m = -1). `sel`: not zeroed; the bound's
-    # kernel writes its work buffer first. `programs`: those of the passes. `census`: a row
-    # a program for the count pass's census (_count_at_least_kernel's CENSUS), or None.
+    # kernel writes its work buffer first. `programs`: those of the passes. `census`: whether
+    # the count pass takes the census (into sel.census, _count_at_least_kernel's CENSUS).
     work = sel.work
-    launch(_sample_bound_kernel, (1,), x, work, sel.bound_at, step, r, k, sel.rank_at,
+    launch(_sample_bound_kernel, (1,), x, work, work.numel(), sel.bound_at, step, r, k,
+           sel.rank_at,
            SIDE=side, WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH,
            WORK=1 << (work.numel() - 1).bit_length(), num_warps=16)
     counts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
     _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
-                     keys=sel.keys, nan=True, settled=sel.state[sel.digits], census=census)
+                     keys=sel.keys, nan=True, settled=sel.state[sel.digits],
+                     census=sel.census if census else None)
 
 
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
@@ -1949,8 +1953,9 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     # holds twice the programs), the keys strictly above floor's are counted too, after the
     # others, for _gather_kernel's STRICT: one 1-D running sum covers both, where a GPU scans
     # the columns of a [programs, 2] tensor one thread a column.
-    # `known`: `counts` holds the runs' counts already (no counting pass). `census`: where the
-    # counting pass writes its census (_count_at_least_kernel's CENSUS), or None.
+    # `known`: `counts` holds the runs' counts already (no counting pass). `census`: the zeroed
+    # [bad, positive] the counting pass adds its census to (_count_at_least_kernel's CENSUS), or
+    # None.
     n, wide = x.numel(), x.dtype == torch.float64
     block, opts = _config("key_digits")
     strict = settled is not None
@@ -1971,8 +1976,7 @@ def _check_k(n: int, k: int) -> None:
         raise ValueError(f"expected 0 < k <= {n}, got k={k}")
 
 
-def _radix_select(x: torch.Tensor, k: int, side: int, census: torch.Tensor | None = None
-                  ) -> _Selection:
+def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _Selection:
     # Every digit of the k-th largest key but the last, settled on the device; the last pass's
     # histogram is left for the caller's next kernel to settle. From 2**18 scores the keys at or
     # above a sampled bound are gathered first (two reads of x; a few more than k of them),
@@ -1981,8 +1985,8 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: torch.Tensor | Non
     # overflow the room and fewer than k lie above it, the k-th largest key is the bound and
     # no pass reads anything. Otherwise the first two passes read x; the keys at or above
     # the k-th's first two digits are then gathered (about k of them for the usual scores)
-    # and the later passes read those instead. `census`: as _sampled's; whether the sampled
-    # path wrote it is sel.sampled.
+    # and the later passes read those instead. `census`: as _sampled's; the sampled path (only)
+    # adds it to sel.census (sel.sampled).
     n = x.numel()
     _check_k(n, k)
     wide = x.dtype == torch.float64
@@ -2144,9 +2148,8 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
         return _small_top(x, k, side, census)
     # the count pass packs two counts into an int32 a lane, each at most the tiles of a run
     runs = -(-_grid(n, _config("key_digits")[0])[0] // _programs(n))
-    tally = torch.empty((_programs(n), 2), dtype=torch.int32, device=x.device) \
-        if census and runs < 1 << 15 else None
-    sel = _radix_select(x, k, side, tally)
+    counted = census and runs < 1 << 15
+    sel = _radix_select(x, k, side, counted)
     d = sel.digits
     block, opts = _config("top_write")
     tiles = _grid(n, block)[0]
@@ -2164,8 +2167,8 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
            BLOCK=block, **opts)
     if not census:
         return out
-    if sel.sampled and tally is not None:
-        return out, tally.sum(0, dtype=torch.int64)
+    if sel.sampled and counted:
+        return out, sel.census
     return out, score_stats(x, side)[2:].to(torch.int64)
 
 
@@ -2191,10 +2194,10 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
     # (NaN as _counted says); with STRICT also how many are strictly above it, in the
     # second half of counts_ptr (a program each in both halves). With CENSUS each program
-    # also writes, to its row of census_ptr, how many elements of x are NaN or inf and how
-    # many scores are positive (key > 0: the keys of positive floats are their positive
-    # bits): a caller's finiteness check and RedSync's count of the side's sign, in this
-    # read instead of one of their own.
+    # also adds, to census_ptr's two int64 words (zeroed), how many elements of x are NaN or
+    # inf and how many scores are positive (key > 0: the keys of positive floats are their
+    # positive bits): a caller's finiteness check and RedSync's count of the side's sign, in
+    # this read instead of one of their own, with no reduction to launch after it.
     floor = tl.load(floor_ptr)
     lo, hi = _span(n, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
@@ -2225,8 +2228,8 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl
     else:
         tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
     if CENSUS:
-        tl.store(census_ptr + tl.program_id(0) * 2, tl.sum(census >> 16, 0))
-        tl.store(census_ptr + tl.program_id(0) * 2 + 1, tl.sum(census & 0xFFFF, 0))
+        tl.atomic_add(census_ptr, tl.sum(census >> 16, 0).to(tl.int64))
+        tl.atomic_add(census_ptr + 1, tl.sum(census & 0xFFFF, 0).to(tl.int64))
 
 
 def _key_of(threshold: float, wide: bool) -> int:
