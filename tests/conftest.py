@@ -189,12 +189,14 @@ def unhex(s: str) -> list[int]:
 _SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
-def host_reads(monkeypatch, fn):
+def host_reads(fn):
     """Run ``fn`` and return the tensor-to-host reads that bitcomm's own code made in it.
 
     On a CUDA tensor each of these waits for the device; on the CPU they are the same calls, so
-    counting them here shows what the GPU path would wait for.
+    counting them here shows what the GPU path would wait for. The spies are patched in for
+    the call only: the test's own patches stay as they are.
     """
+    monkeypatch = pytest.MonkeyPatch()
     root = str(Path(bitcomm.__file__).parent)
     seen = []
 

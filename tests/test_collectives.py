@@ -311,7 +311,7 @@ def test_sparse_allgather_sum_of_what_was_sent(fmt):
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
 def test_sparse_allgather_of_qsgd_values_reads_the_host_as_often_at_any_number_of_ranks(
-        path, method, monkeypatch):
+        path, method):
     """Off the numpy path (CUDA) the received frames of qsgd values are checked in one host
     read (headers, indices and qsgd blocks), not a few reads a frame, whether their lengths
     are k's (topk) or each frame's own (threshold: its size says how many entries it holds).
@@ -320,7 +320,7 @@ def test_sparse_allgather_of_qsgd_values_reads_the_host_as_often_at_any_number_o
     fmt = sparse.Qsgd(bits=4, bucket=64, seed=1)
     per_rank = []
     for size in (2, 4):
-        reads = _sparse_allgather_reads(path, size, fmt, method, monkeypatch)
+        reads = _sparse_allgather_reads(path, size, fmt, method)
         assert len(reads) % size == 0, reads
         per_rank.append(len(reads) // size)
     assert per_rank[0] == per_rank[1], per_rank
@@ -636,7 +636,7 @@ def test_unchecked_input_skips_the_agreement():
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_the_agreement_reads_the_host_twice_at_any_number_of_ranks(size, monkeypatch):
+def test_the_agreement_reads_the_host_twice_at_any_number_of_ranks(size):
     """On a device the agreement waits for its input's finiteness check, then for the
     records every rank sent: one read of all of them, not one per rank."""
     xs = inputs(size, 1001, seed=3)
@@ -646,9 +646,9 @@ def test_the_agreement_reads_the_host_twice_at_any_number_of_ranks(size, monkeyp
 
     with forced("torch"):
         got = job()
-        reads = host_reads(monkeypatch, job)
+        reads = host_reads(job)
         unchecked = run_local(lambda c: allreduce(c, xs[c.rank], check=False), size)
-        assert not host_reads(monkeypatch, lambda: run_local(
+        assert not host_reads(lambda: run_local(
             lambda c: allreduce(c, xs[c.rank], check=False), size))
     assert len(reads) == 2 * size, reads
     assert identical(got) and all(torch.equal(g, u) for g, u in zip(got, unchecked, strict=True))
@@ -996,7 +996,7 @@ def test_sparse_allgather_without_check_sends_a_fixed_length_frame_alone(size, m
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-def test_qsgd_allgather_reads_the_host_once_per_call_on_a_device(size, path, monkeypatch):
+def test_qsgd_allgather_reads_the_host_once_per_call_on_a_device(size, path):
     """On CUDA every host read waits for the device: a call checks its own scales and every
     frame it decodes with one read at its end, however many ranks send them (CPU tensors on
     the paths a CUDA tensor takes; the counts are over all the ranks)."""
@@ -1008,7 +1008,7 @@ def test_qsgd_allgather_reads_the_host_once_per_call_on_a_device(size, path, mon
 
     with forced(path):
         got = job()
-        reads = host_reads(monkeypatch, job)
+        reads = host_reads(job)
     assert len(reads) == size, reads
     assert identical([mean for mean, _ in got])
 
@@ -1034,7 +1034,7 @@ def test_qsgd_allgather_without_the_agreement_raises_a_bad_scale_on_every_rank(p
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-def test_sparse_allgather_reads_the_host_once_per_call_on_a_device(size, path, monkeypatch):
+def test_sparse_allgather_reads_the_host_once_per_call_on_a_device(size, path):
     """The exact top-k selects without a host read, and the checks of this rank's entries and
     of the frames every rank receives (their length known to all) are one read at the end."""
     xs = inputs(size, 1001, seed=4)
@@ -1046,7 +1046,7 @@ def test_sparse_allgather_reads_the_host_once_per_call_on_a_device(size, path, m
 
     with forced(path):
         got = job()
-        reads = host_reads(monkeypatch, job)
+        reads = host_reads(job)
     assert len(reads) == size, reads
     for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
         assert torch.equal(dense, dense0) and torch.equal(idx, idx0) and torch.equal(val, val0)
@@ -1111,8 +1111,7 @@ def test_a_ring_count_above_its_ranks_is_refused_at_the_end_of_the_call(packing,
 @pytest.mark.parametrize("packing", ["fixed", "radix"])
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-def test_the_unfused_ring_checks_its_payloads_with_one_read_per_call(packing, path,
-                                                                     monkeypatch):
+def test_the_unfused_ring_checks_its_payloads_with_one_read_per_call(packing, path):
     """On a device every step's payload checks are flags, read once at the end of the call
     (the fused fixed ring on the Triton path does not check, and reads nothing)."""
     size, n = 4, 1001  # odd chunks: every decision payload ends in padding bits
@@ -1126,7 +1125,7 @@ def test_the_unfused_ring_checks_its_payloads_with_one_read_per_call(packing, pa
 
     with forced(path):
         got = job()
-        reads = host_reads(monkeypatch, job)
+        reads = host_reads(job)
     fused = packing == "fixed" and path == "triton"
     assert len(reads) == (0 if fused else size), reads
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
@@ -1135,7 +1134,7 @@ def test_the_unfused_ring_checks_its_payloads_with_one_read_per_call(packing, pa
 @pytest.mark.parametrize("fn", [alltoall_majority, allgather_majority])
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-def test_the_one_round_majorities_read_the_host_at_most_once_per_call(fn, path, monkeypatch):
+def test_the_one_round_majorities_read_the_host_at_most_once_per_call(fn, path):
     """Off the fused path every payload's padding check is a flag read once at the end of the
     call; the fused kernels read nothing (3 ranks, 1001 elements: every payload is padded)."""
     size, n = 3, 1001
@@ -1148,14 +1147,14 @@ def test_the_one_round_majorities_read_the_host_at_most_once_per_call(fn, path, 
 
     with forced(path):
         got = job()
-        reads = host_reads(monkeypatch, job)
+        reads = host_reads(job)
     assert len(reads) == (0 if path == "triton" else size), reads
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("fmt, method", [("fp32", "threshold"), ("mean", "topk"),
                                          ("fp16", "sidco-e")])
-def test_frames_of_data_dependent_lengths_are_checked_with_one_read(fmt, method, monkeypatch):
+def test_frames_of_data_dependent_lengths_are_checked_with_one_read(fmt, method):
     """A selector that picks about k, or a sign-uniform frame: every rank knows every frame's
     length, so the checks of this rank's entries and of every frame it receives are one host
     read for all of them, at the call's end, at any number of ranks; the codec reads nothing
@@ -1164,14 +1163,14 @@ def test_frames_of_data_dependent_lengths_are_checked_with_one_read(fmt, method,
 
     lines, first = inspect.getsourcelines(_frame.deferred.__exit__)
     for size in (2, 4):
-        reads = _sparse_allgather_reads("torch", size, fmt, method, monkeypatch)
+        reads = _sparse_allgather_reads("torch", size, fmt, method)
         assert [r for r in reads if r[1].endswith("codecs/sparse.py")] == [], reads
         at_end = [r for r in reads if r[1] == _frame.__file__
                   and first <= r[2] < first + len(lines)]
         assert len(at_end) == size, reads
 
 
-def _sparse_allgather_reads(path, size, fmt, method, monkeypatch):
+def _sparse_allgather_reads(path, size, fmt, method):
     """Run sparse_allgather without the agreement on ``path``; check its results against the
     numpy path's and return the host reads of a call."""
     xs = inputs(size, 3001, seed=size)
@@ -1184,7 +1183,7 @@ def _sparse_allgather_reads(path, size, fmt, method, monkeypatch):
         want = job()
     with forced(path):
         got = job()
-        reads = host_reads(monkeypatch, job)
+        reads = host_reads(job)
     for (dense, (idx, val)), (dense0, (idx0, val0)) in zip(got, want, strict=True):
         assert torch.equal(dense, dense0) and torch.equal(idx, idx0)
         assert torch.equal(val, val0)

@@ -236,7 +236,7 @@ def test_fuzzed_frames_are_refused_cleanly_or_decoded_exactly():
     assert stats["decoded"] > 200 and stats["refused"] > 1000, stats
 
 
-def test_deferred_checks_read_once_and_raise_the_first_broken_rule(monkeypatch):
+def test_deferred_checks_read_once_and_raise_the_first_broken_rule():
     from bitcomm.codecs import _frame
 
     from conftest import forced, host_reads
@@ -253,7 +253,7 @@ def test_deferred_checks_read_once_and_raise_the_first_broken_rule(monkeypatch):
                     sign.unpack(good, 13)
                     counts.unpack(fine, 3, 2)
 
-        assert len(host_reads(monkeypatch, ok)) == 1  # six decodes, one read at the end
+        assert len(host_reads(ok)) == 1  # six decodes, one read at the end
         with pytest.raises(ValueError, match="decoded count 3 > m=2"):
             with _frame.deferred():
                 sign.unpack(good, 13)

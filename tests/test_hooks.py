@@ -529,7 +529,7 @@ def test_an_overflow_in_one_bucket_skips_the_whole_step_on_every_rank(path, over
 
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-def test_off_the_numpy_path_a_step_reads_its_overflow_once(path, monkeypatch):
+def test_off_the_numpy_path_a_step_reads_its_overflow_once(path):
     """On a GPU each host read waits for the device: a step of known buckets checks them for
     NaN and inf on the device and reads the result once, at its agreement, however many
     buckets it has (CPU tensors on the paths a CUDA tensor takes)."""
@@ -546,7 +546,7 @@ def test_off_the_numpy_path_a_step_reads_its_overflow_once(path, monkeypatch):
 
         step(0)  # first sight of the layout: each bucket's collective agrees on its own
         with forced(path):
-            seen = host_reads(monkeypatch, lambda: step(1))
+            seen = host_reads(lambda: step(1))
         state.close()
         return seen
 
@@ -560,8 +560,7 @@ def test_off_the_numpy_path_a_step_reads_its_overflow_once(path, monkeypatch):
 
 @pytest.mark.parametrize("path", OTHER_PATHS)
 @pytest.mark.parametrize("kind", ["qsgd", "ring", "topk"])
-def test_off_the_numpy_path_the_exchanges_checks_ride_on_the_steps_read(kind, path,
-                                                                       monkeypatch):
+def test_off_the_numpy_path_the_exchanges_checks_ride_on_the_steps_read(kind, path):
     """qsgd_allgather, the unfused majorities and sparse_allgather check what they received
     with one read at the end of a call. Under check=True a step's futures wait for its
     agreement anyway, so those checks are read there, with the overflow flags: a step reads
@@ -590,7 +589,7 @@ def test_off_the_numpy_path_the_exchanges_checks_ride_on_the_steps_read(kind, pa
         with forced(path):
             ranks = run_local(rank_fn, 3)
             got = []
-            seen = host_reads(monkeypatch, lambda: got.extend(
+            seen = host_reads(lambda: got.extend(
                 run_local(lambda c: ranks[c.rank][1](1), 3)))
         for state, _ in ranks:
             state.close()

@@ -474,7 +474,7 @@ def _outcome(fn):
 
 
 @pytest.mark.parametrize("bucket", [512, 500])
-def test_qsgd_decode_of_a_layout_seen_before_is_one_read_after_the_launch(bucket, monkeypatch):
+def test_qsgd_decode_of_a_layout_seen_before_is_one_read_after_the_launch(bucket):
     """With n given, a frame with the header of the last frame of n elements decoded on its
     device decodes with one host read, behind the launch (one pass for a power-of-two bucket,
     the steps kernel then the values' for another); the pass compares the header on the
@@ -490,9 +490,9 @@ def test_qsgd_decode_of_a_layout_seen_before_is_one_read_after_the_launch(bucket
     first, frame = (qsgd.encode(x * s, 4, bucket, seed=s) for s in (1, 2))
     with forced("triton"):
         # the header's (.cpu().numpy(), one line), then the flag's
-        reads = host_reads(monkeypatch, lambda: qsgd.decode(first, n=5000))
+        reads = host_reads(lambda: qsgd.decode(first, n=5000))
         assert len({r[1:] for r in reads}) == 2, reads
-        reads = host_reads(monkeypatch, lambda: qsgd.decode(frame, n=5000))
+        reads = host_reads(lambda: qsgd.decode(frame, n=5000))
         assert [r[0] for r in reads] == ["item"], reads
     ops = ops_on_the_triton_path(lambda: qsgd.decode(frame, n=5000))
     kernels = (["_qsgd_decode_kernel"] * 2 if bucket == 512 else
@@ -1004,7 +1004,7 @@ def test_ring_steps_benchmark_rows():
 
 
 @pytest.mark.parametrize("size", [2, 5])
-def test_fused_majorities_read_nothing_back_to_the_host(monkeypatch, size):
+def test_fused_majorities_read_nothing_back_to_the_host(size):
     from bitcomm.collectives import allgather_majority, alltoall_majority, ring_majority
     from bitcomm.comm import run_local
 
@@ -1016,9 +1016,9 @@ def test_fused_majorities_read_nothing_back_to_the_host(monkeypatch, size):
                              allgather_majority(c, xs[c.rank], check=False)), size)
 
     with forced("triton"):
-        assert host_reads(monkeypatch, job) == []
+        assert host_reads(job) == []
     with forced("torch"):  # the unfused path checks every received payload on the host
-        assert len(host_reads(monkeypatch, job)) >= 2 * (size - 1)
+        assert len(host_reads(job)) >= 2 * (size - 1)
 
 
 @pytest.mark.parametrize("collective", ["alltoall", "allgather"])
@@ -1637,7 +1637,7 @@ def test_kth_largest_is_the_sorted_scores_kth():
         assert got == float(a.sort(descending=True).values[k - 1])
 
 
-def test_a_decoder_reads_no_flag_where_no_payload_of_its_size_breaks_a_rule(monkeypatch):
+def test_a_decoder_reads_no_flag_where_no_payload_of_its_size_breaks_a_rule():
     """Sign and bit-plane payloads of a multiple of 8 values have no padding bits, and codes of
     the full width cannot exceed m = 2**width - 1: no rule to check, so the Triton decoders
     wait for nothing (a GPU would idle through the read). Where a rule can be broken they read
@@ -1658,7 +1658,7 @@ def test_a_decoder_reads_no_flag_where_no_payload_of_its_size_breaks_a_rule(monk
             want = decode(frame, n)
             with forced("triton"):
                 got = []
-                reads = host_reads(monkeypatch, lambda: got.append(decode(frame, n)))
+                reads = host_reads(lambda: got.append(decode(frame, n)))
                 assert torch.equal(got[0], want), (name, n)
                 checked = n % 8 != 0 or name == "counts m=2"
                 assert len(reads) == checked, (name, n, reads)
@@ -1687,7 +1687,7 @@ def test_a_decoders_one_flag_is_read_without_a_reduction(monkeypatch):
             sign.unpack(bad, 13)
 
 
-def test_packing_checks_the_range_in_the_packing_pass(monkeypatch):
+def test_packing_checks_the_range_in_the_packing_pass():
     """bits.pack and counts.pack (fixed and radix) check the range inside the packing kernel:
     besides it a zeroed flag and its one read at the end (none inside _frame.deferred until
     the block's end), no reduction over the input before it; encode writes the payload into
@@ -1717,7 +1717,7 @@ def test_packing_checks_the_range_in_the_packing_pass(monkeypatch):
             assert torch.equal(got[0], want), top
             assert sorted(ops) == sorted(kernel + extra), (top, ops)
         with forced("triton"), _frame.deferred():
-            assert host_reads(monkeypatch, lambda v=v: pack(v)) == []
+            assert host_reads(lambda v=v: pack(v)) == []
         wide = [top + 1, -1] if dtype != torch.uint8 else [top + 1]
         if dtype == torch.int64:
             wide.append((1 << 32) + 1)  # 1 in its low 32 bits
@@ -1773,7 +1773,7 @@ def test_sparse_decode_is_one_scatter_on_the_triton_path(block, monkeypatch):
     ops = ops_on_the_triton_path(lambda: sparse.decode(frame, n=n))
     assert ops == ["zeros", "zeros", "_sparse_scatter_kernel", "_local_scalar_dense"], ops
     with forced("triton"):  # the header's copy to the host, then the flag's
-        reads = host_reads(monkeypatch, lambda: sparse.decode(frame, n=n))
+        reads = host_reads(lambda: sparse.decode(frame, n=n))
     assert [name for name, _, _ in reads] == ["cpu", "numpy", "__bool__"], reads
     # the sparse header is read once (and a qsgd block's header once)
     for frame, headers in ((sparse.encode(idx, val, n, sparse.Qsgd(seed=1)), 2),
@@ -1781,7 +1781,7 @@ def test_sparse_decode_is_one_scatter_on_the_triton_path(block, monkeypatch):
         want = sparse.decode(frame)
         with forced("triton"):
             got = sparse.decode(frame)
-            reads = host_reads(monkeypatch, lambda frame=frame: sparse.decode(frame))
+            reads = host_reads(lambda frame=frame: sparse.decode(frame))
         assert torch.equal(got[0], want[0]) and got[1] == want[1]
         assert [name for name, _, _ in reads].count("cpu") == headers, reads
 
@@ -1893,8 +1893,8 @@ def test_sparse_encode_is_one_kernel_on_the_triton_path(block, monkeypatch):
     ops = ops_on_the_triton_path(lambda: sparse.encode(i, v, 5000, "fp16"))
     assert ops == ["sort", "index", "zeros", *tiles, "_local_scalar_dense"], ops
     with forced("triton"):
-        assert host_reads(monkeypatch, lambda: sparse.encode(i, v, 5000, check=False)) == []
-        reads = host_reads(monkeypatch, lambda: sparse.encode(i, v, 5000))
+        assert host_reads(lambda: sparse.encode(i, v, 5000, check=False)) == []
+        reads = host_reads(lambda: sparse.encode(i, v, 5000))
     assert [name for name, _, _ in reads] == ["__bool__"], reads
 
 

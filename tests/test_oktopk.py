@@ -275,7 +275,7 @@ def test_a_corrupt_piece_raises_naming_the_lowest_rank_that_sent_one(monkeypatch
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-def test_a_call_reads_the_host_as_often_at_any_number_of_ranks(size, path, monkeypatch):
+def test_a_call_reads_the_host_as_often_at_any_number_of_ranks(size, path):
     """On CUDA each host read waits for the device. A call that reuses its thresholds reads
     the local selection's counts by region, the pieces' counts, its own region's reduced count
     with the checks of the pieces received, every rank's global count, and the count of local
@@ -293,7 +293,7 @@ def test_a_call_reads_the_host_as_often_at_any_number_of_ranks(size, path, monke
     with forced(path):
         for recomputed, repartitioned, want in [(True, True, 7), (False, False, 5),
                                                 (True, False, 6)]:
-            reads = host_reads(monkeypatch, call)
+            reads = host_reads(call)
             assert all(s.last.recomputed == recomputed for s in states)
             assert all(s.last.repartitioned == repartitioned for s in states)
             assert len(reads) == want * size, reads
@@ -322,7 +322,7 @@ def test_indices_of_a_mask_whose_count_is_known(monkeypatch):
                 got = _frame.indices_of(mask, int(mask.sum()))
             assert got.dtype == torch.int64 and torch.equal(got, want), path
         with forced("torch"):
-            assert host_reads(monkeypatch, lambda m=mask: _frame.indices_of(m, 0)) == []
+            assert host_reads(lambda m=mask: _frame.indices_of(m, 0)) == []
 
     def missing(*args, **kwargs):
         raise NotImplementedError("Could not run 'aten::nonzero_static' with arguments from "

@@ -403,7 +403,7 @@ def _refused(g: torch.Generator) -> tuple[list[torch.Tensor], list[tuple[list, s
         ([qsgd.encode(torch.randn(1001), 4, 100, scale="l2", seed=0)], "expected scale=0")]
 
 
-def test_decode_all_gives_decodes_values_and_errors(path, monkeypatch):
+def test_decode_all_gives_decodes_values_and_errors(path):
     """Frames of one known layout decode to decode's bits on every path, and the same errors;
     a frame whose header says another layout is refused. Off the numpy path (CUDA's) the
     checks of all the frames cost one host read, where decode makes two per frame."""
@@ -417,7 +417,7 @@ def test_decode_all_gives_decodes_values_and_errors(path, monkeypatch):
         for f, values in zip(frames, got, strict=True):
             assert torch.equal(values.view(torch.int32), qsgd.decode(f, n=n)[0].view(torch.int32))
         if path != "numpy":
-            reads = host_reads(monkeypatch, lambda f=frames: qsgd.decode_all(f, n, bits, bucket))
+            reads = host_reads(lambda f=frames: qsgd.decode_all(f, n, bits, bucket))
             assert len(reads) == 1, reads
     frames, cases = _refused(g)
     for group, message in cases:
@@ -429,7 +429,7 @@ def test_decode_all_gives_decodes_values_and_errors(path, monkeypatch):
         qsgd.decode_all([frames[0], same_size], 1001, 4, 100)
 
 
-def test_mean_all_is_the_correctly_rounded_mean_of_the_decodes(path, monkeypatch):
+def test_mean_all_is_the_correctly_rounded_mean_of_the_decodes(path):
     """mean_all adds the frames' decoded float32 values in list order from +0.0 and divides
     by their number, correctly rounded (numpy's float32 arithmetic here), on every path; the
     kept frame's values are its decode's; the errors are decode_all's, and off the numpy path
@@ -458,7 +458,7 @@ def test_mean_all_is_the_correctly_rounded_mean_of_the_decodes(path, monkeypatch
                               (xs[-1].numpy() - decoded[-1]).view(np.int32))
         assert qsgd.mean_all(frames, n, bits, bucket)[1] is None
         if path != "numpy":
-            reads = host_reads(monkeypatch, lambda f=frames: qsgd.mean_all(f, n, bits, bucket))
+            reads = host_reads(lambda f=frames: qsgd.mean_all(f, n, bits, bucket))
             assert len(reads) == 1, reads
     frames, cases = _refused(g)
     for group, message in [*cases, ([], "at least one frame")]:

@@ -67,7 +67,7 @@ def test_bad_input():
     ("torch", "trimmed", (4, 3)), ("torch", "threshold", (4, 3)), ("torch", "topk", (2, 2)),
     *[pytest.param(*OTHER_PATHS[1].values, method, reads, marks=OTHER_PATHS[1].marks)
       for method, reads in [("trimmed", (2, 2)), ("threshold", (2, 2)), ("topk", (1, 1))]]])
-def test_encodes_with_few_host_reads_off_the_numpy_path(p, method, reads, monkeypatch):
+def test_encodes_with_few_host_reads_off_the_numpy_path(p, method, reads):
     """Off the numpy path (CUDA) each read waits for the device. A search on the Triton path
     reads mean, max and finiteness together (1) and the counts (1): the survivors' number is
     among the counts, so they are written without a read, and all of them have the side's
@@ -84,7 +84,7 @@ def test_encodes_with_few_host_reads_off_the_numpy_path(p, method, reads, monkey
         with forced("numpy"):
             want = redsync.encode(v, 200, "bottom", method)
         with forced(p):
-            seen = host_reads(monkeypatch, lambda v=v: redsync.encode(v, 200, "bottom", method))
+            seen = host_reads(lambda v=v: redsync.encode(v, 200, "bottom", method))
             got = redsync.encode(v, 200, "bottom", method)
         assert len(seen) == want_reads, seen
         assert torch.equal(got, want)

@@ -170,11 +170,11 @@ def test_a_sides_bracket_compares_the_values_without_writing_their_scores(monkey
 
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-def test_exact_topk_reads_nothing_back_off_the_numpy_path(path, monkeypatch):
+def test_exact_topk_reads_nothing_back_off_the_numpy_path(path):
     """The chosen set's size is k: on a device it is written without a host read."""
     s = torch.randint(0, 6, (1000,), generator=torch.Generator().manual_seed(3)).float()
     with forced(path):
-        assert host_reads(monkeypatch, lambda: select.topk(s, 300, check=False)) == []
+        assert host_reads(lambda: select.topk(s, 300, check=False)) == []
         assert select.topk(s, 300, check=False).tolist() == brute_topk(s, 300)
 
 
@@ -335,8 +335,7 @@ def test_a_side_refuses_nan_and_inf_anywhere_in_the_vector(p):
     ("threshold", 1e-3, 4),  # mean and max; 11 counts, 7 a read; the selection
 ])
 @pytest.mark.parametrize("p", OTHER_PATHS)
-def test_redsyncs_searches_read_the_host_a_few_times_off_the_numpy_path(method, eps, reads, p,
-                                                                        monkeypatch):
+def test_redsyncs_searches_read_the_host_a_few_times_off_the_numpy_path(method, eps, reads, p):
     # 100 scores of 1, 10000 of 0.5, the rest 0: no threshold keeps 150..300 of them, so the
     # threshold search halves its interval all 10 times. The Triton path writes the survivors
     # or the selection, whose number is among the counts, without a read of its own.
@@ -344,7 +343,7 @@ def test_redsyncs_searches_read_the_host_a_few_times_off_the_numpy_path(method, 
     if p == "triton":
         reads -= 1
     with forced(p):
-        seen = host_reads(monkeypatch, lambda: select.select(s, 150, method, check=False,
+        seen = host_reads(lambda: select.select(s, 150, method, check=False,
                                                               eps=eps))
         got = select.select(s, 150, method, eps=eps)
     assert len(seen) == reads, seen
@@ -371,8 +370,7 @@ def test_the_exact_top_k_checks_and_counts_in_its_own_read_on_the_triton_path(sm
             want = redsync.encode(x, k, "top"), select.select_abs(x, k)
         with forced("triton"):
             launched.clear()
-            with pytest.MonkeyPatch.context() as mp:  # host_reads undoes all of mp's patches
-                seen = host_reads(mp, lambda x=x, k=k: redsync.encode(x, k, "top"))
+            seen = host_reads(lambda x=x, k=k: redsync.encode(x, k, "top"))
             assert "_count_at_least_kernel" in launched, launched
             assert "_score_stats_kernel" not in launched, launched
             assert len(seen) == 1, seen

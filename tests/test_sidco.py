@@ -168,8 +168,7 @@ def test_benchmark_vectors_have_the_tails_they_are_named_for():
 @pytest.mark.parametrize("check", [False, True])
 @pytest.mark.parametrize("dist", ["exponential", "pareto"])
 @pytest.mark.parametrize("stages, reads", [(1, 2), (3, 6)])
-def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, check,
-                                                           monkeypatch):
+def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, check):
     """On a device a stage's range, scale and moments come back in one read, and the range
     checks the scores (NaN and inf reach it, and negative scores its least); a later stage
     also keeps only the exceedances (a mask: one more), and the selection is one."""
@@ -177,7 +176,7 @@ def test_each_stage_reads_the_host_once_off_the_numpy_path(dist, stages, reads, 
     with forced("numpy"):
         want = sidco.sidco(s, 200, dist, stages)
     with forced("torch"):
-        seen = host_reads(monkeypatch, lambda: sidco.sidco(s, 200, dist, stages, check=check))
+        seen = host_reads(lambda: sidco.sidco(s, 200, dist, stages, check=check))
         got = sidco.sidco(s, 200, dist, stages)
     assert len(seen) == reads, seen
     assert torch.equal(got, want)
@@ -264,8 +263,7 @@ def test_the_triton_path_fits_as_the_numpy_path_does():
 @needs_interpreter
 @pytest.mark.triton
 @pytest.mark.parametrize("dist", sidco.DISTRIBUTIONS)
-def test_a_triton_stage_is_one_read_and_writes_nothing_the_size_of_the_scores(dist,
-                                                                             monkeypatch):
+def test_a_triton_stage_is_one_read_and_writes_nothing_the_size_of_the_scores(dist):
     """On a GPU each stage is one kernel over the scores and one host read: no float64 copy,
     no exceedance mask (whose size would be one more read); the largest tensor a fit makes is
     its tiles' rows of sums."""
@@ -295,7 +293,7 @@ def test_a_triton_stage_is_one_read_and_writes_nothing_the_size_of_the_scores(di
             inside.pop()
 
     with forced("triton"):
-        seen = host_reads(monkeypatch, lambda: sidco.threshold(s, 0.01, dist, 3))
+        seen = host_reads(lambda: sidco.threshold(s, 0.01, dist, 3))
         with pytest.MonkeyPatch.context() as mp, Sizes():
             mp.setattr(_kernels, "launch", launch)
             got = sidco.threshold(s, 0.01, dist, 3)

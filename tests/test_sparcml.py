@@ -346,7 +346,7 @@ def test_without_the_agreement_bad_entries_still_raise_here(name):
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("path", ["torch", pytest.param(
     "triton", marks=[needs_interpreter, pytest.mark.triton])])
-def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path, monkeypatch):
+def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path):
     """On CUDA each host read waits for the device. The stream codec reads the rank's entries'
     rules once, each received round's frames once together (not each header and each frame's
     rules), a split's bounds once, and the size of a sum of sparse streams (two, the received
@@ -378,7 +378,7 @@ def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path, monkeyp
         with forced("numpy"):
             expect = run(name, sets, values, n)
         with forced(path):
-            reads = host_reads(monkeypatch, lambda name=name: run(name, sets, values, n))
+            reads = host_reads(lambda name=name: run(name, sets, values, n))
             got = run(name, sets, values, n)
         in_codec = [r for r in reads if r[1].endswith("stream.py")
                     or r[1].endswith("_frame.py") and r[2] in shared]
@@ -390,7 +390,7 @@ def test_the_codec_reads_the_host_once_per_round_on_a_device(size, path, monkeyp
 
 
 @pytest.mark.parametrize("n", [4000, 4001])
-def test_quantised_dsar_checks_its_scales_and_the_gathered_frames_with_one_read(n, monkeypatch):
+def test_quantised_dsar_checks_its_scales_and_the_gathered_frames_with_one_read(n):
     """The owner's encoder flags its scales, the gathered QSGD frames (one per range, of one
     or two lengths) are flagged too, and one host read at the end checks them all."""
     size = 4
@@ -399,7 +399,7 @@ def test_quantised_dsar_checks_its_scales_and_the_gathered_frames_with_one_read(
     with forced("numpy"):
         expect = run("dsar_split_allgather", sets, values, n, bits=4, seed=3)
     with forced("torch"):
-        reads = host_reads(monkeypatch, lambda: run("dsar_split_allgather", sets, values, n,
+        reads = host_reads(lambda: run("dsar_split_allgather", sets, values, n,
                                                     bits=4, seed=3, check=False))
         got = run("dsar_split_allgather", sets, values, n, bits=4, seed=3)
     quantised = [r for r in reads if not r[1].endswith(("stream.py", "sparcml.py"))]

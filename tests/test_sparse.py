@@ -93,7 +93,7 @@ def test_bad_input():
         sparse.decode(sparse.encode(torch.tensor([1]), torch.tensor([1.0]), 4), out=torch.ones(3))
 
 
-def test_qsgd_values_check_their_entries_with_their_scales(path, monkeypatch):
+def test_qsgd_values_check_their_entries_with_their_scales(path):
     """qsgd values: the entries' check and the qsgd block's scale check share one host read
     off the numpy path, and broken entries raise the entries' error first (a NaN value, which
     also breaks its bucket's scale, is named as a value)."""
@@ -110,7 +110,7 @@ def test_qsgd_values_check_their_entries_with_their_scales(path, monkeypatch):
         want = sparse.encode(idx, val, 4, fmt)
     assert torch.equal(sparse.encode(idx, val, 4, fmt), want)
     if path != "numpy":
-        assert len(host_reads(monkeypatch, lambda: sparse.encode(idx, val, 4, fmt))) == 1
+        assert len(host_reads(lambda: sparse.encode(idx, val, 4, fmt))) == 1
 
 
 def test_truncated_and_corrupt_frames():
@@ -156,7 +156,7 @@ def test_property_round_trip(case, fmt):
     assert torch.equal(got, want)
 
 
-def test_one_host_read_for_all_checks(monkeypatch):
+def test_one_host_read_for_all_checks():
     """encode reads its checks back once (none for the mean); decode once more than the header.
 
     On CUDA each read waits for the device, so these are the codec's synchronisations: counted
@@ -167,16 +167,16 @@ def test_one_host_read_for_all_checks(monkeypatch):
     idx = torch.tensor([7, 3, 900, 41])
     for fmt in ("fp32", "fp16", "mean"):
         with forced("torch"):
-            hits = host_reads(monkeypatch, lambda f=fmt: sparse.encode(idx, x[idx], 1000, f))
+            hits = host_reads(lambda f=fmt: sparse.encode(idx, x[idx], 1000, f))
         assert len(hits) == 1, (fmt, hits)
     frame = sparse.encode(idx, x[idx], 1000, "fp32")
     with forced("torch"):
-        hits = host_reads(monkeypatch, lambda: sparse.decode_entries(frame))
+        hits = host_reads(lambda: sparse.decode_entries(frame))
     sites = {(f.rsplit("/", 1)[-1], line) for _, f, line in hits}
     assert len(sites) == 2 and any(f == "_frame.py" for f, _ in sites), hits  # header, rules
 
 
-def test_encode_without_the_check_writes_the_same_frame_and_reads_nothing(monkeypatch):
+def test_encode_without_the_check_writes_the_same_frame_and_reads_nothing():
     # For entries a selector built (ascending, distinct, in range, finite): the checked frame's
     # bytes, without its sort and its host read.
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
@@ -184,8 +184,7 @@ def test_encode_without_the_check_writes_the_same_frame_and_reads_nothing(monkey
     for fmt in ("fp32", "fp16", "mean"):
         checked = sparse.encode(idx, x[idx], 1000, fmt)
         with forced("torch"):
-            hits = host_reads(monkeypatch,
-                              lambda f=fmt: sparse.encode(idx, x[idx], 1000, f, check=False))
+            hits = host_reads(lambda f=fmt: sparse.encode(idx, x[idx], 1000, f, check=False))
             assert hits == [] and torch.equal(
                 sparse.encode(idx, x[idx], 1000, fmt, check=False), checked), fmt
     # unsorted entries are the caller's to avoid: check=False writes them as given
@@ -249,7 +248,7 @@ def test_qsgd_settings_travel_as_one_value_format():
         sparse.encode(idx, val, n, object())
 
 
-def test_decode_all_gives_decode_entries_entries_and_errors(path, monkeypatch):
+def test_decode_all_gives_decode_entries_entries_and_errors(path):
     """Frames of k entries of n decode to decode_entries' entries on every path, with its
     errors; a frame whose header says another k or format is refused. Off the numpy path
     (CUDA's) the fp32, fp16 and qsgd frames' checks cost one host read for all of them."""
@@ -271,7 +270,7 @@ def test_decode_all_gives_decode_entries_entries_and_errors(path, monkeypatch):
             assert idx.dtype == torch.int64 and torch.equal(idx, want_idx)
             assert torch.equal(val.view(torch.int32), want_val.view(torch.int32))
         if path != "numpy" and k:
-            reads = host_reads(monkeypatch, lambda f=frames: sparse.decode_all(f, n, k, fmt))
+            reads = host_reads(lambda f=frames: sparse.decode_all(f, n, k, fmt))
             assert len(reads) == 1, reads
     good = frames_of(1000, 10, "fp32")
     unordered, outside, nan = good[0].clone(), good[1].clone(), good[2].clone()
@@ -338,7 +337,7 @@ def test_a_frames_size_says_how_many_entries_it_holds(n, size, fmt, want):
         assert sparse.encoded_size(n, want, fmt) == size
 
 
-def test_decode_all_of_qsgd_frames_of_any_size_on_every_path(path, monkeypatch):
+def test_decode_all_of_qsgd_frames_of_any_size_on_every_path(path):
     """k=None with qsgd values: each frame's size says how many entries it holds, so off the
     numpy path one host read checks frames of every size with their qsgd blocks."""
     fmt = sparse.Qsgd(bits=2, bucket=3, seed=1)
@@ -351,7 +350,7 @@ def test_decode_all_of_qsgd_frames_of_any_size_on_every_path(path, monkeypatch):
         assert idx.dtype == torch.int64 and torch.equal(idx, want_idx)
         assert torch.equal(val.view(torch.int32), want_val.view(torch.int32))
     if path != "numpy":
-        assert len(host_reads(monkeypatch, lambda: sparse.decode_all(frames, 500, None, fmt))) == 1
+        assert len(host_reads(lambda: sparse.decode_all(frames, 500, None, fmt))) == 1
     broken = frames[3].clone()
     broken[sparse.HEADER.size:sparse.HEADER.size + 8] = torch.tensor([9, 0, 0, 0, 9, 0, 0, 0],
                                                                      dtype=torch.uint8)
@@ -371,7 +370,7 @@ def _mixed_frames():
     return out
 
 
-def test_decode_all_of_frames_of_any_size_on_every_path(path, monkeypatch):
+def test_decode_all_of_frames_of_any_size_on_every_path(path):
     """k=None: each frame holds what its size says; off the numpy path one host read checks
     the frames of every size together."""
     for fmt in ("fp32", "fp16", "mean"):
@@ -382,7 +381,7 @@ def test_decode_all_of_frames_of_any_size_on_every_path(path, monkeypatch):
             assert idx.dtype == torch.int64 and torch.equal(idx, want_idx)
             assert val.dtype == torch.float32 and torch.equal(val, want_val)
         if path != "numpy":
-            reads = host_reads(monkeypatch, lambda f=frames, m=fmt: sparse.decode_all(
+            reads = host_reads(lambda f=frames, m=fmt: sparse.decode_all(
                 f, 500, None, m))
             assert len(reads) == 1, reads
 

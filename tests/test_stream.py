@@ -274,19 +274,19 @@ def test_split_gives_each_part_with_one_search(path):
         stream.split(s, [(0, 10), (5, 4)])
 
 
-def test_decode_all_reads_the_host_once_off_the_numpy_path(monkeypatch):
+def test_decode_all_reads_the_host_once_off_the_numpy_path():
     from conftest import forced, host_reads
 
     frames = [stream.encode(s) for s in _streams_for_decode_all()]
     with forced("torch"):
-        reads = host_reads(monkeypatch, lambda: stream.decode_all(frames, 100))
+        reads = host_reads(lambda: stream.decode_all(frames, 100))
         assert len(reads) == 1, reads
-        per_frame = host_reads(monkeypatch, lambda: [stream.decode(f, n=100) for f in frames])
+        per_frame = host_reads(lambda: [stream.decode(f, n=100) for f in frames])
     # decode reads each header (a copy and a view: two calls) and each frame's rules
     assert len(per_frame) > 2 * len(frames)
 
 
-def test_add_all_off_the_numpy_path_is_pairwise_add_with_one_read(monkeypatch):
+def test_add_all_off_the_numpy_path_is_pairwise_add_with_one_read():
     """Off the numpy path (CUDA) three or more sparse streams merge with one host read at the
     end; the sum is the pairwise one from the left, to the bit (-0.0 and cancellations too)
     and dense from the same sum on: never, at the first sum, at a later one, or on the bound
@@ -321,7 +321,7 @@ def test_add_all_off_the_numpy_path_is_pairwise_add_with_one_read(monkeypatch):
                 want = stream.add(want, s)
         with forced("torch"):
             got = stream.add_all(streams)
-            reads = host_reads(monkeypatch, lambda s=streams: stream.add_all(s))
+            reads = host_reads(lambda s=streams: stream.add_all(s))
         assert len(reads) == 1, reads
         assert got.dense == want.dense and got.n == want.n
         assert torch.equal(got.values.view(torch.int32), want.values.view(torch.int32))
