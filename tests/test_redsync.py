@@ -66,13 +66,14 @@ def test_bad_input():
 @pytest.mark.parametrize("p, method, reads", [
     ("torch", "trimmed", (4, 3)), ("torch", "threshold", (4, 3)), ("torch", "topk", (2, 2)),
     *[pytest.param(*OTHER_PATHS[1].values, method, reads, marks=OTHER_PATHS[1].marks)
-      for method, reads in [("trimmed", (2, 2)), ("threshold", (2, 2)), ("topk", (1, 1))]]])
+      for method, reads in [("trimmed", (1, 1)), ("threshold", (1, 1)), ("topk", (1, 1))]]])
 def test_encodes_with_few_host_reads_off_the_numpy_path(p, method, reads):
     """Off the numpy path (CUDA) each read waits for the device. A search on the Triton path
-    reads mean, max and finiteness together (1) and the counts (1): the survivors' number is
-    among the counts, so they are written without a read, and all of them have the side's
-    sign. When fewer than k values have it, the search falls back to the exact top-k, and the
-    count of positive scores, fetched with the first counts, says how many of those to send.
+    reads mean, max and finiteness together with the counts of its first thresholds, which
+    the device makes from them (1): the survivors' number is among the counts, so they are
+    written without a read, and all of them have the side's sign. When fewer than k values
+    have it, the search falls back to the exact top-k, and the count of positive scores,
+    fetched with the first counts, says how many of those to send.
     The exact top-k reads once, its check with that count. The torch path reads finiteness on
     its own, then the survivors' number (torch.nonzero) unless a search falls back, or for
     the exact top-k the number of those of the side's sign."""

@@ -337,11 +337,12 @@ def test_a_side_refuses_nan_and_inf_anywhere_in_the_vector(p):
 @pytest.mark.parametrize("p", OTHER_PATHS)
 def test_redsyncs_searches_read_the_host_a_few_times_off_the_numpy_path(method, eps, reads, p):
     # 100 scores of 1, 10000 of 0.5, the rest 0: no threshold keeps 150..300 of them, so the
-    # threshold search halves its interval all 10 times. The Triton path writes the survivors
-    # or the selection, whose number is among the counts, without a read of its own.
+    # threshold search halves its interval all 10 times. The Triton path reads the mean and
+    # max with the first counts (their thresholds made on the device), and writes the
+    # survivors or the selection, whose number is among the counts, without a read of its own.
     s = torch.cat([torch.ones(100), torch.full((10_000,), 0.5), torch.zeros(9_900)])
     if p == "triton":
-        reads -= 1
+        reads -= 2
     with forced(p):
         seen = host_reads(lambda: select.select(s, 150, method, check=False,
                                                               eps=eps))
@@ -349,6 +350,50 @@ def test_redsyncs_searches_read_the_host_a_few_times_off_the_numpy_path(method, 
     assert len(seen) == reads, seen
     with forced("numpy"):
         assert torch.equal(got, select.select(s, 150, method, eps=eps))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_search_reads_its_statistics_with_its_first_counts_on_the_triton_path(dtype,
+                                                                               monkeypatch):
+    """The searches' first thresholds, 0.0 and mean + c * (top - mean), are made on the device
+    from its statistics by the host's float64 operations: the counts that come back with the
+    statistics, in one read, are how many scores exceed each of the host's own thresholds
+    (numpy's count, for every side). Where the device's thresholds differed from the
+    host's, their counts go unused: the search fetches its own, one read more, and selects
+    the same."""
+    from bitcomm.codecs import _kernels
+
+    g = torch.Generator().manual_seed(41)
+    v = (torch.randn(20_000, generator=g) * 3).to(dtype)
+    for side in (0, 1, -1, 2):
+        for method, eps in (("trimmed", 0.2), ("threshold", 1e-3)):
+            src = select._Scores(v.abs() if side == 0 else v, side)
+            counts = select._Counts(src)
+            with forced("triton"):
+                mean, top = counts.start(True, select._first_coefs(method, eps))
+            scores = src.tensor.numpy()
+            want_mean = float(np.sum(scores, dtype=np.float64)) / scores.size
+            assert abs(mean - want_mean) <= 1e-12 * max(1.0, abs(want_mean)) and \
+                top == float(scores.max()), (side, method)
+            assert len(counts.known) == 1 + len(set(select._first_coefs(method, eps)))
+            for threshold, count in counts.known.items():
+                bound = np.asarray(threshold, dtype=np.float64).astype(scores.dtype)
+                assert count == int(np.count_nonzero(scores > bound)), (side, threshold)
+    with forced("numpy"):
+        want = select.select_side(v, 200, 1, "trimmed")
+    with forced("triton"):
+        assert len(host_reads(lambda: select.select_side(v, 200, 1, "trimmed"))) == 1
+        original = _kernels.stats_and_counts
+
+        def other(x, coefs, side):  # one of the device's thresholds one ulp off
+            out, t, runs = original(x, coefs, side)
+            out[4 + t + 1] = np.nextafter(out[4 + t + 1].item(), np.inf)
+            return out, t, runs
+
+        monkeypatch.setattr(_kernels, "stats_and_counts", other)
+        assert len(host_reads(lambda: select.select_side(v, 200, 1, "trimmed"))) == 2
+        assert torch.equal(select.select_side(v, 200, 1, "trimmed"), want)
 
 
 @needs_interpreter

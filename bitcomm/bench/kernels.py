@@ -239,6 +239,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
     out += [("redsync-1% mean, max, check, count", n, lambda: k.score_stats(x, 1)),
             ("redsync-1% counts of 63 bounds", n,
              lambda: k.count_above(x, meta(63, torch.float32), 1, runs=True)),
+            # the trimmed search's: its thresholds made from the statistics on the device
+            ("redsync-1% statistics, then counts of 6 bounds", n,
+             lambda: k.stats_and_counts(x, [0.0, 0.2, 0.4, 0.6, 0.8], 1)),
             # from the runs of the counting pass, as the searches write their survivors
             ("redsync-1% survivors", n, lambda: k.indices_above(
                 x, 2.0, n // 100, 1, runs=meta(k._programs(n), torch.int64))),

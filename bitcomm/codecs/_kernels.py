@@ -1370,15 +1370,60 @@ def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
     launch(_score_stats_kernel, grid, x, parts, n, SIDE=side, BLOCK=block, **opts)
     out = torch.empty(4, dtype=torch.float64, device=x.device)
     rows, warps = TUNING["score_totals"]
-    launch(_score_totals_kernel, (1,), parts, out, grid[0], ROWS=rows, num_warps=warps)
+    launch(_score_totals_kernel, (1,), parts, out, grid[0], out, out, n, 0, ROWS=rows,
+           BOUNDS=False, T=1, NARROW=False, num_warps=warps)
     return out
 
 
-@triton.jit
-def _score_totals_kernel(parts_ptr, out_ptr, programs, ROWS: tl.constexpr):
+def stats_and_counts(x: torch.Tensor, coefs: list[float] | np.ndarray, side: int = 0
+                     ) -> tuple[torch.Tensor, int, Runs]:
+    """:func:`score_stats`, then :func:`count_above` of thresholds made from it on the device.
+
+    The thresholds are ``0.0`` and ``mean + c * (top - mean)`` for each ``c`` of ``coefs``
+    (float64, ascending, each >= 0), ``mean`` and ``top`` the scores' mean and max: those
+    RedSync's searches count first, which the host would compute from the statistics it had
+    read. Here one program computes them after the statistics, in the host's float64
+    operations, so the statistics and the counts come back in one host read instead of two.
+    Float32 and float64 scores. Returns ``(out, t, runs)``: ``out`` float64 ``[sum, max, bad,
+    positive]``, then ``t`` counts, of which ``out[5 + j]`` is how many scores exceed
+    threshold ``j`` (in ascending order, 0.0 first), then the thresholds as the count
+    compared with them, which the caller checks against its own; ``runs`` as
+    :func:`count_above`'s.
+    """
+    if x.dtype not in (torch.float32, torch.float64):  # the kernel compares in x's dtype
+        raise TypeError(f"expected float32 or float64 scores, got {x.dtype}")
+    n = x.numel()
+    m = len(coefs) + 1
+    levels = max(1, m.bit_length())
+    t = 1 << levels
+    block, opts = _config("score_stats")
+    grid = (_programs(n, "score_stats"),)
+    parts = torch.empty((grid[0], 4), dtype=torch.float64, device=x.device)
+    launch(_score_stats_kernel, grid, x, parts, n, SIDE=side, BLOCK=block, **opts)
+    out = torch.empty(4 + t + m, dtype=torch.float64, device=x.device)
+    bounds = torch.empty(t - 1, dtype=x.dtype, device=x.device)
+    device_coefs = _frame.to_device(torch.from_numpy(np.asarray(coefs, dtype=np.float64)),
+                                    x.device) if len(coefs) else out
+    rows, warps = TUNING["score_totals"]
+    launch(_score_totals_kernel, (1,), parts, out, grid[0], device_coefs, bounds, n, m,
+           ROWS=rows, BOUNDS=True, T=t, NARROW=x.dtype == torch.float32,
+           enable_fp_fusion=False, num_warps=warps)
+    return out, t, _count(x, bounds, out[4 : 4 + t], levels, side, True)[1]
+
+
+@triton.jit(do_not_specialize=("n", "m"))
+def _score_totals_kernel(parts_ptr, out_ptr, programs, coefs_ptr, bounds_ptr, n, m,
+                         ROWS: tl.constexpr, BOUNDS: tl.constexpr, T: tl.constexpr,
+                         NARROW: tl.constexpr):
     # One program: the totals of score_stats' rows, ROWS rows a step in a fixed order (the
     # same sums every call). One launch where torch took five (four column reductions and
-    # a stack), each costing the host about what a kernel does.
+    # a stack), each costing the host about what a kernel does. With BOUNDS (stats_and_counts)
+    # it then writes the count pass's bounds: 0.0, then mean + c * (top - mean) for each of
+    # the m - 1 coefficients, mean = sum / n, in float64 one operation at a time (the launch
+    # disables contraction into fused multiply-adds) as the host computes them, rounded to
+    # float32 with NARROW as numpy rounds them; +inf in the rest of bounds_ptr's T - 1 words.
+    # Their float64 values go to out_ptr[4 + T:], and out_ptr[4:4 + T] is zeroed for the
+    # count pass's float64 counts.
     r = tl.arange(0, ROWS)
     total = tl.zeros([ROWS], dtype=tl.float64)
     top = tl.full([ROWS], -float("inf"), tl.float64)
@@ -1391,10 +1436,23 @@ def _score_totals_kernel(parts_ptr, out_ptr, programs, ROWS: tl.constexpr):
         top = tl.maximum(top, tl.load(row + 1, mask=live, other=-float("inf")))
         bad = tl.maximum(bad, tl.load(row + 2, mask=live, other=0.0))
         positive += tl.load(row + 3, mask=live, other=0.0)
-    tl.store(out_ptr, tl.sum(total, axis=0))
-    tl.store(out_ptr + 1, tl.max(top, axis=0))
+    total = tl.sum(total, axis=0)
+    top = tl.max(top, axis=0)
+    tl.store(out_ptr, total)
+    tl.store(out_ptr + 1, top)
     tl.store(out_ptr + 2, tl.max(bad, axis=0))
     tl.store(out_ptr + 3, tl.sum(positive, axis=0))
+    if BOUNDS:
+        mean = total / n.to(tl.float64)  # float64 division: correctly rounded (div.rn.f64)
+        j = tl.arange(0, T)
+        c = tl.load(coefs_ptr + j - 1, mask=(j >= 1) & (j < m), other=0.0)
+        bound = tl.where(j == 0, 0.0, mean + c * (top - mean))
+        if NARROW:
+            bound = bound.to(tl.float32)
+        bound = tl.where(j < m, bound, float("inf"))
+        tl.store(bounds_ptr + j, bound, mask=j < T - 1)
+        tl.store(out_ptr + 4 + j, tl.zeros([T], dtype=tl.float64))
+        tl.store(out_ptr + 4 + T + j, bound.to(tl.float64), mask=j < m)
 
 
 @triton.jit
@@ -1422,7 +1480,8 @@ def _count_above_kernel(x_ptr, bounds_ptr, counts_ptr, rows_ptr, n, SIDE: tl.con
             pos = tl.where(bound < s, pos + half, pos)
         acc += tl.histogram(pos, T, mask=live)
     acc = tl.cumsum(acc, 0, reverse=True)
-    tl.atomic_add(counts_ptr + tl.arange(0, T), acc)
+    # float64 counts (stats_and_counts') are exact integers, so their sums take any order
+    tl.atomic_add(counts_ptr + tl.arange(0, T), acc.to(counts_ptr.dtype.element_ty))
     if ROWS:
         tl.store(rows_ptr + tl.program_id(0) * T + tl.arange(0, T), acc)
 
@@ -1471,7 +1530,18 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor | np.ndarray, side: int = 
     else:
         padded = torch.full((t - 1,), float("inf"), dtype=bounds.dtype, device=x.device)
         padded[:m] = bounds
-    hist = torch.zeros(t, dtype=torch.int32, device=x.device)
+    hist, rows = _count(x, padded, torch.zeros(t, dtype=torch.int32, device=x.device), levels,
+                        side, runs)
+    # scores above bounds[j] are those with j + 1 or more bounds below them
+    counts = hist[1 : m + 1]
+    return (counts, rows) if runs else counts
+
+
+def _count(x: torch.Tensor, padded: torch.Tensor, hist: torch.Tensor, levels: int, side: int,
+           runs: bool) -> tuple[torch.Tensor, Runs | None]:
+    # count_above's pass: into hist (zeroed, 2**levels counts, int32 or float64), and with
+    # runs each program's counts.
+    t = 1 << levels
     n = x.numel()
     block, opts = _config("key_digits")  # the tiles and runs of indices_above's gathering
     grid = (_programs(n),)
@@ -1481,9 +1551,7 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor | np.ndarray, side: int = 
     if n:
         launch(_count_above_kernel, grid, x, padded, hist, rows, n, SIDE=side, T=t, LOG=levels,
                ROWS=runs, BLOCK=block, **opts)
-    # scores above bounds[j] are those with j + 1 or more bounds below them
-    counts = hist[1 : m + 1]
-    return (counts, Runs(rows)) if runs else counts
+    return hist, Runs(rows) if runs else None
 
 
 # --- exact top-k by radix selection (bitcomm.codecs.select) ------------------------------------

@@ -118,13 +118,9 @@ class _Scores:
     def stats(self, check: bool) -> tuple[float, float]:
         """Return the mean and max of the scores (one host read); ``check``: refuse NaN/inf.
 
-        RedSync's thresholds interpolate between the two.
+        RedSync's thresholds interpolate between the two. (The Triton path reads them with
+        its first counts: :meth:`_Counts.start`.)
         """
-        if self.fused:  # the finiteness check rides on the same read
-            total, top, bad, _ = _frame.kernels().score_stats(self.v, self.side).tolist()
-            if check and bad:
-                raise ValueError(f"expected finite {self.what}, got NaN or inf")
-            return total / self.v.numel(), top
         _finite(self, check)
         s = self.tensor
         if _frame.numpy_float(s):  # numpy's float64 mean: 3x torch's on a CPU
@@ -231,6 +227,35 @@ class _Counts:
                 self._fetch(sorted({threshold, *extra, *speculate()}))
         return self.known[threshold]
 
+    def start(self, check: bool, coefs: list[float]) -> tuple[float, float]:
+        """Return the scores' mean and max, with the counts of a search's first thresholds.
+
+        Those are ``0.0`` and ``mean + c * (top - mean)`` for each ``c`` of ``coefs``: on the
+        Triton path the device makes them from its own statistics
+        (:func:`~bitcomm.codecs._kernels.stats_and_counts`), so the statistics and the counts
+        come back in one host read where reading the statistics first would take two.
+        ``check``: refuse NaN/inf. The counts are kept where the device's thresholds are
+        the host's, bit for bit (the same float64 operations, rounded alike); otherwise the
+        search fetches them as it would have.
+        """
+        src = self.scores
+        order = sorted(set(coefs))
+        out, t, runs = _frame.kernels().stats_and_counts(src.v, order, src.side)
+        got = out.tolist()  # the one host read
+        total, top, bad = got[:3]
+        if check and bad:
+            raise ValueError(f"expected finite {src.what}, got NaN or inf")
+        mean = total / src.numel()
+        thresholds = [0.0] + [mean + c * (top - mean) for c in order]
+        rounded = np.asarray(thresholds, dtype=np.float64).astype(
+            np.float32 if src.v.dtype == torch.float32 else np.float64)
+        if np.array_equal(rounded.astype(np.float64), np.asarray(got[4 + t :])):
+            for j, threshold in enumerate(thresholds):
+                if threshold not in self.known:  # an equal one's count and runs are the same
+                    self.known[threshold] = int(got[5 + j])
+                    self._runs[threshold] = (runs, j)
+        return mean, top
+
     def positive(self) -> int | None:
         """How many scores are positive, if a fetch brought it along (else ``None``)."""
         return self.known.get(0.0)
@@ -292,6 +317,30 @@ def _halvings(lo, hi, mid, levels: int) -> list:
                 nxt += [(a, m), (m, b)]
         spans = nxt
     return out
+
+
+def _halve_steps(a: int, b: int) -> int:
+    return (a + b) // 2
+
+
+def _halve_ratios(a: float, b: float) -> float:
+    return a + (b - a) / 2
+
+
+def _step_coef(eps: float, step: int) -> float:
+    # Where the trimmed search's threshold of a step lies between the mean (0) and the max (1).
+    return 1.0 - eps * step
+
+
+def _first_coefs(method: str, eps: float) -> list[float]:
+    """Return the ``c`` of the thresholds ``mean + c * (top - mean)`` a search counts first.
+
+    Its first step's, and those of the :data:`LEVELS` bisection steps after it.
+    """
+    if method == "trimmed":
+        last = math.floor(1 / eps)
+        return [_step_coef(eps, s) for s in (last, *_halvings(0, last, _halve_steps, LEVELS))]
+    return [0.0, *_halvings(0.0, 1.0, _halve_ratios, LEVELS)]
 
 
 def _all(s: torch.Tensor) -> torch.Tensor:
@@ -491,9 +540,13 @@ def _search(src: _Scores, k: int, method: str, eps: object, check: bool, count: 
     eps = _check_eps(eps, upper_open=method == "threshold")
     if k == 0 or k >= src.numel():
         return _top_counted(src, k, _finite(src, check, count))
-    mean, top = src.stats(check)
+    counts = _Counts(src)
+    if src.fused:  # the statistics with the first counts, in one read
+        mean, top = counts.start(check, _first_coefs(method, eps))
+    else:
+        mean, top = src.stats(check)
     search = _trimmed if method == "trimmed" else _threshold
-    return search(src, k, eps, mean, top, _Counts(src))
+    return search(src, k, eps, mean, top, counts)
 
 
 def _top_counted(src: _Scores, k: int, positive: int | None
@@ -538,10 +591,9 @@ def _fallback(src: _Scores, k: int, counts: _Counts) -> tuple[torch.Tensor, int 
 def _trimmed(src: _Scores, k: int, eps: float, mean: float, top: float, counts: _Counts
              ) -> tuple[torch.Tensor, int | None]:
     def threshold(step: int) -> float:
-        return mean + (1.0 - eps * step) * (top - mean)
+        return mean + _step_coef(eps, step) * (top - mean)
 
-    def halve(a: int, b: int) -> int:
-        return (a + b) // 2
+    halve = _halve_steps
 
     def kept(step: int, lo: int, hi: int) -> int:
         # what the search may ask next: the steps of the bisection of (lo, hi)
@@ -585,8 +637,7 @@ def _threshold(src: _Scores, k: int, eps: float, mean: float, top: float, counts
     def threshold(ratio: float) -> float:
         return mean + ratio * (top - mean)
 
-    def halve(a: float, b: float) -> float:
-        return a + (b - a) / 2
+    halve = _halve_ratios
 
     def above(ratio: float, lo: float, hi: float) -> int:
         # what the search may ask next: the ratios of the bisection of (lo, hi)
