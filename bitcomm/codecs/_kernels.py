@@ -1363,16 +1363,22 @@ def score_stats(x: torch.Tensor, side: int = 0) -> torch.Tensor:
     read: at most :data:`COUNT_PROGRAMS` programs sum their runs of tiles in float64 (exact
     for counts below 2**53), then one program adds their rows, in the same order every call.
     """
+    parts = _score_parts(x, side)
+    out = torch.empty(4, dtype=torch.float64, device=x.device)
+    rows, warps = TUNING["score_totals"]
+    launch(_score_totals_kernel, (1,), parts, out, parts.shape[0], out, out, x.numel(), 0,
+           ROWS=rows, BOUNDS=False, T=1, NARROW=False, num_warps=warps)
+    return out
+
+
+def _score_parts(x: torch.Tensor, side: int) -> torch.Tensor:
+    # score_stats' pass over x: [sum, max, bad, positive] of each program's run of tiles.
     n = x.numel()
     block, opts = _config("score_stats")
     grid = (_programs(n, "score_stats"),)  # a run of tiles a program
     parts = torch.empty((grid[0], 4), dtype=torch.float64, device=x.device)
     launch(_score_stats_kernel, grid, x, parts, n, SIDE=side, BLOCK=block, **opts)
-    out = torch.empty(4, dtype=torch.float64, device=x.device)
-    rows, warps = TUNING["score_totals"]
-    launch(_score_totals_kernel, (1,), parts, out, grid[0], out, out, n, 0, ROWS=rows,
-           BOUNDS=False, T=1, NARROW=False, num_warps=warps)
-    return out
+    return parts
 
 
 def stats_and_counts(x: torch.Tensor, coefs: list[float] | np.ndarray, side: int = 0
@@ -1390,23 +1396,18 @@ def stats_and_counts(x: torch.Tensor, coefs: list[float] | np.ndarray, side: int
     compared with them, which the caller checks against its own; ``runs`` as
     :func:`count_above`'s.
     """
-    if x.dtype not in (torch.float32, torch.float64):  # the kernel compares in x's dtype
-        raise TypeError(f"expected float32 or float64 scores, got {x.dtype}")
-    n = x.numel()
+    _check_compared(x)
     m = len(coefs) + 1
-    levels = max(1, m.bit_length())
+    levels = _levels(m)
     t = 1 << levels
-    block, opts = _config("score_stats")
-    grid = (_programs(n, "score_stats"),)
-    parts = torch.empty((grid[0], 4), dtype=torch.float64, device=x.device)
-    launch(_score_stats_kernel, grid, x, parts, n, SIDE=side, BLOCK=block, **opts)
+    parts = _score_parts(x, side)
     out = torch.empty(4 + t + m, dtype=torch.float64, device=x.device)
     bounds = torch.empty(t - 1, dtype=x.dtype, device=x.device)
     device_coefs = _frame.to_device(torch.from_numpy(np.asarray(coefs, dtype=np.float64)),
                                     x.device) if len(coefs) else out
     rows, warps = TUNING["score_totals"]
-    launch(_score_totals_kernel, (1,), parts, out, grid[0], device_coefs, bounds, n, m,
-           ROWS=rows, BOUNDS=True, T=t, NARROW=x.dtype == torch.float32,
+    launch(_score_totals_kernel, (1,), parts, out, parts.shape[0], device_coefs, bounds,
+           x.numel(), m, ROWS=rows, BOUNDS=True, T=t, NARROW=x.dtype == torch.float32,
            enable_fp_fusion=False, num_warps=warps)
     return out, t, _count(x, bounds, out[4 : 4 + t], levels, side, True)[1]
 
@@ -1518,10 +1519,9 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor | np.ndarray, side: int = 
     With ``runs``, also each program's counts (:class:`Runs`), which :func:`indices_above`
     can start from.
     """
-    if x.dtype not in (torch.float32, torch.float64):  # the kernel compares in x's dtype
-        raise TypeError(f"expected float32 or float64 scores, got {x.dtype}")
+    _check_compared(x)
     m = len(bounds)
-    levels = max(1, m.bit_length())  # T = 2**levels > m: room for every bound
+    levels = _levels(m)
     t = 1 << levels
     if isinstance(bounds, np.ndarray):
         padded = np.full(t - 1, np.inf, dtype=bounds.dtype)
@@ -1535,6 +1535,16 @@ def count_above(x: torch.Tensor, bounds: torch.Tensor | np.ndarray, side: int = 
     # scores above bounds[j] are those with j + 1 or more bounds below them
     counts = hist[1 : m + 1]
     return (counts, rows) if runs else counts
+
+
+def _check_compared(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.float32, torch.float64):  # the kernel compares in x's dtype
+        raise TypeError(f"expected float32 or float64 scores, got {x.dtype}")
+
+
+def _levels(m: int) -> int:
+    # The count pass's binary-search levels for m bounds: T = 2**levels > m, room for each.
+    return max(1, m.bit_length())
 
 
 def _count(x: torch.Tensor, padded: torch.Tensor, hist: torch.Tensor, levels: int, side: int,
@@ -1999,9 +2009,8 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
     # the count pass takes the census (into sel.census, _count_at_least_kernel's CENSUS).
     work = sel.work
     launch(_sample_bound_kernel, (1,), x, work, work.numel(), sel.bound_at, step, r, k,
-           sel.rank_at,
-           SIDE=side, WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE, HASH=_bracket.HASH,
-           WORK=1 << (work.numel() - 1).bit_length(), num_warps=16)
+           sel.rank_at, SIDE=side, WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE,
+           HASH=_bracket.HASH, WORK=1 << (work.numel() - 1).bit_length(), num_warps=16)
     counts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
     _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
                      keys=sel.keys, nan=True, settled=sel.state[sel.digits],

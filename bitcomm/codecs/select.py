@@ -246,14 +246,11 @@ class _Counts:
         if check and bad:
             raise ValueError(f"expected finite {src.what}, got NaN or inf")
         mean = total / src.numel()
-        thresholds = [0.0] + [mean + c * (top - mean) for c in order]
-        rounded = np.asarray(thresholds, dtype=np.float64).astype(
-            np.float32 if src.v.dtype == torch.float32 else np.float64)
+        thresholds = [0.0] + [mean + c * (top - mean) for c in order]  # ascending
+        rounded = self._compared(thresholds)
         if np.array_equal(rounded.astype(np.float64), np.asarray(got[4 + t :])):
-            for j, threshold in enumerate(thresholds):
-                if threshold not in self.known:  # an equal one's count and runs are the same
-                    self.known[threshold] = int(got[5 + j])
-                    self._runs[threshold] = (runs, j)
+            self._keep(thresholds, rounded, rounded, [int(c) for c in got[5 : 5 + len(rounded)]],
+                       runs)
         return mean, top
 
     def positive(self) -> int | None:
@@ -270,10 +267,23 @@ class _Counts:
         runs, j = self._runs[threshold]
         return runs.above(j)
 
+    def _compared(self, thresholds: list[float]) -> np.ndarray:
+        # the thresholds rounded to the scores' dtype, as a comparison rounds them
+        return np.asarray(thresholds, dtype=np.float64).astype(
+            np.float32 if self.scores.v.dtype == torch.float32 else np.float64)
+
+    def _keep(self, thresholds: list[float], rounded: np.ndarray, order: np.ndarray,
+              above: list[int], runs: object) -> None:
+        # Each threshold's count (and runs) from `above`, the counts of the sorted bounds
+        # `order`: that of its first copy among them (equal ones agree).
+        for t, j in zip(thresholds, np.searchsorted(order, rounded), strict=True):
+            self.known[t] = above[int(j)]
+            if runs is not None:
+                self._runs[t] = (runs, int(j))
+
     def _fetch(self, thresholds: list[float]) -> None:
         v = self.scores.v
-        rounded = np.asarray(thresholds, dtype=np.float64).astype(
-            np.float32 if v.dtype == torch.float32 else np.float64)
+        rounded = self._compared(thresholds)
         order = np.sort(rounded)
         runs = None
         if self.scores.fused:  # one pass over v, a histogram of positions among the bounds
@@ -286,11 +296,7 @@ class _Counts:
             ids = torch.bucketize(s, bounds, out_int32=True)  # how many bounds lie below
             hist = torch.bincount(ids, minlength=len(thresholds) + 1)
             above = hist.flip(0).cumsum(0).flip(0)[1:].tolist()  # the one host read
-        # a threshold's count is that of its first copy among the sorted (equal ones agree)
-        for t, j in zip(thresholds, np.searchsorted(order, rounded), strict=True):
-            self.known[t] = above[int(j)]
-            if runs is not None:
-                self._runs[t] = (runs, int(j))
+        self._keep(thresholds, rounded, order, above, runs)
 
 
 def _greater(s: torch.Tensor, threshold: float) -> torch.Tensor | np.ndarray:
@@ -702,18 +708,24 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
         idx, census = _census_top(src, k)
         out = then(idx)  # as if all k were positive: they are where k or more scores are
         count = _read_census(src, census, k)
-        return out if count == k else then(idx[_frame.indices_of(src.at(idx) > 0, count)])
+        return out if count == k else then(_positive(src, idx, count))
     idx, count = _select_of(src, k, method, check, options, positive)
     if not positive or count == idx.numel():
         return then(idx)
-    keep = src.at(idx) > 0
-    if count is None:
-        return then(idx[torch.nonzero(keep).reshape(-1)])  # one host read: their number
-    return then(idx[_frame.indices_of(keep, count)])
+    return then(_positive(src, idx, count))
 
 
 def _same(idx: torch.Tensor) -> torch.Tensor:
     return idx
+
+
+def _positive(src: _Scores, idx: torch.Tensor, count: int | None) -> torch.Tensor:
+    # The selected indices whose score is positive; `count`: their number, or None (a host
+    # read then finds it).
+    keep = src.at(idx) > 0
+    if count is None:
+        return idx[torch.nonzero(keep).reshape(-1)]  # one host read: their number
+    return idx[_frame.indices_of(keep, count)]
 
 
 def select_abs(v: torch.Tensor, k: int, method: str = "topk", *, check: bool = True,
