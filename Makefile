@@ -50,7 +50,7 @@ lint: $(STAMP)
 # tools/gpu-check.sh there: that machine cannot reach a package index. Versions: this venv's.
 GPU_PYTHON ?= 3.12
 gpu-wheels: $(STAMP)
-	rm -rf .whl
+	rm -f .whl/*.whl  # a Triton cache copied there stays
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 -d .whl \

@@ -51,3 +51,53 @@ def test_gpu_check_restores_a_carried_triton_cache_first(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert (cache / "ab12" / "kernel.cubin").read_bytes() == b"compiled"
     assert "triton cache restored" in (tmp_path / "out" / "gpu-check.log").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_gpu_check_restores_a_cache_carried_in_parts(tmp_path):
+    """The cache a run leaves in OUT comes in parts of 15 MiB (a lent machine hands back files
+    of at most 16 MiB): the parts, joined in name order, are restored as one archive."""
+    import io
+    import tarfile
+
+    wheels, cache = tmp_path / "whl", tmp_path / "cache"
+    wheels.mkdir()
+    payload = os.urandom(3000)  # incompressible: the archive is larger than its first part
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("cd34/kernel.cubin")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    archive = buf.getvalue()
+    (wheels / "triton-cache.tgz.part-aa").write_bytes(archive[:1000])
+    (wheels / "triton-cache.tgz.part-ab").write_bytes(archive[1000:])
+    r = _run(str(tmp_path / "out"), "tests", env={
+        "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(wheels),
+        "TRITON_CACHE_DIR": str(cache)})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (cache / "cd34" / "kernel.cubin").read_bytes() == payload
+
+
+def test_gpu_check_leaves_its_cache_in_parts_a_lent_machine_hands_back(tmp_path):
+    """The cache goes back in parts of at most 16 MiB, which the next run restores whole. A
+    stand-in Python that succeeds at everything plays the GPU machine's."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    (cache / "ef56").mkdir(parents=True)
+    payload = os.urandom(17 << 20)  # incompressible: two parts
+    (cache / "ef56" / "kernel.cubin").write_bytes(payload)
+    r = _run(str(out), "profile", env={"GPU_CHECK_PYTHON": str(fake),
+                                        "GPU_CHECK_WHEELS": str(tmp_path / "none"),
+                                        "TRITON_CACHE_DIR": str(cache)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    parts = sorted(out.glob("triton-cache.tgz.part-*"))
+    assert [p.name[-2:] for p in parts] == ["aa", "ab"]
+    assert all(p.stat().st_size <= 16 << 20 for p in parts)
+    again = tmp_path / "cache2"
+    r = _run(str(tmp_path / "out2"), "profile", env={"GPU_CHECK_PYTHON": str(fake),
+                                                      "GPU_CHECK_WHEELS": str(out),
+                                                      "TRITON_CACHE_DIR": str(again)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (again / "ef56" / "kernel.cubin").read_bytes() == payload

@@ -19,15 +19,18 @@
 #                      its own cap and what is left of the deadline, and is skipped when under
 #                      30 s is left.
 #   GPU_CHECK_PYTHON   the Python that holds a CUDA torch (default python3).
-#   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). A
-#                      triton-cache.tgz there (one an earlier run left in OUT) is unpacked into
-#                      Triton's cache first: a fresh machine then compiles only the kernels
-#                      changed since.
+#   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). The
+#                      triton-cache.tgz.part-* files there (the ones an earlier run left in
+#                      OUT), or one whole triton-cache.tgz, are unpacked into Triton's cache
+#                      first: a fresh machine then compiles only the kernels changed since
+#                      (on an H200, a cache without a day's changed kernels made test_cuda
+#                      take over 300 s where it takes 66 s with them).
 #
 # Writes OUT/gpu-check.log (each step's command, output, exit status and seconds),
 # OUT/gpu-check.tar.gz (the benchmarks' .json/.csv/.md files and the tests' junit XML) and
-# OUT/triton-cache.tgz (the compiled kernels, for the next run): three files, since a lent
-# machine hands back only a few. Exits 1 if a step failed or was cut off.
+# OUT/triton-cache.tgz.part-aa, -ab, ... (the compiled kernels, for the next run, in parts of
+# 15 MiB: a lent machine hands back at most 8 files of 16 MiB each, and the whole cache is
+# larger). Exits 1 if a step failed or was cut off.
 set -uo pipefail
 
 usage() {
@@ -64,9 +67,12 @@ say() { echo "$*" | tee -a "$log"; }
 # that Python's folder (only names not already there).
 setup() {
     export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-    if [ -f "$wheels/triton-cache.tgz" ]; then
-        mkdir -p "$cache" && tar -xzf "$wheels/triton-cache.tgz" -C "$cache" >> "$log" 2>&1 \
-            && say "# triton cache restored into $cache from $wheels/triton-cache.tgz"
+    # the parts in name order are the one archive; a whole triton-cache.tgz is taken as well
+    local parts=("$wheels"/triton-cache.tgz.part-*)
+    [ -f "${parts[0]}" ] || parts=("$wheels"/triton-cache.tgz)
+    if [ -f "${parts[0]}" ]; then
+        mkdir -p "$cache" && cat "${parts[@]}" | tar -xzf - -C "$cache" >> "$log" 2>&1 \
+            && say "# triton cache restored into $cache from ${parts[*]}"
     fi
     if compgen -G "$wheels/*.whl" > /dev/null; then
         "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -150,6 +156,7 @@ for s in "${steps[@]}"; do
 done
 
 tar -czf "$out/gpu-check.tar.gz" -C "$work" . 2>> "$log"
-[ -d "$cache" ] && tar -czf "$out/triton-cache.tgz" -C "$cache" . 2>> "$log"
+[ -d "$cache" ] && tar -czf - -C "$cache" . 2>> "$log" \
+    | split -b 15M - "$out/triton-cache.tgz.part-" 2>> "$log"
 say "# done in ${SECONDS}s; results: $(cd "$work" && find . -type f | sort | tr '\n' ' ')"
 exit $status
