@@ -1264,6 +1264,38 @@ def test_radix_selection_starts_from_a_sampled_bound(programs, monkeypatch, smal
         assert _kernels.kth_largest(x, k).item() == x.sort(descending=True).values[k - 1]
 
 
+@pytest.mark.parametrize("tiles", [8, 1])
+def test_the_digit_passes_after_a_sampled_bound_take_programs_by_the_room(tiles, monkeypatch,
+                                                                         small_sample):
+    """After a sampled bound the four digit passes read the gathered candidates, at most the
+    room's keys: a program per CANDIDATE_TILES tiles of room, where the count pass over x
+    takes one per tile. With the sample misled (nothing gathered) those programs read all of
+    x: the same indices. (The sample and room of
+    test_radix_selection_starts_from_a_sampled_bound: 1300 keys of room at n = 5003.)"""
+    monkeypatch.setattr(_kernels, "CANDIDATE_TILES", tiles)
+    monkeypatch.setitem(_kernels.TUNING, "key_digits", (256, 4))
+    grids: dict[str, list] = {}
+    launch = _kernels.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        grids.setdefault(kernel.fn.__name__, []).append(grid)
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", spy)
+    n = 5003
+    v = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    peaks = torch.ones(n)
+    peaks[_bracket.positions(n)] = 5.0  # misled: 256 reach the bound, k = 300
+    for x, k, m in ((v, 50, None), (peaks, 300, 0)):
+        grids.clear()
+        sel_m = int(_kernels._radix_select(x, k, 0).m)
+        assert m is None and sel_m >= k or sel_m == m
+        room = min(n, k + n // _kernels.SLACK)
+        assert grids["_count_at_least_kernel"] == [(20,)]  # ceil(5003 / 256) tiles of x
+        assert grids["_key_digits_kernel"] == [(-(-room // (tiles * 256)),)] * 4
+        assert _kernels.top_indices(x, k).tolist() == _brute_top(x, k)
+
+
 def test_the_selection_reads_no_word_it_did_not_write(monkeypatch, small_sample):
     """Every buffer of the selection that is not cleared by a launch of its own (the sampled
     path's work buffer, which the bound's kernel clears; the gathered keys and indices; the

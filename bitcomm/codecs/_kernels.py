@@ -1572,6 +1572,18 @@ DIGIT = 8
 SLACK = 64
 """The candidates gathered after two digits have room for ``k + n // SLACK`` keys."""
 
+CANDIDATE_TILES = 8
+"""Tiles of the candidates' room a program of the digit passes takes after a sampled bound.
+
+Every program of a pass first settles the digit above from the last histogram (a chain of
+dependent loads and a scan of 256 counts) and the busy ones add 256 counts to it: cost a
+program pays whether or not its run holds a candidate. On an H200, the four passes of a top-k
+of 1% of 64M float32 scores (some 0.7-1M candidates, 1.7M of room) took 119 us at 4096 programs
+(one per tile of x), 118 at 2048, 74 at 1024, 60 at 512, 54 at 256, 61 at 128 and 96 at 64,
+the same indices each time; a program per 8 tiles of room gives 210 there. Where the sample
+misled and no candidate was gathered, these programs read all of x, with fewer of them than
+its count pass had (a slower pass, in a case the sample's margin makes rare)."""
+
 
 @triton.jit
 def _order_key(x, SIDE: tl.constexpr, WIDE: tl.constexpr):
@@ -2073,14 +2085,16 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _
     grid = (_programs(n),)
     rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
     sampled = sel.sampled = plan is not None
+    passes = grid
     if sampled:
         _sampled(x, k, side, sel, grid[0], census, *plan)
+        passes = (min(grid[0], _cdiv(sel.keys.numel(), CANDIDATE_TILES * block)),)
     shifts = range((sel.digits - 1) * DIGIT, -1, -DIGIT)
     for p, shift in enumerate(shifts):
         # pass p settles digit p - 1 first, except after the two-digit gathering, which did
         settle = p > 0 if sampled else p not in (0, 2)
         two_digits = not sampled and p == 1
-        launch(_key_digits_kernel, grid, x, sel.keys, sel.hist[p],
+        launch(_key_digits_kernel, passes, x, sel.keys, sel.hist[p],
                sel.state[p - 1 if settle else p], sel.m, rows, n,
                SIDE=side, WIDE=wide, SHIFT=shift, TOP=p == 0, ROWS=two_digits,
                FIRST=not sampled and p < 2, SETTLE=settle, SETTLE_TOP=p == 1, BLOCK=block,
