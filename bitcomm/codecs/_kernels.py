@@ -64,9 +64,7 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import struct
-import threading
 
 import numpy as np
 import torch
@@ -74,6 +72,7 @@ import triton
 import triton.language as tl
 
 from bitcomm.codecs import _bracket, _frame
+from bitcomm.codecs._launch import launch
 
 __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign_unpack",
            "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_decode",
@@ -153,24 +152,6 @@ def _grid(total: int, per: int) -> tuple[int]:
 def _config(name: str) -> tuple[int, dict]:
     block, warps = TUNING[name]
     return block, {"num_warps": warps}
-
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_INTERPRETER_LOCK = threading.Lock()
-
-
-def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
-    """Launch ``kernel`` on ``grid``.
-
-    Under ``TRITON_INTERPRET=1`` launches are serialised: the interpreter swaps the language's
-    functions for numpy ones while a kernel runs, so two threads (ranks of ``run_local``) must
-    not interpret at once. Compiled launches need no lock.
-    """
-    if _INTERPRETED:
-        with _INTERPRETER_LOCK:
-            kernel[grid](*args, **kwargs)
-    else:
-        kernel[grid](*args, **kwargs)
 
 
 # --- shared pieces ---------------------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""Launching the codecs' Triton kernels with less of the host's time a launch.
+
+``kernel[grid](*args)`` runs Triton's ``JITFunction.run`` on every call: it types and
+specialises each argument, builds and hashes a cache key from the list, reads its knobs and
+looks the compiled kernel up. On the H100 and H200 these machines lend, that is 10-17 us of the
+host's time a launch, some 40% of a one-launch codec's host time and about 130 us of a top-k's
+nine launches, while the GPU waits for the host wherever a call's kernels are short.
+
+:func:`launch` keeps the compiled kernel that such a launch returned under a key of what
+Triton's specialisation reads from the arguments, and launches it directly the next time the
+key recurs, with the arguments, stream, metadata and hooks Triton's own launch would pass
+(``tests/test_launch.py`` holds the two launches equal, call for call, under the Triton
+releases it verifies). Triton specialises an argument on its type alone, and further:
+
+- a tensor on its dtype and whether its address is a multiple of 16 bytes;
+- an int on its width (int32, int64 or uint64 by its value), and, unless the kernel leaves it
+  unspecialised, on whether it is 1 (then a compile-time constant) or a multiple of 16;
+- a keyword argument (a ``tl.constexpr`` or a compile option) on its value.
+
+The key holds each of those (ints a little finer: int32, uint32, int64 or uint64, each with
+both tests), so two launches with one key get one compiled kernel; a key never seen goes
+through ``kernel[grid]``, which compiles or finds the kernel as usual. Triton's knobs that
+enter its compile options (``debug``, instrumentation) are taken as they were when a key was
+first launched; the launch hooks (profilers') are read at every launch. Only releases whose
+specialisation is known to be that one take this path (:data:`VERIFIED`); others, the
+interpreter (``TRITON_INTERPRET=1``), and arguments of other types always go through
+``kernel[grid]``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime import driver
+
+__all__ = ["launch", "VERIFIED", "LIMIT"]
+
+VERIFIED = ("3.6.", "3.9.")
+"""Triton releases whose argument specialisation ``tests/test_launch.py`` checked against this
+module's key: the GPU image's (3.6) and the dev extra's (3.9)."""
+
+LIMIT = 4096
+"""Compiled kernels kept by key; past it the table starts again (a key never seen costs one
+launch through Triton's own path)."""
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETER_LOCK = threading.Lock()
+_DIRECT = not _INTERPRETED and triton.__version__.startswith(VERIFIED)
+_KERNELS: dict[tuple, tuple] = {}
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """Launch ``kernel`` on ``grid`` with ``args`` and ``kwargs`` as ``kernel[grid]`` would.
+
+    Under ``TRITON_INTERPRET=1`` launches are serialised: the interpreter swaps the language's
+    functions for numpy ones while a kernel runs, so two threads (ranks of ``run_local``) must
+    not interpret at once. Compiled launches need no lock.
+    """
+    if _INTERPRETED:
+        with _INTERPRETER_LOCK:
+            kernel[grid](*args, **kwargs)
+        return
+    if not _DIRECT:
+        kernel[grid](*args, **kwargs)
+        return
+    device = driver.active.get_current_device()
+    key = _key(kernel, device, args, kwargs)
+    known = None if key is None else _KERNELS.get(key)
+    if known is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if key is not None and compiled is not None and not hasattr(compiled, "result"):
+            if len(_KERNELS) >= LIMIT:
+                _KERNELS.clear()
+            _KERNELS[key] = (compiled, _tail(kernel, len(args), kwargs))
+        return
+    compiled, tail = known
+    full = args + tail
+    stream = driver.active.get_current_stream(device)
+    grid_1 = grid[1] if len(grid) > 1 else 1
+    grid_2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(grid, stream, *full),
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
+
+
+def _key(kernel, device: int, args: tuple, kwargs: dict) -> tuple | None:
+    # What Triton's specialisation reads from the arguments (the module docstring), or None
+    # where an argument is of a type it is not known for, or where hooks run before each launch
+    # (Triton's own launch runs them).
+    if kernel.pre_run_hooks:
+        return None
+    parts = [kernel, device]
+    for a in args:
+        cls = a.__class__
+        if cls is bool:  # before int: a bool is an int
+            parts.append(bool)
+        elif cls is int:
+            if -(1 << 31) <= a < 1 << 31:
+                width = 0
+            elif 0 <= a < 1 << 32:
+                width = 1
+            elif -(1 << 63) <= a < 1 << 63:
+                width = 2
+            else:
+                width = 3
+            parts.append((width, a == 1, a % 16 == 0))
+        elif isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif cls is float:
+            parts.append(float)
+        elif a is None:
+            parts.append(None)
+        else:
+            return None
+    for name, value in kwargs.items():
+        cls = value.__class__
+        if cls not in (bool, int, float, str) and value is not None:
+            return None
+        parts.append((name, cls, value))  # the class too: True == 1 as a dict key
+    return tuple(parts)
+
+
+def _tail(kernel, given: int, kwargs: dict) -> tuple:
+    # The values of the kernel's parameters after the `given` positional ones, in order: a
+    # keyword argument's, else the parameter's default (Triton launches with every one).
+    tail = []
+    for param in kernel.params[given:]:
+        name = param.name
+        if name in kwargs:
+            tail.append(kwargs[name])
+        else:
+            tail.append(param.default)
+    return tuple(tail)

@@ -1,0 +1,152 @@
+"""bitcomm.codecs._launch: a launch by key passes what Triton's own launch passes.
+
+The codecs run on CPU tensors with the Triton path forced and a stand-in driver: launches go
+through Triton's real argument binding, specialisation and kernel cache, and its compile step
+hands out a stand-in kernel that records what it is launched with. Every launch is made twice,
+by ``_launch.launch`` and then by ``kernel[grid]`` itself: the same compiled kernel must get
+the same arguments, stream, metadata and hooks. Under the dev extra's Triton and the GPU
+image's (the releases of ``_launch.VERIFIED``), in a subprocess each.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_GPU_TRITON = os.path.join(sys.prefix, "triton-gpu")
+
+_SCRIPT = r"""
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+launched = []  # (compiled kernel, what its run() got)
+
+
+class Compiled:
+    function = object()
+    packed_metadata = object()
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        launched.append((self, args))
+
+
+class Driver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 7
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        return None
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def map_python_to_cpp_type(self, t):
+        return t
+
+
+driver.set_active(Driver())
+
+
+def compiled(self, key, signature, device, *args, **kwargs):
+    kernel = Compiled()
+    self.device_caches[device][0][key] = kernel
+    return kernel
+
+
+JITFunction._do_compile = compiled
+
+from bitcomm.codecs import _frame, _kernels, _launch, counts, qsgd, sign, sparse
+from bitcomm.codecs import select
+
+assert _launch._DIRECT, triton.__version__
+_frame.FORCE = "triton"
+direct = [0, 0]  # launches by key, launches in all
+
+
+def same(a, b):
+    return len(a) == len(b) and all(x is y or (type(x) is type(y) and x == y
+                                               and not isinstance(x, torch.Tensor))
+                                    for x, y in zip(a, b))
+
+
+def checked(kernel, grid, *args, **kwargs):
+    key = _launch._key(kernel, 0, args, kwargs)
+    by_key = key is not None and key in _launch._KERNELS
+    launched.clear()
+    _launch.launch(kernel, grid, *args, **kwargs)
+    (got,) = launched
+    launched.clear()
+    kernel[grid](*args, **kwargs)
+    (want,) = launched
+    name = kernel.fn.__name__
+    assert got[0] is want[0], ("another compiled kernel", name, key)
+    assert same(got[1], want[1]), ("other arguments", name, got[1], want[1])
+    direct[0] += by_key
+    direct[1] += 1
+
+
+_kernels.launch = checked
+g = torch.Generator().manual_seed(5)
+for n in (1, 9, 16, 17, 1000, 4097, 70000):
+    x = torch.randn(n + 3, generator=g)
+    for v in (x[:n], x[1 : n + 1], x[3:].double(), x[:n].bfloat16()):  # 16-byte aligned or not
+        for _ in range(2):  # the second time by key
+            sign.pack(v)
+            qsgd.encode(v, 4, seed=1)
+            if v.dtype == torch.float32:
+                qsgd.encode(v, 2, bucket=1000, seed=1)
+                _kernels.top_indices(v.abs(), max(1, n // 100))
+                _kernels.top_indices(v, max(1, n // 3), 1)
+                chosen = select.select_abs(v, max(1, n // 10), check=False)
+                sparse.encode_at(v, chosen, check=False)
+    c = torch.randint(0, 4, (n,), generator=g, dtype=torch.uint8)
+    _frame.FORCE = "numpy"
+    frames = [counts.pack(c, 3), qsgd.encode(x[:n], 4, seed=2), sign.pack(x[:n])]
+    _frame.FORCE = "triton"
+    for _ in range(2):
+        counts.pack(c, 3)
+        counts.unpack(frames[0], n, 3)
+        qsgd.decode(frames[1], n=n)
+        qsgd.decode(frames[1])
+        sign.unpack(frames[2], n)
+        sign.unpack(frames[2][0:], n, dtype=torch.float64)
+# a constexpr of another type but an equal value (True == 1 as a dict key) is another kernel
+bits = torch.empty(2, dtype=torch.uint8)
+for widen in (False, 0, False, 0):
+    checked(_kernels._sign_pack_kernel, (1,), x[:9], bits, 9, 2, BLOCK=1024, WIDEN=widen)
+print(json.dumps({"triton": triton.__version__, "direct": direct[0], "launches": direct[1]}))
+"""
+
+
+@pytest.mark.parametrize("triton_dir", [None, _GPU_TRITON], ids=["dev-triton", "gpu-triton"])
+def test_a_launch_by_key_passes_what_tritons_own_launch_passes(triton_dir):
+    if triton_dir is not None and not os.path.isdir(triton_dir):
+        pytest.skip(f"{triton_dir} is missing: `make test` installs the GPU image's triton")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if triton_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [triton_dir, env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["triton"].startswith(("3.6." if triton_dir else "3.9."))
+    # most launches are repeats: the comparison covered the path by key, not only Triton's
+    assert report["direct"] > report["launches"] // 3, report
