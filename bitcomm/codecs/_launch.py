@@ -2,9 +2,10 @@
 
 ``kernel[grid](*args)`` runs Triton's ``JITFunction.run`` on every call: it types and
 specialises each argument, builds and hashes a cache key from the list, reads its knobs and
-looks the compiled kernel up. On the H100 and H200 these machines lend, that is 10-17 us of the
-host's time a launch, some 40% of a one-launch codec's host time and about 130 us of a top-k's
-nine launches, while the GPU waits for the host wherever a call's kernels are short.
+looks the compiled kernel up. With a stand-in driver on a 2-core VM (whose Python ran a sign
+encode's host work in the 30 us the lent H200's host took) that is 10-17 us a launch, some 40%
+of a one-launch codec's host time and about 130 us of a top-k's nine launches; on a GPU whose
+kernels outrun the host, the device waits for it.
 
 :func:`launch` keeps the compiled kernel that such a launch returned under a key of what
 Triton's specialisation reads from the arguments, and launches it directly the next time the
