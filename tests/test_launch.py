@@ -131,6 +131,13 @@ for n in (1, 9, 16, 17, 1000, 4097, 70000):
 bits = torch.empty(2, dtype=torch.uint8)
 for widen in (False, 0, False, 0):
     checked(_kernels._sign_pack_kernel, (1,), x[:9], bits, 9, 2, BLOCK=1024, WIDEN=widen)
+# ints of every width Triton types (int32, int64, uint64), specialised or not (the header
+# words); the stand-in kernels never run, so sizes past the vector's are only arguments
+frame = torch.empty(16, dtype=torch.uint8)
+for _ in range(2):
+    for big in (5, 2**31 - 16, 2**31, 2**31 + 1, 2**32 + 16, 2**63 - 1, -2**40, 2**63, 2**64 - 16):
+        checked(_kernels._sign_pack_kernel, (1,), x[:9], bits, big, 2, BLOCK=1024, WIDEN=False)
+        checked(_kernels._head_kernel, (1,), frame, big, 7, HEAD=16, num_warps=1)
 print(json.dumps({"triton": triton.__version__, "direct": direct[0], "launches": direct[1]}))
 """
 

@@ -70,15 +70,18 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         return
     device = driver.active.get_current_device()
     key = _key(kernel, device, args, kwargs)
-    known = None if key is None else _KERNELS.get(key)
+    try:
+        known = None if key is None else _KERNELS.get(key)
+    except TypeError:  # an unhashable keyword value
+        key = known = None
     if known is None:
         compiled = kernel[grid](*args, **kwargs)
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
             if len(_KERNELS) >= LIMIT:
                 _KERNELS.clear()
-            _KERNELS[key] = (compiled, _tail(kernel, len(args), kwargs))
+            _KERNELS[key] = (compiled, _tail(kernel, len(args), kwargs), kernel)
         return
-    compiled, tail = known
+    compiled, tail, _ = known
     full = args + tail
     stream = driver.active.get_current_stream(device)
     grid_1 = grid[1] if len(grid) > 1 else 1
@@ -91,37 +94,37 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
 def _key(kernel, device: int, args: tuple, kwargs: dict) -> tuple | None:
     # What Triton's specialisation reads from the arguments (the module docstring), or None
     # where an argument is of a type it is not known for, or where hooks run before each launch
-    # (Triton's own launch runs them).
+    # (Triton's own launch runs them). A tensor adds its dtype and whether its address is a
+    # multiple of 16; an int one code (its width, and whether it is 1 or a multiple of 16);
+    # any other argument its class. The dtypes and classes mark where each argument's entries
+    # start, so two lists of arguments of other kinds never give one key. Keywords add their
+    # values and classes (True == 1 as a dict key). The kernel by id: module-level kernels live
+    # as long as the process, and each entry holds its kernel.
     if kernel.pre_run_hooks:
         return None
-    parts = [kernel, device]
+    parts = [id(kernel), device]
+    add = parts.append
     for a in args:
         cls = a.__class__
-        if cls is bool:  # before int: a bool is an int
-            parts.append(bool)
-        elif cls is int:
-            if -(1 << 31) <= a < 1 << 31:
+        if cls is int:
+            if -0x80000000 <= a <= 0x7FFFFFFF:
                 width = 0
-            elif 0 <= a < 1 << 32:
-                width = 1
-            elif -(1 << 63) <= a < 1 << 63:
-                width = 2
-            else:
+            elif 0 <= a <= 0xFFFFFFFF:
                 width = 3
-            parts.append((width, a == 1, a % 16 == 0))
-        elif isinstance(a, torch.Tensor):
-            parts.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif cls is float:
-            parts.append(float)
-        elif a is None:
-            parts.append(None)
+            elif -0x8000000000000000 <= a <= 0x7FFFFFFFFFFFFFFF:
+                width = 6
+            else:
+                width = 9
+            add(width + (0 if a == 1 else 1 if a % 16 == 0 else 2))
+        elif cls is torch.Tensor or isinstance(a, torch.Tensor):
+            add(a.dtype)
+            add(a.data_ptr() % 16 == 0)
+        elif cls is bool or cls is float or a is None:
+            add(cls)
         else:
             return None
-    for name, value in kwargs.items():
-        cls = value.__class__
-        if cls not in (bool, int, float, str) and value is not None:
-            return None
-        parts.append((name, cls, value))  # the class too: True == 1 as a dict key
+    add(tuple(kwargs.items()))
+    add(tuple(map(type, kwargs.values())))
     return tuple(parts)
 
 
