@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from bitcomm.codecs import _rng, qsgd
 
-from conftest import AWKWARD, forced, unhex
+from conftest import AWKWARD, forced, needs_interpreter, unhex
 
 
 def test_golden_values_on_levels(path):
@@ -476,3 +476,54 @@ def test_mean_all_is_the_correctly_rounded_mean_of_the_decodes(path):
         qsgd.mean_all(frames, 1001, 4, 100, keep=0, residual_of=[0.0] * 1001)
     with pytest.raises(ValueError, match="residual_of of 1001 elements on cpu, got 1000"):
         qsgd.mean_all(frames, 1001, 4, 100, keep=0, residual_of=x[:1000])
+
+
+@needs_interpreter
+def test_the_triton_paths_flag_is_reused_while_clear_and_retired_once_set():
+    """On the Triton path a qsgd encode or decode reads its kernel's flag before it returns, so
+    the thread's flag is reused while every read finds it clear: no zeroing launch a call. A
+    call whose flag is set (a NaN bucket, a corrupt frame, a frame of another header) retires
+    it, and the next call gets a zeroed one: it neither raises nor falls back on the stale
+    flag, and its bytes and values are the numpy path's. Inside a deferred block, whose reads
+    wait for its end, each call gets a flag of its own."""
+    from bitcomm.codecs import _frame
+
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(4096, generator=g)
+    want = qsgd.encode(x, 4, 512, seed=3)
+    bad = x.clone()
+    bad[100] = float("nan")
+    corrupt = want.clone()
+    corrupt[qsgd.HEADER.size + 3] = 0xFF  # the first scale's top byte: a negative NaN
+    other = qsgd.encode(x, 2, 512, seed=3)  # another header, the same n: the guess fails
+    with forced("triton"):
+        zeros = []
+        real_zeros = torch.zeros
+
+        def counted(*args, **kwargs):
+            zeros.append(args)
+            return real_zeros(*args, **kwargs)
+
+        qsgd.encode(x, 4, 512, seed=3)
+        qsgd.decode(want, n=4096)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "zeros", counted)
+            for _ in range(3):
+                assert torch.equal(qsgd.encode(x, 4, 512, seed=3), want)
+                assert torch.equal(qsgd.decode(want, n=4096)[0], qsgd.decode(want)[0])
+        assert zeros == []  # the flag of the first calls, reused
+        for broken in (lambda: qsgd.encode(bad, 4, 512, seed=3),
+                       lambda: qsgd.decode(corrupt, n=4096)):
+            with pytest.raises(ValueError):
+                broken()
+            assert torch.equal(qsgd.encode(x, 4, 512, seed=3), want)
+            decoded = qsgd.decode(want, n=4096)[0]
+        with forced("numpy"):
+            numpy_values = qsgd.decode(want)[0]
+            numpy_other = qsgd.decode(other)[0]
+        assert torch.equal(decoded, numpy_values)
+        assert torch.equal(qsgd.decode(other, n=4096)[0], numpy_other)  # the guess set it
+        assert torch.equal(qsgd.decode(want, n=4096)[0], numpy_values)
+        with _frame.deferred():
+            flags = {_frame.clean_flag(x.device).data_ptr() for _ in range(2)}
+        assert len(flags) == 2

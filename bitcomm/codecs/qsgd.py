@@ -279,7 +279,7 @@ def _encode_triton(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
     x = v.contiguous()
     if (scale == "max" and 8 <= bucket <= kernels.MAX_FUSED_BUCKET
             and bucket & (bucket - 1) == 0):
-        flag = torch.zeros(1, dtype=torch.int32, device=v.device)
+        flag = _frame.clean_flag(v.device)  # read by encode's _check_scales
         kernels.qsgd_codes(x, bits, bucket, key, scales, None, out=out, flags=flag,
                            header=header)
         return flag
@@ -398,7 +398,7 @@ def decode(frame: torch.Tensor, *, dtype: torch.dtype = torch.float32, n: int | 
         return _decode_numpy(_frame.from_bytes(raw, torch.float32), buf[off:end], n, bits,
                              bucket, dtype), end
     if _frame.use_triton(buf):  # the steps, both rules' checks and the values in one pass
-        flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
+        flag = _frame.clean_flag(buf.device)  # read by _check_frame
         values = _frame.kernels().qsgd_decode(buf[:end], HEADER.size, n, bits, bucket, dtype,
                                               flag)
         # the scales as floats only to name a broken rule
@@ -461,10 +461,10 @@ def _speculated(buf: torch.Tensor, n: int, dtype: torch.dtype
     end = encoded_size(n, bits, bucket)
     if buf.numel() < end:
         return None
-    flag = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    flag = _frame.clean_flag(buf.device)
     values = _frame.kernels().qsgd_decode(buf[:end], HEADER.size, n, bits, bucket, dtype, flag,
                                           header=HEADER.pack(*header))
-    if flag.item():  # the one host read
+    if _frame.read_flag(flag):  # the one host read
         return None
     return values, end
 
