@@ -35,8 +35,12 @@ import threading
 
 import torch
 import triton
-from triton import knobs
 from triton.runtime import driver
+
+try:  # triton 3.4 and newer; the direct launch is taken only under VERIFIED releases
+    from triton import knobs
+except ImportError:
+    knobs = None
 
 __all__ = ["launch", "VERIFIED", "LIMIT"]
 
@@ -50,7 +54,7 @@ launch through Triton's own path)."""
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETER_LOCK = threading.Lock()
-_DIRECT = not _INTERPRETED and triton.__version__.startswith(VERIFIED)
+_DIRECT = knobs is not None and not _INTERPRETED and triton.__version__.startswith(VERIFIED)
 _KERNELS: dict[tuple, tuple] = {}
 
 
