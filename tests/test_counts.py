@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from bitcomm.codecs import counts
 
-from conftest import AWKWARD, OTHER_PATHS, forced, unhex
+from conftest import AWKWARD, OTHER_PATHS, forced, needs_interpreter, unhex
 
 MS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 15, 16, 100, 255, 256, 1000, 65535]
 
@@ -151,3 +151,28 @@ def test_few_million():
     x = torch.randint(0, 5, (n,), generator=torch.Generator().manual_seed(3))
     for packing in counts.PACKINGS:
         assert torch.equal(counts.decode(counts.encode(x, 4, packing))[0].long(), x)
+
+
+@needs_interpreter
+def test_a_checked_pack_reuses_its_flag_until_a_count_is_out_of_range():
+    """counts.pack on the Triton path checks the range in its kernel and reads the flag before
+    it returns: the thread's flag is reused while clear (no zeroing launch a call), and after
+    a count out of range (OverflowError) the next pack gets a zeroed flag and the numpy path's
+    bytes."""
+    c = torch.randint(0, 4, (1000,), generator=torch.Generator().manual_seed(2),
+                      dtype=torch.uint8)
+    want = counts.pack(c, 3)
+    bad = c.clone()
+    bad[7] = 9
+    with forced("triton"):
+        counts.pack(c, 3)
+        zeros = []
+        real = torch.zeros
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "zeros", lambda *a, **k: zeros.append(a) or real(*a, **k))
+            for _ in range(2):
+                assert torch.equal(counts.pack(c, 3), want)
+        assert zeros == []
+        with pytest.raises(OverflowError, match="got 9"):
+            counts.pack(bad, 3)
+        assert torch.equal(counts.pack(c, 3), want)

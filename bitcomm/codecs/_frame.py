@@ -218,12 +218,13 @@ _CLEAN = threading.local()
 def clean_flag(device: torch.device) -> torch.Tensor:
     """Return a zeroed int32 flag on ``device`` for a kernel whose caller reads it at once.
 
-    The caller must read it with :func:`read_flag` or :func:`check_later` before it launches
-    anything else. Outside a :func:`deferred` block this is the thread's own flag for the
-    device, reused while every read finds it clear (a kernel stores into it only where a rule
-    is broken, and a read that finds it set retires it): no zeroing launch a call, which on
-    an H200's host took 12 us where an allocation alone takes 4. Inside a block, whose reads
-    wait for its end, a new one each time.
+    The call that takes it must read it with :func:`read_flag` or :func:`check_later` (or
+    :func:`raise_if`) before it returns, whatever the flag's value. Outside a :func:`deferred`
+    block this is the thread's own flag for the device, reused while every read finds it
+    clear (a kernel stores into it only where a rule is broken, and a read that finds it set
+    retires it): no zeroing launch a call, which on an H200's host took 12 us where an
+    allocation alone takes 4. Inside a block, whose reads wait for its end, a new one each
+    time.
     """
     if _PENDING.get() is not None:
         return torch.zeros(1, dtype=torch.int32, device=device)

@@ -612,7 +612,9 @@ def planes_pack(v: torch.Tensor, width: int, group: int = 1, base: int = 0, *,
     Returns ``(payload, flags)``. With ``limit`` the same pass checks every value (every
     count) against ``[0, limit]`` and ``flags`` (one int32) is set if one lies outside: the
     range check without a pass of its own (a reduction of its own reads the input once more,
-    and its host read before the packing leaves the GPU idle). Else ``flags`` is None.
+    and its host read before the packing leaves the GPU idle). Else ``flags`` is None. The
+    flag is :func:`bitcomm.codecs._frame.clean_flag`'s: the caller reads it (``raise_if``)
+    before it returns.
     ``out`` (contiguous uint8, ``width * nb`` bytes) receives the payload.
     """
     n = v.numel()
@@ -620,7 +622,7 @@ def planes_pack(v: torch.Tensor, width: int, group: int = 1, base: int = 0, *,
     nb = (ncodes + 7) // 8
     if out is None:
         out = torch.empty(width * nb, dtype=torch.uint8, device=v.device)
-    flags = _flag_buffer(limit is not None, v.device)
+    flags = None if limit is None else _frame.clean_flag(v.device)
     if nb:
         block, opts = _config("radix_pack" if group > 1 else "planes_pack_checked"
                               if limit is not None else "planes_pack")
