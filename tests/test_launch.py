@@ -74,6 +74,7 @@ JITFunction._do_compile = compiled
 
 from bitcomm.codecs import _frame, _kernels, _launch, counts, qsgd, sign, sparse
 from bitcomm.codecs import select
+from bitcomm.collectives import _kernels as ring
 
 assert _launch._DIRECT, triton.__version__
 _frame.FORCE = "triton"
@@ -118,9 +119,13 @@ for n in (1, 9, 16, 17, 1000, 4097, 70000):
                 sparse.encode_at(v, chosen, check=False)
     c = torch.randint(0, 4, (n,), generator=g, dtype=torch.uint8)
     _frame.FORCE = "numpy"
-    frames = [counts.pack(c, 3), qsgd.encode(x[:n], 4, seed=2), sign.pack(x[:n])]
+    frames = [counts.pack(c, 3), qsgd.encode(x[:n], 4, seed=2), sign.pack(x[:n]),
+              sparse.encode_at(x[:n], torch.arange(0, n, 3))]
     _frame.FORCE = "triton"
     for _ in range(2):
+        sparse.decode(frames[3], n=n)
+        planes = ring.count_step(None, x[:n], 0, 1)  # a ring's first step, then a middle one
+        ring.count_step(planes, x[1 : n + 1], 1, 2, tie_base=3)
         counts.pack(c, 3)
         counts.unpack(frames[0], n, 3)
         qsgd.decode(frames[1], n=n)
