@@ -104,7 +104,7 @@ def _key(kernel, device: int, args: tuple, kwargs: dict) -> tuple | None:
     # start, so two lists of arguments of other kinds never give one key. Keywords add their
     # values and classes (True == 1 as a dict key). The kernel by id: module-level kernels live
     # as long as the process, and each entry holds its kernel.
-    if kernel.pre_run_hooks:
+    if getattr(kernel, "pre_run_hooks", True):  # hooks, or no JITFunction
         return None
     parts = [id(kernel), device]
     add = parts.append
