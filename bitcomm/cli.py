@@ -211,15 +211,30 @@ def bench_kernels(n: int, arch: int, only: str | None, jobs: int | None, out_dir
               help="Kernels printed under each call, the slowest first (all are saved).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Directory for profile[-cuda].json and .csv.")
+@click.option("--set", "sets", multiple=True, metavar="NAME=INT",
+              help="Set a selection constant for the run (CANDIDATE_TILES, SMALL_TOP, SLACK, "
+                   "COUNT_PROGRAMS); repeatable.")
 def bench_profile(sizes: tuple[int, ...], names: str | None, calls: int, seed: int,
-                  device: str, top: int, out_dir: str) -> None:
+                  device: str, top: int, out_dir: str, sets: tuple[str, ...]) -> None:
     """Where each codec call's time goes: kernels, launches, host time, the device's idle gap."""
     from bitcomm.bench import profile as bench_mod
 
     _check_device(device)
     codecs = None if names is None else names.split(",")
+    settings = {}
+    for item in sets:
+        name, _, value = item.partition("=")
+        try:
+            settings[name] = int(value)
+        except ValueError:
+            raise click.BadParameter(f"expected NAME=INT, got {item!r}",
+                                     param_hint="--set") from None
+    try:
+        bench_mod.check_settings(settings)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--set") from e
     config = _machine(device) | {"sizes": list(sizes), "codecs": codecs, "calls": calls,
-                                 "seed": seed}
+                                 "seed": seed, "settings": settings}
     _announce("bench profile", config)
     click.echo("# per call: launches, device = kernels' time, host = until it returns, wall = "
                "until its work is done, idle = wall - device (us)")
@@ -238,7 +253,7 @@ def bench_profile(sizes: tuple[int, ...], names: str | None, calls: int, seed: i
 
     try:
         rows = bench_mod.run(sizes, device=device, codecs=codecs, calls=calls, seed=seed,
-                             progress=show)
+                             progress=show, settings=settings)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--codecs") from e
     _save(Path(out_dir), "profile" if device == "cpu" else f"profile-{device}", config,

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from bitcomm.bench import profile
 from bitcomm.cli import main
 
-from conftest import forced
+from conftest import forced, needs_interpreter
 
 
 def test_each_call_is_its_kernels_rows_summed():
@@ -56,3 +56,39 @@ def test_the_cli_prints_each_call_and_saves_every_row(tmp_path):
     bad = CliRunner().invoke(main, ["bench", "profile", "--codecs", "nope", "--out",
                                     str(tmp_path)])
     assert bad.exit_code == 2 and "unknown codec(s) ['nope']" in bad.output
+
+
+@needs_interpreter
+def test_a_setting_holds_for_the_run_only(monkeypatch, small_sample):
+    """--set changes a selection constant for the run: the top-k's digit passes then take a
+    program per CANDIDATE_TILES tiles of the candidates' room (here 1300 keys, tiles of 256),
+    and the module's value is back after it. Bad names and values are refused before any
+    work, by run and by the CLI."""
+    from bitcomm.codecs import _kernels
+
+    monkeypatch.setitem(_kernels.TUNING, "key_digits", (256, 4))
+    grids = []
+    launch = _kernels.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel is _kernels._key_digits_kernel:
+            grids.append(grid)
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", spy)
+    with forced("triton"):
+        for tiles, programs in ((1, 6), (2, 3), (None, 1)):  # ceil(1300 / (tiles * 256))
+            grids.clear()
+            profile.run([5000], codecs=["topk-1%"], calls=1,
+                        settings=None if tiles is None else {"CANDIDATE_TILES": tiles})
+            assert grids and set(grids) == {(programs,)}, (tiles, grids)
+    assert _kernels.CANDIDATE_TILES == 8
+    for bad, message in (({"TILES": 2}, "unknown setting 'TILES'"),
+                         ({"CANDIDATE_TILES": 0}, "CANDIDATE_TILES to be an int >= 1"),
+                         ({"SMALL_TOP": True}, "SMALL_TOP to be an int >= 0")):
+        with pytest.raises(ValueError, match=message):
+            profile.run([1 << 26], settings=bad)
+    r = CliRunner().invoke(main, ["bench", "profile", "--set", "CANDIDATE_TILES=x"])
+    assert r.exit_code == 2 and "expected NAME=INT" in r.output
+    r = CliRunner().invoke(main, ["bench", "profile", "--set", "SLACK=0"])
+    assert r.exit_code == 2 and "SLACK to be an int >= 1" in r.output

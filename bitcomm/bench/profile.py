@@ -23,6 +23,7 @@ overhead included, and the numpy work of the numpy path is in none of them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -32,7 +33,14 @@ import torch
 
 from bitcomm.bench.codecs import _cases, vector
 
-__all__ = ["Row", "run", "CALL", "DEFAULT_SIZES"]
+__all__ = ["Row", "run", "CALL", "DEFAULT_SIZES", "SETTABLE", "check_settings"]
+
+SETTABLE = {"CANDIDATE_TILES": 1, "SMALL_TOP": 0, "SLACK": 1, "COUNT_PROGRAMS": 1}
+"""Constants of :mod:`bitcomm.codecs._kernels` a run may set (``settings``), each to an int of
+at least the value given here: each changes how many programs or passes a selection takes,
+never its result (the tests run the kernels at these bounds), so a profile can compare them
+on one GPU, where ``bench tune``'s whole-call times would not see device time that the host's
+launches hide."""
 
 DEFAULT_SIZES = (64 << 20,)
 CALL = "(call)"
@@ -104,7 +112,8 @@ def _device_times(fn: Callable[[], object], calls: int, device: torch.device
 
 def run(sizes: Iterable[int] = DEFAULT_SIZES, device: str | torch.device = "cpu",
         codecs: Iterable[str] | None = None, calls: int = 5, seed: int = 0,
-        progress: Callable[[Row], None] | None = None) -> list[Row]:
+        progress: Callable[[Row], None] | None = None,
+        settings: dict[str, int] | None = None) -> list[Row]:
     """Profile each codec operation at each size; return its summary row, then its kernels'.
 
     Args:
@@ -115,23 +124,59 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, device: str | torch.device = "cpu"
         calls: calls per measurement (medians of the host clocks, sums of the profile / calls).
         seed: seed of the test data.
         progress: called with each row as soon as it is measured.
+        settings: :data:`SETTABLE` constants and their values for the run (the module's
+            values are put back after it); a name not there, or a value below its bound, is a
+            ``ValueError`` before any work.
 
     """
     device = torch.device(device)
     wanted = None if codecs is None else list(codecs)
     if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
         raise ValueError(f"expected calls to be an int >= 1, got {calls!r}")
+    settings = check_settings(settings)
     if wanted is not None:  # refused before any vector is made
         known = [c[0] for c in _cases(torch.zeros(8), 8, seed)]
         unknown = sorted(set(wanted) - set(known))
         if unknown:
             raise ValueError(f"unknown codec(s) {unknown}; expected some of {known}")
     rows = []
-    for row in _profiled(sizes, device, wanted, calls, seed):
-        rows.append(row)
-        if progress is not None:
-            progress(row)
+    with _set(settings):
+        for row in _profiled(sizes, device, wanted, calls, seed):
+            rows.append(row)
+            if progress is not None:
+                progress(row)
     return rows
+
+
+def check_settings(settings: dict[str, int] | None) -> dict[str, int]:
+    """Return ``settings`` as a dict, each a :data:`SETTABLE` name with an int in its bound.
+
+    Else a ``ValueError`` naming the setting.
+    """
+    settings = dict(settings or {})
+    for name, value in settings.items():
+        if name not in SETTABLE:
+            raise ValueError(f"unknown setting {name!r}; expected one of {sorted(SETTABLE)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < SETTABLE[name]:
+            raise ValueError(f"expected {name} to be an int >= {SETTABLE[name]}, got {value!r}")
+    return settings
+
+
+@contextlib.contextmanager
+def _set(settings: dict[str, int]) -> Iterator[None]:
+    if not settings:
+        yield
+        return
+    from bitcomm.codecs import _kernels
+
+    kept = {name: getattr(_kernels, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(_kernels, name, value)
+        yield
+    finally:
+        for name, value in kept.items():
+            setattr(_kernels, name, value)
 
 
 def _profiled(sizes: Iterable[int], device: torch.device, wanted: list[str] | None,

@@ -1565,7 +1565,9 @@ of 1% of 64M float32 scores (k = 671K, 1.7M keys of room) took 119 us at 4096 pr
 (one per tile of x), 118 at 2048, 74 at 1024, 60 at 512, 54 at 256, 61 at 128 and 96 at 64,
 the same indices each time; a program per 8 tiles of room gives 210 there. Where the sample
 misled and no candidate was gathered, these programs read all of x, with fewer of them than
-its count pass had (a slower pass, in a case the sample's margin makes rare)."""
+its count pass had (a slower pass, in a case the sample's margin makes rare). To measure it at
+another value: ``bitcomm bench profile --device cuda --codecs topk-1% --set
+CANDIDATE_TILES=N`` (the key_digits rows)."""
 
 
 @triton.jit
