@@ -8,6 +8,9 @@
 # that order; the tests come first because they compile the kernels the benchmarks then find
 # cached, and tune, which compiles each kernel again at its neighbouring tiles and warps, last).
 #
+# The tests step may take 420 s: it compiles every kernel changed since the carried Triton cache
+# (some 240 s of a day's changes on an H200) before its own 66 s.
+#
 # Why a script: a lent machine is held for minutes of a fixed budget, starts bare and cannot
 # reach a package index. So the packages its image lacks travel as wheels (`make gpu-wheels`
 # here puts bitarray, mpich and mpi4py in .whl/; name .whl in the call's carry), the commands
@@ -138,7 +141,7 @@ fi
 cli=("$py" -m bitcomm.cli)
 for s in "${steps[@]}"; do
     case $s in
-        tests) step tests 300 "$py" -m pytest -v -rfEs -p no:cacheprovider \
+        tests) step tests 420 "$py" -m pytest -v -rfEs -p no:cacheprovider \
             --junitxml="$work/test_cuda.xml" tests/test_cuda.py ;;
         codecs) step codecs 180 "${cli[@]}" bench codecs --device cuda --sizes 64M,256M \
             --repeat 10 --out "$work" ;;
