@@ -136,11 +136,13 @@ def serial_scans():
 
 @pytest.fixture(autouse=True)
 def _no_layouts_seen():
-    """Each test starts with no qsgd header remembered: what a decode launches and reads
-    depends on the frames of its length decoded before it in the process."""
-    from bitcomm.codecs import qsgd
+    """Each test starts with no qsgd header remembered and no flag kept: what a decode
+    launches and reads depends on the frames of its length decoded before it in the process,
+    and whether a call zeroes a flag on the flags the thread's calls kept before it."""
+    from bitcomm.codecs import _frame, qsgd
 
     qsgd._SEEN = qsgd._Layouts()
+    _frame._CLEAN.__dict__.clear()
 
 
 @pytest.fixture

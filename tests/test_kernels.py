@@ -493,13 +493,14 @@ def test_qsgd_decode_of_a_layout_seen_before_is_one_read_after_the_launch(bucket
         reads = host_reads(lambda: qsgd.decode(first, n=5000))
         assert len({r[1:] for r in reads}) == 2, reads
         reads = host_reads(lambda: qsgd.decode(frame, n=5000))
-        assert [r[0] for r in reads] == ["item"], reads
+        assert [r[0] for r in reads] == ["__bool__"], reads
     ops = ops_on_the_triton_path(lambda: qsgd.decode(frame, n=5000))
     kernels = (["_qsgd_decode_kernel"] * 2 if bucket == 512 else
                ["_qsgd_steps_kernel", "_qsgd_values_kernel", "_qsgd_values_kernel"])
-    # the header's bytes for the steps kernel come from pinned memory
+    # the header's bytes for the steps kernel come from pinned memory; the flag is the one the
+    # decodes above zeroed, the thread's
     assert [o for o in ops if o not in ("empty", "copy_")] == \
-        ["zeros", *kernels, "_local_scalar_dense"], ops
+        [*kernels, "_local_scalar_dense"], ops
     want = _qsgd_decoded_by_numpy(frame, 5000, 4, bucket)
     with forced("triton"):
         got, used = qsgd.decode(frame, n=5000)
@@ -1740,14 +1741,18 @@ def test_packing_checks_the_range_in_the_packing_pass():
          torch.uint8),
     ]
     n = 8192 * 2 + 13  # four full programs of the checked fixed packing, a partial fifth
-    kernel = ["zeros", "_planes_pack_kernel", "_local_scalar_dense"]
+    kernel = ["_planes_pack_kernel", "_local_scalar_dense"]
     for pack, encode, top, dtype in cases:
+        # the thread's flag is zeroed by a case's first pack and reused by its second; the
+        # errors that end each case retire it (they find it set)
+        zeroed = ["zeros"]
         v = torch.randint(0, top + 1, (n,), generator=g).to(dtype)
         for fn, extra in ((pack, []), (encode, ["copy_"])):
             want, got = fn(v), []
             ops = ops_on_the_triton_path(lambda fn=fn, v=v: got.append(fn(v)))
             assert torch.equal(got[0], want), top
-            assert sorted(ops) == sorted(kernel + extra), (top, ops)
+            assert sorted(ops) == sorted(zeroed + kernel + extra), (top, ops)
+            zeroed = []
         with forced("triton"), _frame.deferred():
             assert host_reads(lambda v=v: pack(v)) == []
         wide = [top + 1, -1] if dtype != torch.uint8 else [top + 1]
