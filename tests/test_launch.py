@@ -132,7 +132,7 @@ for n in (1, 9, 16, 17, 1000, 4097, 70000):
         qsgd.decode(frames[1])
         sign.unpack(frames[2], n)
         sign.unpack(frames[2][0:], n, dtype=torch.float64)
-# a constexpr of another type but an equal value (True == 1 as a dict key) is another kernel
+# a constexpr of another type but an equal value (True == 1 as a dict key) is passed as given
 bits = torch.empty(2, dtype=torch.uint8)
 for widen in (False, 0, False, 0):
     checked(_kernels._sign_pack_kernel, (1,), x[:9], bits, 9, 2, BLOCK=1024, WIDEN=widen)
