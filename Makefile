@@ -48,13 +48,14 @@ lint: $(STAMP)
 
 # The packages a lent GPU machine's image lacks, as wheels for its Python (3.12, x86-64), for
 # tools/gpu-check.sh there: that machine cannot reach a package index. Versions: this venv's.
+# pytest-xdist (with execnet) lets the script run the CUDA tests in processes.
 GPU_PYTHON ?= 3.12
 gpu-wheels: $(STAMP)
 	rm -f .whl/*.whl  # a Triton cache copied there stays
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 -d .whl \
-	  $$($(BIN)/python -m pip list --format=freeze | grep -i -E '^(bitarray|mpich|mpi4py)==')
+	  $$($(BIN)/python -m pip list --format=freeze | grep -i -E '^(bitarray|mpich|mpi4py|pytest-xdist|execnet)==')
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -101,3 +101,54 @@ def test_gpu_check_leaves_its_cache_in_parts_a_lent_machine_hands_back(tmp_path)
                                                       "TRITON_CACHE_DIR": str(again)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert (again / "ef56" / "kernel.cubin").read_bytes() == payload
+
+
+def _recording_python(tmp_path, xdist: bool) -> tuple[Path, Path]:
+    # A stand-in Python that succeeds at everything and writes each command line to a file;
+    # `-c "import xdist"` fails unless `xdist`.
+    fake, calls = tmp_path / "python", tmp_path / "calls"
+    refuse = "" if xdist else '[ "$1" = "-c" ] && [ "$2" = "import xdist" ] && exit 1\n'
+    fake.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\n{refuse}exit 0\n')
+    fake.chmod(0o755)
+    return fake, calls
+
+
+@pytest.mark.parametrize(("xdist", "workers", "expected"), [
+    (True, None, "-m pytest -n 8 -v"), (True, "3", "-m pytest -n 3 -v"),
+    (True, "1", "-m pytest -v"), (False, None, "-m pytest -v")])
+def test_gpu_check_runs_the_cuda_tests_in_processes_where_xdist_is_there(
+        tmp_path, xdist, workers, expected):
+    """The tests step compiles its kernels in GPU_CHECK_WORKERS processes (8 unless told) when
+    pytest-xdist imports, and in one process otherwise, saying which."""
+    fake, calls = _recording_python(tmp_path, xdist)
+    env = {"GPU_CHECK_PYTHON": str(fake), "GPU_CHECK_WHEELS": str(tmp_path / "none"),
+           "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    if workers is not None:
+        env["GPU_CHECK_WORKERS"] = workers
+    r = _run(str(tmp_path / "out"), "tests", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = [line for line in calls.read_text().splitlines() if "-m pytest" in line]
+    assert len(runs) == 1 and runs[0].startswith(expected), runs
+    assert runs[0].endswith("tests/test_cuda.py")
+    log = (tmp_path / "out" / "gpu-check.log").read_text()
+    if workers == "1":
+        assert "processes" not in log and "one process" not in log
+    else:
+        assert (f"tests run in {workers or 8} processes (pytest-xdist)" in log) == xdist
+        assert ("pytest-xdist is not installed" in log) == (not xdist)
+
+
+def test_gpu_check_asks_about_xdist_only_for_the_tests_step(tmp_path):
+    fake, calls = _recording_python(tmp_path, True)
+    r = _run(str(tmp_path / "out"), "profile", env={
+        "GPU_CHECK_PYTHON": str(fake), "GPU_CHECK_WHEELS": str(tmp_path / "none"),
+        "TRITON_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "import xdist" not in calls.read_text()
+    assert "-n 8" not in calls.read_text()
+
+
+def test_gpu_check_refuses_a_worker_count_that_is_not_a_number(tmp_path):
+    r = _run(str(tmp_path / "out"), "tests", env={"GPU_CHECK_WORKERS": "eight"})
+    assert r.returncode == 2 and "GPU_CHECK_WORKERS" in r.stderr
+    assert not (tmp_path / "out").exists()

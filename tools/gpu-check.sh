@@ -9,7 +9,8 @@
 # cached, and tune, which compiles each kernel again at its neighbouring tiles and warps, last).
 #
 # The tests step may take 420 s: it compiles every kernel changed since the carried Triton cache
-# (some 240 s of a day's changes on an H200) before its own 66 s.
+# (some 240 s of a day's changes on an H200, in one process) before its own 66 s; with
+# pytest-xdist carried, its processes compile side by side.
 #
 # Why a script: a lent machine is held for minutes of a fixed budget, starts bare and cannot
 # reach a package index. So the packages its image lacks travel as wheels (`make gpu-wheels`
@@ -22,6 +23,7 @@
 #                      its own cap and what is left of the deadline, and is skipped when under
 #                      30 s is left.
 #   GPU_CHECK_PYTHON   the Python that holds a CUDA torch (default python3).
+#   GPU_CHECK_WORKERS  processes of the tests step (default 8; 1: one process, no xdist).
 #   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). The
 #                      triton-cache.tgz.part-* files there (the ones an earlier run left in
 #                      OUT), or one whole triton-cache.tgz, are unpacked into Triton's cache
@@ -48,6 +50,10 @@ steps=("$@")
 for s in "${steps[@]}"; do
     case $s in tests|codecs|collectives|select|hooks|profile|tune) ;; *) echo "unknown step: $s" >&2; usage ;; esac
 done
+nworkers=${GPU_CHECK_WORKERS:-8}
+case $nworkers in
+    '' | *[!0-9]*) echo "GPU_CHECK_WORKERS: expected a whole number, got '$nworkers'" >&2; usage ;;
+esac
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 2
@@ -139,9 +145,21 @@ if ! setup; then
 fi
 
 cli=("$py" -m bitcomm.cli)
+# The CUDA tests in GPU_CHECK_WORKERS processes where pytest-xdist is there (the dev extra;
+# `make gpu-wheels` carries it): Triton compiles a process's kernels one after another, and
+# compiling is most of a first run's time, on a machine with 16 cores.
+workers=()
+if [[ " ${steps[*]} " == *" tests "* ]] && [ "$nworkers" -gt 1 ]; then
+    if "$py" -c "import xdist" > /dev/null 2>&1; then
+        workers=(-n "$nworkers")
+        say "# the CUDA tests run in $nworkers processes (pytest-xdist)"
+    else
+        say "# the CUDA tests run in one process: pytest-xdist is not installed (make gpu-wheels)"
+    fi
+fi
 for s in "${steps[@]}"; do
     case $s in
-        tests) step tests 420 "$py" -m pytest -v -rfEs -p no:cacheprovider \
+        tests) step tests 420 "$py" -m pytest "${workers[@]}" -v -rfEs -p no:cacheprovider \
             --junitxml="$work/test_cuda.xml" tests/test_cuda.py ;;
         codecs) step codecs 180 "${cli[@]}" bench codecs --device cuda --sizes 64M,256M \
             --repeat 10 --out "$work" ;;
