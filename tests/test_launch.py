@@ -162,3 +162,18 @@ def test_a_launch_by_key_passes_what_tritons_own_launch_passes(triton_dir):
     assert report["triton"].startswith(("3.6." if triton_dir else "3.9."))
     # most launches are repeats: the comparison covered the path by key, not only Triton's
     assert report["direct"] > report["launches"] // 3, report
+
+
+@pytest.mark.parametrize(("value", "direct"), [(None, True), ("0", False), ("1", True)])
+def test_bitcomm_direct_launch_0_sends_every_launch_through_triton(value, direct):
+    """BITCOMM_DIRECT_LAUNCH=0 turns the launch by key off (a compiled, verified Triton)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("BITCOMM_DIRECT_LAUNCH", None)
+    if value is not None:
+        env["BITCOMM_DIRECT_LAUNCH"] = value
+    code = "from bitcomm.codecs import _launch; print(_launch._DIRECT)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [str(direct)]

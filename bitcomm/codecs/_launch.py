@@ -25,7 +25,9 @@ enter its compile options (``debug``, instrumentation) are taken as they were wh
 first launched; the launch hooks (profilers') are read at every launch. Only releases whose
 specialisation is known to be that one take this path (:data:`VERIFIED`); others, the
 interpreter (``TRITON_INTERPRET=1``), and arguments of other types always go through
-``kernel[grid]``.
+``kernel[grid]``; so does every launch where the environment has ``BITCOMM_DIRECT_LAUNCH=0``
+when bitcomm's kernels are first imported: a way back to Triton's own launch, to tell whether
+a wrong result comes from this path, without a change to the code.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ launch through Triton's own path)."""
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETER_LOCK = threading.Lock()
-_DIRECT = knobs is not None and not _INTERPRETED and triton.__version__.startswith(VERIFIED)
+_DIRECT = (knobs is not None and not _INTERPRETED and triton.__version__.startswith(VERIFIED)
+           and os.environ.get("BITCOMM_DIRECT_LAUNCH") != "0")
 _KERNELS: dict[tuple, tuple] = {}
 
 
