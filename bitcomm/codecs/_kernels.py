@@ -1947,17 +1947,18 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, ends_ptr, o
 class _Selection:
     """The device buffers of one radix selection of ``k`` among ``n`` keys.
 
-    ``hist[p]``: pass ``p``'s histogram. ``state[p]``: the prefix of the k-th largest key once
-    ``p`` digits are settled, and its rank among the keys that share that prefix (the ties at
-    the k-th largest still to take once every digit is). ``m``: how many candidates were
-    gathered into ``keys`` and ``idx`` (0: none; room for ``k + n // SLACK``; -1: the k-th
-    largest key is the sampled bound, in ``state[digits]``, and no pass counts). ``bound``: the
-    key of the sampled bound, when the selection starts from one. ``census``: int64 ``[bad,
-    positive]``, which the sampled path's count pass adds its programs' census to
-    (:func:`_count_at_least_kernel`'s CENSUS). All zeros but ``state[0]``'s rank, ``k``, in one
-    buffer (``work``): two launches, or none where the selection starts from a sampled bound,
-    whose one-program kernel writes them (``zeroed=False``). ``sampled``: whether the
-    selection started from a sampled bound (its count pass read all of ``x``).
+    ``hist[p]``: pass ``p``'s histogram (256 counts). ``state[p]``: the prefix of the k-th
+    largest key once ``p`` digits are settled, and its rank among the keys that share that
+    prefix (the ties at the k-th largest still to take once every digit is); both are tuples of
+    1-D views of ``work``. ``m``: how many candidates were gathered into ``keys`` and ``idx``
+    (0: none; room for ``k + n // SLACK``; -1: the k-th largest key is the sampled bound, in
+    ``state[digits]``, and no pass counts). ``bound``: the key of the sampled bound, when the
+    selection starts from one. ``census``: int64 ``[bad, positive]``, which the sampled path's
+    count pass adds its programs' census to (:func:`_count_at_least_kernel`'s CENSUS). All zeros
+    but ``state[0]``'s rank, ``k``, in one buffer (``work``): two launches, or none where the
+    selection starts from a sampled bound, whose one-program kernel writes them
+    (``zeroed=False``). ``sampled``: whether the selection started from a sampled bound (its
+    count pass read all of ``x``).
     """
 
     def __init__(self, x: torch.Tensor, k: int, zeroed: bool = True):
@@ -1969,16 +1970,17 @@ class _Selection:
         work = (torch.zeros if zeroed else torch.empty)(at + 4, dtype=torch.int64,
                                                         device=x.device)
         self.work = work
-        self.hist = work[: d * 256].view(d, 256)
-        self.state = work[d * 256 : at].view(d + 1, 2)
-        self.rank_at = d * 256 + 1  # state[0, 1]'s word in work
+        # Every view in one split: each view is a torch call of 1-2 us of the host's time, and
+        # a call of top_indices took 19 of them (rows of 2-D views), some 35 us where the
+        # split takes 19 (a 2-core VM's host, on whose CPU tensors views cost as on CUDA ones).
+        parts = work.split([256] * d + [2] * (d + 1) + [1, 1, 2])
+        self.hist, self.state = parts[:d], parts[d : 2 * d + 1]
+        self.bound, self.m, self.census = parts[2 * d + 1 :]
+        self.rank_at = d * 256 + 1  # state[0][1]'s word in work
         self.bound_at = at
-        self.bound = work[at : at + 1]
-        self.m = work[at + 1 : at + 2]
-        self.census = work[at + 2 :]
         self.sampled = False
         if zeroed:
-            self.state[0, 1:].fill_(k)  # one fill kernel on the device, no copy from the host
+            self.state[0][1:].fill_(k)  # one fill kernel on the device, no copy from the host
         room = min(n, k + n // SLACK)
         self.keys = torch.empty(room, dtype=torch.int64 if wide else torch.int32,
                                 device=x.device)
