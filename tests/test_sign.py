@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from bitcomm.codecs import sign
 
-from conftest import AWKWARD, OTHER_PATHS, forced, unhex
+from conftest import AWKWARD, OTHER_PATHS, dispatched, forced, unhex
 
 
 def test_golden_worked_example():
@@ -112,6 +112,35 @@ def test_bad_input():
         sign.encode_scaled(torch.ones(3), "max")
     with pytest.raises(TypeError, match="uint8 tensor"):
         sign.decode(torch.zeros(9, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("path", ["numpy", *OTHER_PATHS])
+def test_inputs_that_autograd_tracks_are_read_outside_it(path):
+    """A tensor that requires grad, of any shape, encodes as its values do, and no result is
+    tracked: the codecs read their input detached. A 1-D tensor autograd does not track is
+    taken as it is, with no torch call of the host's (a detach and a reshape are two)."""
+    from bitcomm.codecs import _frame
+
+    base = torch.randn(6, 7, generator=torch.Generator().manual_seed(3))
+    tracked = base.clone().requires_grad_()
+    with forced(path):
+        frame = sign.encode_scaled(tracked * 2)  # a non-leaf, inside a graph
+        assert not frame.requires_grad and frame.grad_fn is None
+        assert torch.equal(frame, sign.encode_scaled(base.reshape(-1) * 2))
+        values, _ = sign.decode_scaled(frame)
+        assert not values.requires_grad
+    flat = base.reshape(-1)
+    assert _frame.check_float(flat) is flat
+    with dispatched(counted={"detach", "view", "alias"}) as ops:  # views too
+        _frame.check_float(flat)
+    assert ops == []
+    with dispatched(counted={"detach", "view", "alias"}) as ops:
+        _frame.check_float(tracked)
+    assert ops == ["detach", "view"]
+    got = _frame.check_float(tracked)
+    assert got.shape == (42,) and not got.requires_grad
+    assert got.data_ptr() == tracked.data_ptr()  # a view: no copy
+    assert _frame.check_int(torch.arange(6).reshape(2, 3)).tolist() == list(range(6))
 
 
 def test_truncated_and_corrupt_frames():
