@@ -245,9 +245,9 @@ def read_flag(flag: torch.Tensor) -> bool:
     """
     if not bool(flag):
         return False
-    flags = getattr(_CLEAN, "flags", None)
-    if flags and flags.get(flag.device) is not None and (
-            flags[flag.device].data_ptr() == flag.data_ptr()):
+    flags = getattr(_CLEAN, "flags", {})
+    kept = flags.get(flag.device)
+    if kept is not None and kept.data_ptr() == flag.data_ptr():  # flag may be a view of it
         del flags[flag.device]
     return True
 
