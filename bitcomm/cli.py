@@ -213,7 +213,7 @@ def bench_kernels(n: int, arch: int, only: str | None, jobs: int | None, out_dir
               show_default=True, help="Directory for profile[-cuda].json and .csv.")
 @click.option("--set", "sets", multiple=True, metavar="NAME=INT",
               help="Set a selection constant for the run (CANDIDATE_TILES, SMALL_TOP, SLACK, "
-                   "COUNT_PROGRAMS); repeatable.")
+                   "COUNT_PROGRAMS, LOCAL_ROOM); repeatable.")
 def bench_profile(sizes: tuple[int, ...], names: str | None, calls: int, seed: int,
                   device: str, top: int, out_dir: str, sets: tuple[str, ...]) -> None:
     """Where each codec call's time goes: kernels, launches, host time, the device's idle gap."""

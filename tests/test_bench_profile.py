@@ -85,7 +85,8 @@ def test_a_setting_holds_for_the_run_only(monkeypatch, small_sample):
     assert _kernels.CANDIDATE_TILES == 8
     for bad, message in (({"TILES": 2}, "unknown setting 'TILES'"),
                          ({"CANDIDATE_TILES": 0}, "CANDIDATE_TILES to be an int >= 1"),
-                         ({"SMALL_TOP": True}, "SMALL_TOP to be an int >= 0")):
+                         ({"SMALL_TOP": True}, "SMALL_TOP to be an int >= 0"),
+                         ({"LOCAL_ROOM": -1}, "LOCAL_ROOM to be an int >= 0")):
         with pytest.raises(ValueError, match=message):
             profile.run([1 << 26], settings=bad)
     r = CliRunner().invoke(main, ["bench", "profile", "--set", "CANDIDATE_TILES=x"])

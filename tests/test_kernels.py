@@ -1362,6 +1362,67 @@ def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch, small_sample
         assert _kernels.kth_largest(x, k, side).item() == s.sort(descending=True).values[k - 1]
 
 
+def test_the_gathering_copies_what_the_count_pass_kept(monkeypatch, small_sample):
+    """From a sampled bound the count pass keeps each program's keys at or above the bound,
+    with their indices, up to LOCAL_ROOM times its share of the room, and the gathering copies
+    those instead of reading x again: x changed between the two passes (each score doubled)
+    leaves the candidates those of the x counted. A program whose keys overflow its stretch
+    reads its run of x (the doubled scores), as every program does with LOCAL_ROOM = 0; the
+    others still copy. A program writes nothing outside its stretch, and nothing from a tile
+    that would overflow it. (Runs of one 256-element tile, 20 programs: room 1300, a stretch of
+    65 keys at LOCAL_ROOM = 1, 260 at 4.)"""
+    monkeypatch.setitem(_kernels.TUNING, "key_digits", (256, 4))
+    launch = _kernels.launch
+
+    kept = []
+
+    def doubling(kernel, grid, *args, **kwargs):
+        counting = kernel.fn.__name__ == "_count_at_least_kernel"
+        if counting:
+            args[4].fill_(-7)  # the stretches: what the pass leaves is seen
+        launch(kernel, grid, *args, **kwargs)
+        if counting:
+            kept.append(args[4].clone())
+            args[0].mul_(2)  # x, once counted
+
+    monkeypatch.setattr(_kernels, "launch", doubling)
+    n, k = 5003, 50
+    g = torch.Generator().manual_seed(41)
+    even = torch.randn(n, generator=g)
+    crowded = torch.randn(n, generator=g)
+    crowded[:256] = 100 + torch.rand(256, generator=g)  # the first run: all candidates
+    for v, room, first_run in ((even, 2, "kept"), (even, 0, "x"), (crowded, 1, "x"),
+                               (crowded, 4, "kept")):
+        monkeypatch.setattr(_kernels, "LOCAL_ROOM", room)
+        kept.clear()
+        sel = _kernels._radix_select(v.clone(), k, 0)
+        keys = _float32_keys(v)
+        want = np.flatnonzero(keys >= int(sel.bound))
+        m = int(sel.m)
+        assert m == want.size and m >= k, room  # counted before x changed
+        if room:  # each program's keys and indices in its stretch, if they fit, else none
+            cap = 65 * room
+            runs = np.bincount(want // 256, minlength=20)
+            stretches = kept[0].reshape(2, 20, cap)
+            for p in range(20):
+                fits = runs[p] <= cap
+                held = want[want // 256 == p] if fits else want[:0]
+                assert stretches[1, p, : held.size].tolist() == held.tolist(), (room, p)
+                assert stretches[0, p, : held.size].tolist() == keys[held].tolist(), (room, p)
+                assert (stretches[:, p, held.size :] == -7).all(), (room, p)
+        got_idx, got_keys = sel.idx[:m].tolist(), sel.keys[:m].tolist()
+        if v is even:  # re-read, a run takes more than it counted: its writes go astray
+            copied = first_run == "kept"
+            assert (got_idx == want.tolist()) == copied, room
+            assert (got_keys == keys[want].tolist()) == copied, room
+            continue
+        assert runs[0] == 256 and runs[1:].max() <= 65, runs  # the premise
+        assert got_idx == want.tolist()  # the doubled first run stays above the bound
+        assert got_keys[256:] == keys[want[256:]].tolist()  # the other runs: copied
+        first = keys[:256] if first_run == "kept" else _float32_keys(2 * v[:256])
+        assert got_keys[:256] == first.tolist(), room
+
+
 @pytest.mark.parametrize("programs", [4096, 2])
 def test_the_sampled_count_pass_takes_the_census(programs, monkeypatch, small_sample,
                                                  launched):

@@ -35,7 +35,8 @@ from bitcomm.bench.codecs import _cases, vector
 
 __all__ = ["Row", "run", "CALL", "DEFAULT_SIZES", "SETTABLE", "check_settings"]
 
-SETTABLE = {"CANDIDATE_TILES": 1, "SMALL_TOP": 0, "SLACK": 1, "COUNT_PROGRAMS": 1}
+SETTABLE = {"CANDIDATE_TILES": 1, "SMALL_TOP": 0, "SLACK": 1, "COUNT_PROGRAMS": 1,
+            "LOCAL_ROOM": 0}
 """Constants of :mod:`bitcomm.codecs._kernels` a run may set (``settings``), each to an int of
 at least the value given here: each changes how many programs or passes a selection takes,
 never its result (the tests run the kernels at these bounds), so a profile can compare them

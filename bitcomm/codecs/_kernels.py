@@ -1555,6 +1555,19 @@ DIGIT = 8
 SLACK = 64
 """The candidates gathered after two digits have room for ``k + n // SLACK`` keys."""
 
+LOCAL_ROOM = 2
+"""How many times its share of the candidates' room a program of a sampled bound's count pass
+keeps of the keys it counts (with their indices), for the gathering pass to copy instead of
+reading x a second time; 0: it keeps none, and the gathering reads x.
+
+A program whose keys at or above the bound outnumber its stretch (``LOCAL_ROOM *
+ceil(room / programs)``, an even share of the room when LOCAL_ROOM is 1) reads its run of x
+again, so a vector whose large scores crowd into a few runs costs a read of those runs, as
+without it. The stretches take ``2 * LOCAL_ROOM`` times the room's words (int32 for float32
+scores): 27 MB at 64M float32 scores and k = 1% (1.7M keys of room). To measure another
+value: ``bitcomm bench profile --device cuda --codecs topk-1% --set LOCAL_ROOM=N`` (the
+count_at_least and gather rows)."""
+
 CANDIDATE_TILES = 8
 """Tiles of the candidates' room a program of the digit passes takes after a sampled bound.
 
@@ -1834,10 +1847,11 @@ def _slots(take, R: tl.constexpr):
 
 
 @triton.jit
-def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled_ptr, n, need,
-                   room, SIDE: tl.constexpr, WIDE: tl.constexpr, SHIFT: tl.constexpr,
-                   KEYS: tl.constexpr, SCORES: tl.constexpr, NAN: tl.constexpr,
-                   STRICT: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled_ptr, local_ptr,
+                   cap, n, need, room, SIDE: tl.constexpr, WIDE: tl.constexpr,
+                   SHIFT: tl.constexpr, KEYS: tl.constexpr, SCORES: tl.constexpr,
+                   NAN: tl.constexpr, STRICT: tl.constexpr, LOCAL: tl.constexpr,
+                   BLOCK: tl.constexpr):
     # The candidates: every key whose digits from SHIFT up are at least those of the key in
     # state_ptr (the k-th largest's prefix, or a sampled bound: a superset of the top k when
     # there are at least `need` of them), with its index (and, with KEYS, the key, or with
@@ -1852,6 +1866,9 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
     # `need` of them fit; if fewer than `need` lie above it, the `need`-th largest key is the
     # bound itself, which goes with the ties still to take to settled_ptr (the last state
     # row), m to -1, and no pass reads anything until the writing passes read x.
+    # With LOCAL (the count pass's, floor's keys and their indices in local_ptr, `cap` a
+    # program) a program whose keys at or above floor's all fit in its stretch copies its
+    # run from there (or the part of it above floor, with STRICT) instead of reading x.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     reached = tl.load(ends_ptr + programs - 1)  # all the keys at or above the floor
@@ -1875,19 +1892,55 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
         # The tile as rows of 16 bytes, a load each (_rows_of): 8 16-bit, 4 32-bit or 2
         # 64-bit scores.
         R: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
-        lo, hi = _span(n, BLOCK)
-        for start in range(lo, hi, BLOCK):
-            i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, R)
-            take = live & ((key >> SHIFT) >= floor.to(key.dtype)) & _counted(key, NAN)
-            slot, counts = _slots(take, R)  # int32 offsets from the run's end
-            tl.store(idx_ptr + at + slot, i.to(idx_ptr.dtype.element_ty), mask=take)
-            if SCORES:
-                tl.store(keys_ptr + at + slot, _key_score(key, WIDE), mask=take)
-            elif KEYS:
-                tl.store(keys_ptr + at + slot, key, mask=take)
-            at += tl.sum(counts, 0)
+        if LOCAL:
+            mine = tl.load(ends_ptr + pid) - tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0)
+            if mine <= cap:
+                base = pid.to(tl.int64) * cap
+                behind = programs.to(tl.int64) * cap
+                for start in range(0, mine, BLOCK):
+                    j = _rows_of(start, BLOCK, R)
+                    live = j < mine
+                    key = tl.load(local_ptr + base + j, mask=live, other=0)
+                    key = key.to(tl.int64 if WIDE else tl.int32)
+                    i = tl.load(local_ptr + behind + base + j, mask=live, other=0)
+                    at = _gathered(keys_ptr, idx_ptr, at, i, live, key, floor, SHIFT, KEYS,
+                                   SCORES, NAN, WIDE, R)
+            else:
+                _gather_run(x_ptr, keys_ptr, idx_ptr, at, floor, n, SIDE, WIDE, SHIFT, KEYS,
+                            SCORES, NAN, BLOCK, R)
+        else:
+            _gather_run(x_ptr, keys_ptr, idx_ptr, at, floor, n, SIDE, WIDE, SHIFT, KEYS, SCORES,
+                        NAN, BLOCK, R)
         if pid == 0:
             tl.store(m_ptr, total)
+
+
+@triton.jit
+def _gather_run(x_ptr, keys_ptr, idx_ptr, at, floor, n, SIDE: tl.constexpr, WIDE: tl.constexpr,
+                SHIFT: tl.constexpr, KEYS: tl.constexpr, SCORES: tl.constexpr,
+                NAN: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr):
+    # _gather_kernel's writes of this program's run of x, from `at` on.
+    lo, hi = _span(n, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, R)
+        at = _gathered(keys_ptr, idx_ptr, at, i, live, key, floor, SHIFT, KEYS, SCORES, NAN,
+                       WIDE, R)
+
+
+@triton.jit
+def _gathered(keys_ptr, idx_ptr, at, i, live, key, floor, SHIFT: tl.constexpr,
+              KEYS: tl.constexpr, SCORES: tl.constexpr, NAN: tl.constexpr, WIDE: tl.constexpr,
+              R: tl.constexpr):
+    # _gather_kernel's writes of a tile (positions i, keys `key`, as _rows_of(..., R) lays
+    # them out) from `at` on; returns where the next tile's go.
+    take = live & ((key >> SHIFT) >= floor.to(key.dtype)) & _counted(key, NAN)
+    slot, counts = _slots(take, R)  # int32 offsets from the run's end
+    tl.store(idx_ptr + at + slot, i.to(idx_ptr.dtype.element_ty), mask=take)
+    if SCORES:
+        tl.store(keys_ptr + at + slot, _key_score(key, WIDE), mask=take)
+    elif KEYS:
+        tl.store(keys_ptr + at + slot, key, mask=take)
+    return at + tl.sum(counts, 0)
 
 
 @triton.jit
@@ -2013,14 +2066,15 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
     counts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
     _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
                      keys=sel.keys, nan=True, settled=sel.state[sel.digits],
-                     census=sel.census if census else None)
+                     census=sel.census if census else None,
+                     local=LOCAL_ROOM * _cdiv(sel.keys.numel(), programs))
 
 
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                      counts: torch.Tensor, idx: torch.Tensor, need: int, room: int, side: int,
                      *, keys: torch.Tensor | None = None, scores: bool = False, nan: bool,
                      settled: torch.Tensor | None = None, known: bool = False,
-                     census: torch.Tensor | None = None) -> None:
+                     census: torch.Tensor | None = None, local: int = 0) -> None:
     # The indices (and, given `keys`, the keys, or with `scores` the scores whose keys they
     # are, in `keys` of x's dtype) of every key at or above floor's, in index
     # order, when there are `need` to `room` of them (their number to m): a count of each
@@ -2031,19 +2085,27 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     # the columns of a [programs, 2] tensor one thread a column.
     # `known`: `counts` holds the runs' counts already (no counting pass). `census`: the zeroed
     # [bad, positive] the counting pass adds its census to (_count_at_least_kernel's CENSUS), or
-    # None.
+    # None. `local`: keys a program the counting pass keeps (with their indices) for the
+    # gathering to copy instead of reading x again (_count_at_least_kernel's LOCAL), or 0.
     n, wide = x.numel(), x.dtype == torch.float64
     block, opts = _config("key_digits")
     strict = settled is not None
     grid = (counts.shape[0] // (2 if strict else 1),)
+    local = 0 if known else local
+    kept = idx
+    if local:
+        # a key and an index a word, int32 where both fit
+        kept = torch.empty(2 * grid[0] * local, dtype=torch.int64 if wide or n > 2**31
+                           else torch.int32, device=x.device)
     if not known:
         launch(_count_at_least_kernel, grid, x, floor, counts,
-               counts if census is None else census, n, SIDE=side, WIDE=wide, NAN=nan,
-               STRICT=strict, CENSUS=census is not None, BLOCK=block, **opts)
+               counts if census is None else census, kept, local, n, SIDE=side, WIDE=wide,
+               NAN=nan, STRICT=strict, CENSUS=census is not None, LOCAL=local > 0,
+               R=16 // x.element_size() if local else 1, BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, floor, m, counts.cumsum(0), idx if keys is None else keys,
-           idx, floor if settled is None else settled, n, need, room, SIDE=side, WIDE=wide,
-           SHIFT=0, KEYS=keys is not None, SCORES=scores, NAN=nan, STRICT=strict, BLOCK=block,
-           **opts)
+           idx, floor if settled is None else settled, kept, local, n, need, room, SIDE=side,
+           WIDE=wide, SHIFT=0, KEYS=keys is not None, SCORES=scores, NAN=nan, STRICT=strict,
+           LOCAL=local > 0, BLOCK=block, **opts)
 
 
 def _check_k(n: int, k: int) -> None:
@@ -2055,7 +2117,8 @@ def _check_k(n: int, k: int) -> None:
 def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _Selection:
     # Every digit of the k-th largest key but the last, settled on the device; the last pass's
     # histogram is left for the caller's next kernel to settle. From 2**18 scores the keys at or
-    # above a sampled bound are gathered first (two reads of x; a few more than k of them),
+    # above a sampled bound are gathered first (one read of x, whose count pass keeps them
+    # for the gathering to copy; a few more than k of them),
     # and every pass reads those, or x when the sample misled (fewer than k keys reach its
     # bound, or more than fit, and more than fit above it too). When the keys at the bound
     # overflow the room and fewer than k lie above it, the k-th largest key is the bound and
@@ -2091,9 +2154,9 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _
             launch(_gathered_counts_kernel, grid, sel.hist[1], sel.state[1], rows, counts,
                    SHIFT=shift, TOP=False, WIDE=wide, num_warps=1)
             launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
-                   sel.idx, sel.state[2], n, 0, sel.keys.numel(), SIDE=side, WIDE=wide,
-                   SHIFT=shift, KEYS=True, SCORES=False, NAN=True, STRICT=False, BLOCK=block,
-                   **opts)
+                   sel.idx, sel.state[2], sel.idx, 0, n, 0, sel.keys.numel(), SIDE=side,
+                   WIDE=wide, SHIFT=shift, KEYS=True, SCORES=False, NAN=True, STRICT=False,
+                   LOCAL=False, BLOCK=block, **opts)
     return sel
 
 
@@ -2191,9 +2254,12 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
     * from :data:`~bitcomm.codecs._bracket.MIN_N` scores, when the sample's error fits the
       room (``k`` up to about 2% of ``n``), the keys at or above a bound that one program
       reads off :mod:`~bitcomm.codecs._bracket`'s sample of 16K scores (its ``rank(n, k)``-th
-      largest key, rounded down to the key's first 16 bits, 20 for float64): a count and a
-      gathering pass over ``x``, about ``1.5 k`` candidates at ``k = 1%``, two reads of ``x``
-      in all and 11 launches for 32-bit scores (the bound's kernel clears the work buffer);
+      largest key, rounded down to the key's first 16 bits, 20 for float64): a count pass
+      over ``x`` whose programs each keep theirs (up to :data:`LOCAL_ROOM` times a share of
+      the room) and a gathering pass that copies them into one run, about ``1.5 k``
+      candidates at ``k = 1%``: one read of ``x`` (and of any run whose candidates overflowed
+      its program's share) and 11 launches for 32-bit scores (the bound's kernel clears the
+      work buffer);
     * otherwise (fewer scores, a larger ``k``) the first two passes read ``x`` and a third
       gathers the keys that share or beat the k-th largest's first two digits: about ``k``
       for the usual scores (all within a factor ``1 + 2**-7`` of the k-th largest score or
@@ -2266,9 +2332,20 @@ def _small_top(x: torch.Tensor, k: int, side: int, census: bool
 
 
 @triton.jit
-def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl.constexpr,
-                           WIDE: tl.constexpr, NAN: tl.constexpr, STRICT: tl.constexpr,
-                           CENSUS: tl.constexpr, BLOCK: tl.constexpr):
+def _row_zeros(BLOCK: tl.constexpr, R: tl.constexpr):
+    # int32 zeros shaped as _rows_of(..., BLOCK, R) lays a tile out
+    if R > 1:
+        z = tl.zeros([BLOCK // R, R], dtype=tl.int32)
+    else:
+        z = tl.zeros([BLOCK], dtype=tl.int32)
+    return z
+
+
+@triton.jit
+def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, cap, n,
+                           SIDE: tl.constexpr, WIDE: tl.constexpr, NAN: tl.constexpr,
+                           STRICT: tl.constexpr, CENSUS: tl.constexpr, LOCAL: tl.constexpr,
+                           R: tl.constexpr, BLOCK: tl.constexpr):
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
     # (NaN as _counted says); with STRICT also how many are strictly above it, in the
     # second half of counts_ptr (a program each in both halves). With CENSUS each program
@@ -2276,17 +2353,25 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl
     # inf and how many scores are positive (key > 0: the keys of positive floats are their
     # positive bits): a caller's finiteness check and RedSync's count of the side's sign, in
     # this read instead of one of their own, with no reduction to launch after it.
+    # With LOCAL each program also writes the first `cap` of those keys, in index order, to
+    # its own stretch of local_ptr (program p's at p * cap) and their indices as far again
+    # behind the programs' stretches (a num_programs * cap offset): _gather_kernel then
+    # copies a run that fit from there instead of reading x again. The tile is then laid out
+    # as rows of R (_rows_of), the gathering's layout for its running counts.
     floor = tl.load(floor_ptr)
     lo, hi = _span(n, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    over = tl.zeros([BLOCK], dtype=tl.int32)
+    acc = _row_zeros(BLOCK, R)
+    over = _row_zeros(BLOCK, R)
     # the census: positive scores in the low 16 bits of a lane, NaN and inf in the high ones
     # (one register a lane instead of two; a lane counts once a tile, and top_indices asks
     # for the census only where a program takes fewer than 2**15 tiles)
-    census = tl.zeros([BLOCK], dtype=tl.int32)
+    census = _row_zeros(BLOCK, R)
+    base = tl.program_id(0).to(tl.int64) * cap
+    behind = tl.num_programs(0).to(tl.int64) * cap
+    at = tl.zeros([], dtype=tl.int32)  # keys kept so far (LOCAL)
     for start in range(lo, hi, BLOCK):
         if CENSUS:  # x itself: -inf has the score 0 on the top side, so keys cannot tell
-            i = start + tl.arange(0, BLOCK)
+            i = _rows_of(start, BLOCK, R)
             live = i < n
             x = tl.load(x_ptr + i, mask=live, other=0.0)
             key = _order_key(x, SIDE, WIDE)
@@ -2294,18 +2379,33 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, n, SIDE: tl
             # the masked lanes' 0.0 has the key 0: not positive
             census += (key > 0).to(tl.int32) | (bad.to(tl.int32) << 16)
         else:
-            _, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, 1)
+            i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, R)
         counted = live & _counted(key, NAN)
-        acc += (counted & (key >= floor.to(key.dtype))).to(tl.int32)
+        take = counted & (key >= floor.to(key.dtype))
         if STRICT:
             over += (counted & (key > floor.to(key.dtype))).to(tl.int32)
-    if STRICT:
-        tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
-        tl.store(counts_ptr + tl.num_programs(0) + tl.program_id(0),
-                 tl.sum(over, 0).to(tl.int64))
+        if LOCAL:  # `at` counts them
+            slot, runs = _slots(take, R)
+            got = tl.sum(runs, 0)
+            # a tile that would overflow the stretch writes nothing: past it the stretch is
+            # never read (the gathering reads the run of x). A mask, not a branch: the GPU
+            # image's Triton fails to compile the branch for 16-bit scores' rows of 8.
+            put = tl.where(at + got <= cap, take, False)
+            tl.store(local_ptr + base + at + slot, key.to(local_ptr.dtype.element_ty), mask=put)
+            tl.store(local_ptr + behind + base + at + slot, i.to(local_ptr.dtype.element_ty),
+                     mask=put)
+            at += got
+        else:
+            acc += take.to(tl.int32)
+    if LOCAL:
+        tl.store(counts_ptr + tl.program_id(0), at.to(tl.int64))
     else:
         tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
+    if STRICT:
+        tl.store(counts_ptr + tl.num_programs(0) + tl.program_id(0),
+                 tl.sum(tl.reshape(over, [BLOCK]), 0).to(tl.int64))
     if CENSUS:
+        census = tl.reshape(census, [BLOCK])
         tl.atomic_add(census_ptr, tl.sum(census >> 16, 0).to(tl.int64))
         tl.atomic_add(census_ptr + 1, tl.sum(census & 0xFFFF, 0).to(tl.int64))
 
