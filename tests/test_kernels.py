@@ -1526,6 +1526,23 @@ def test_radix_selection_launches_few_kernels():
                                   "key_digits", "chosen_counts", "cumsum", "chosen_write"])
 
 
+def test_the_sampled_selection_allocates_no_rows(monkeypatch):
+    """Only the two-digit pass writes a program's 257 counts (ROWS): the sampled path, whose
+    passes never do, allocates no such buffer (an allocation is some microseconds of the
+    host's on a GPU), and the two-digit path still does."""
+    empty, shapes = torch.empty, []
+
+    def recording(*size, **kwargs):
+        shapes.append(tuple(size[0]) if size and isinstance(size[0], tuple) else size)
+        return empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recording)
+    for n, sampled in ((1 << 18, True), (10_000, False)):
+        shapes.clear()
+        _launches(lambda n=n: _kernels.top_indices(torch.zeros(n, device="meta"), n // 100, 2))
+        assert any(len(s) == 2 and s[1] == 257 for s in shapes) != sampled, (n, shapes)
+
+
 def test_no_kernel_wrapper_scans_row_by_row():
     """The running sums between passes (where each program's or tile's run of indices
     starts) are scans over whole 1-D tensors: a GPU scans those in parallel, but a scan down

@@ -2133,8 +2133,12 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _
     sel = _Selection(x, k, zeroed=plan is None)
     block, opts = _config("key_digits")
     grid = (_programs(n),)
-    rows = torch.empty((grid[0], 257), dtype=torch.int32, device=x.device)
     sampled = sel.sampled = plan is not None
+    # the two-digit pass's counts a program (ROWS); no pass of the sampled path writes them,
+    # so it passes its index buffer in their place (int32 as they are, where indices fit: the
+    # kernels' signatures stay those compiled) and allocates nothing
+    rows = sel.idx if sampled else torch.empty((grid[0], 257), dtype=torch.int32,
+                                               device=x.device)
     passes = grid
     if sampled:
         _sampled(x, k, side, sel, grid[0], census, *plan)
