@@ -1328,8 +1328,11 @@ def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch, small_sample
     the candidates; if fewer than k do, the k-th largest key is the bound itself: m = -1, no
     counting pass reads anything (their histograms stay empty), and the writing passes take
     every key above it and the first ties in index order from x. The sort's result either way.
-    (The sample and room of test_radix_selection_starts_from_a_sampled_bound.)"""
+    (The sample and room of test_radix_selection_starts_from_a_sampled_bound; with 5
+    programs, their counts added up in groups of 2.)"""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
+    if programs > 2:
+        monkeypatch.setattr(_kernels, "GROUP", 2)
     g = torch.Generator().manual_seed(23)
     n, k = 5003, 50  # room: k + n // 4 = 1300
     spots = torch.randperm(n, generator=g)
@@ -1391,9 +1394,11 @@ def test_the_gathering_copies_what_the_count_pass_kept(monkeypatch, small_sample
     even = torch.randn(n, generator=g)
     crowded = torch.randn(n, generator=g)
     crowded[:256] = 100 + torch.rand(256, generator=g)  # the first run: all candidates
-    for v, room, first_run in ((even, 2, "kept"), (even, 0, "x"), (crowded, 1, "x"),
-                               (crowded, 4, "kept")):
+    cases = [(even, 2, "kept", 64), (even, 0, "x", 64), (crowded, 1, "x", 64),
+             (crowded, 4, "kept", 64), (even, 2, "kept", 4), (crowded, 1, "x", 4)]
+    for v, room, first_run, group in cases:
         monkeypatch.setattr(_kernels, "LOCAL_ROOM", room)
+        monkeypatch.setattr(_kernels, "GROUP", group)  # 4: 5 groups, runs start across them
         kept.clear()
         sel = _kernels._radix_select(v.clone(), k, 0)
         keys = _float32_keys(v)
@@ -1518,10 +1523,11 @@ def test_radix_selection_launches_few_kernels():
     assert len(_launches(lambda: _kernels.top_indices(wide, 100))) == 16
     assert len(_launches(lambda: _kernels.kth_largest(x, 100))) == 10
     # from a sampled bound: the bound (whose one program also clears the selection's
-    # buffers: no zeros and fill), a count and the gathering, then four passes
+    # buffers: no zeros and fill), a count and the gathering (no scan between them: the count
+    # adds up its programs' counts by groups), then four passes
     big = torch.empty(1 << 18, device="meta")
     got = _launches(lambda: _kernels.top_indices(big, 1 << 11, 2))
-    assert sorted(got) == sorted(["sample_bound", "count_at_least", "cumsum",
+    assert sorted(got) == sorted(["sample_bound", "count_at_least",
                                   "gather", "key_digits", "key_digits", "key_digits",
                                   "key_digits", "chosen_counts", "cumsum", "chosen_write"])
 
@@ -1671,7 +1677,8 @@ def test_the_top_ks_running_sums_scan_int64_counts_without_a_cast(sampled, monke
     """On a GPU torch scans int32 counts into int64 running sums by a cast, a launch of its
     own, then the scan: the top-k's counts (each program's run, each tile's chosen) are
     int64 where its kernels write them, so that each running sum is one scan. On the
-    sampled path and on the two-digit one."""
+    sampled path (one scan: its gathering adds up the count pass's group sums instead) and on
+    the two-digit one (two)."""
     import sys
 
     from bitcomm.codecs import _bracket
@@ -1695,7 +1702,7 @@ def test_the_top_ks_running_sums_scan_int64_counts_without_a_cast(sampled, monke
     with forced("triton"):
         got = _kernels.top_indices(x, 60)
     assert torch.equal(got, torch.topk(x, 60).indices.sort().values)
-    assert len(scans) == 2 and set(scans) == {(torch.int64, torch.int64)}, scans
+    assert scans == [(torch.int64, torch.int64)] * (1 if sampled else 2), scans
 
 
 def test_unchecked_nan_is_above_every_score_in_a_top_k_and_above_no_threshold():

@@ -1555,6 +1555,12 @@ DIGIT = 8
 SLACK = 64
 """The candidates gathered after two digits have room for ``k + n // SLACK`` keys."""
 
+GROUP = 64
+"""Programs (a power of 2) of a sampled bound's count pass whose counts it adds up in one word
+(atomically), so that each program of the gathering finds where its run starts from at most
+``GROUP`` counts and ``programs / GROUP`` sums, without a scan between the two passes (a torch
+call of the host's and two launches)."""
+
 LOCAL_ROOM = 2
 """How many times its share of the candidates' room a program of a sampled bound's count pass
 keeps of the keys it counts (with their indices), for the gathering pass to copy instead of
@@ -1857,10 +1863,10 @@ def _slots(take, R: tl.constexpr):
 
 @triton.jit
 def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled_ptr, local_ptr,
-                   cap, n, need, room, SIDE: tl.constexpr, WIDE: tl.constexpr,
+                   cap, groups_ptr, ng, n, need, room, SIDE: tl.constexpr, WIDE: tl.constexpr,
                    SHIFT: tl.constexpr, KEYS: tl.constexpr, SCORES: tl.constexpr,
                    NAN: tl.constexpr, STRICT: tl.constexpr, LOCAL: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   GROUP: tl.constexpr, BLOCK: tl.constexpr):
     # The candidates: every key whose digits from SHIFT up are at least those of the key in
     # state_ptr (the k-th largest's prefix, or a sampled bound: a superset of the top k when
     # there are at least `need` of them), with its index (and, with KEYS, the key, or with
@@ -1878,13 +1884,23 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
     # With LOCAL (the count pass's, floor's keys and their indices in local_ptr, `cap` a
     # program) a program whose keys at or above floor's all fit in its stretch copies its
     # run from there (or the part of it above floor, with STRICT) instead of reading x.
+    # With GROUP (> 0) ends_ptr holds the programs' counts themselves, and groups_ptr the
+    # sums of each GROUP programs' (_count_at_least_kernel's GROUP; ng of them a half): a
+    # program adds up those before its own and its group's counts before it, where a running
+    # sum of the counts would be a scan of its own between the two passes.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    reached = tl.load(ends_ptr + programs - 1)  # all the keys at or above the floor
+    if GROUP > 0:
+        reached = _total(groups_ptr, ng, GROUP)
+    else:
+        reached = tl.load(ends_ptr + programs - 1)  # all the keys at or above the floor
     total = reached
     fits = (total >= need) & (total <= room)
     if STRICT:
-        strict = tl.load(ends_ptr + 2 * programs - 1) - reached
+        if GROUP > 0:
+            strict = _total(groups_ptr + ng, ng, GROUP)
+        else:
+            strict = tl.load(ends_ptr + 2 * programs - 1) - reached
         above = (total > room) & (strict >= need) & (strict <= room)
         if (total > room) & (strict < need) & (pid == 0):
             tl.store(settled_ptr, tl.load(state_ptr))
@@ -1896,13 +1912,20 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
         col = 0
     if fits | (col == 1):
         floor = (tl.load(state_ptr) >> SHIFT) + col
-        at = tl.load(ends_ptr + col * programs + pid - 1, mask=(pid > 0) | (col == 1),
-                     other=0) - col * reached
+        if GROUP > 0:
+            at = _before(ends_ptr + col * programs, groups_ptr + col * ng, pid, GROUP)
+        else:
+            at = tl.load(ends_ptr + col * programs + pid - 1, mask=(pid > 0) | (col == 1),
+                         other=0) - col * reached
         # The tile as rows of 16 bytes, a load each (_rows_of): 8 16-bit, 4 32-bit or 2
         # 64-bit scores.
         R: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
         if LOCAL:
-            mine = tl.load(ends_ptr + pid) - tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0)
+            if GROUP > 0:
+                mine = tl.load(ends_ptr + pid)
+            else:
+                mine = tl.load(ends_ptr + pid) - tl.load(ends_ptr + pid - 1, mask=pid > 0,
+                                                         other=0)
             if mine <= cap:
                 base = pid.to(tl.int64) * cap
                 behind = programs.to(tl.int64) * cap
@@ -1922,6 +1945,28 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
                         NAN, BLOCK, R)
         if pid == 0:
             tl.store(m_ptr, total)
+
+
+@triton.jit
+def _total(groups_ptr, ng, GROUP: tl.constexpr):
+    # the sum of ng int64 group sums
+    r = tl.arange(0, GROUP)
+    acc = tl.zeros([GROUP], dtype=tl.int64)
+    for c in range(0, ng, GROUP):
+        acc += tl.load(groups_ptr + c + r, mask=c + r < ng, other=0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _before(counts_ptr, groups_ptr, pid, GROUP: tl.constexpr):
+    # the sum of the int64 counts of the programs before `pid`: the sums of the groups (of
+    # GROUP programs) before its own, and its own group's counts before it
+    g = pid // GROUP
+    r = tl.arange(0, GROUP)
+    acc = tl.load(counts_ptr + g * GROUP + r, mask=r < pid - g * GROUP, other=0)
+    for c in range(0, g, GROUP):
+        acc += tl.load(groups_ptr + c + r, mask=c + r < g, other=0)
+    return tl.sum(acc, 0)
 
 
 @triton.jit
@@ -2016,28 +2061,31 @@ class _Selection:
     (0: none; room for ``k + n // SLACK``; -1: the k-th largest key is the sampled bound, in
     ``state[digits]``, and no pass counts). ``bound``: the key of the sampled bound, when the
     selection starts from one. ``census``: int64 ``[bad, positive]``, which the sampled path's
-    count pass adds its programs' census to (:func:`_count_at_least_kernel`'s CENSUS). All zeros
+    count pass adds its programs' census to (:func:`_count_at_least_kernel`'s CENSUS).
+    ``groups``: ``groups`` words (or None) for that pass's sums of each :data:`GROUP`
+    programs' counts (its GROUP), the gathering's running sums. All zeros
     but ``state[0]``'s rank, ``k``, in one buffer (``work``): two launches, or none where the
     selection starts from a sampled bound, whose one-program kernel writes them
     (``zeroed=False``). ``sampled``: whether the selection started from a sampled bound (its
     count pass read all of ``x``).
     """
 
-    def __init__(self, x: torch.Tensor, k: int, zeroed: bool = True):
+    def __init__(self, x: torch.Tensor, k: int, zeroed: bool = True, groups: int = 0):
         n = x.numel()
         wide = x.dtype == torch.float64
         self.digits = (64 if wide else 32) // DIGIT
         d = self.digits
         at = d * 256 + 2 * (d + 1)  # the bound's word, behind the histograms and states
-        work = (torch.zeros if zeroed else torch.empty)(at + 4, dtype=torch.int64,
+        work = (torch.zeros if zeroed else torch.empty)(at + 4 + groups, dtype=torch.int64,
                                                         device=x.device)
         self.work = work
         # Every view in one split: each view is a torch call of 1-2 us of the host's time, and
         # a call of top_indices took 19 of them (rows of 2-D views), some 35 us where the
         # split takes 19 (a 2-core VM's host, on whose CPU tensors views cost as on CUDA ones).
-        parts = work.split([256] * d + [2] * (d + 1) + [1, 1, 2])
+        parts = work.split([256] * d + [2] * (d + 1) + [1, 1, 2] + ([groups] if groups else []))
         self.hist, self.state = parts[:d], parts[d : 2 * d + 1]
-        self.bound, self.m, self.census = parts[2 * d + 1 :]
+        self.bound, self.m, self.census = parts[2 * d + 1 : 2 * d + 4]
+        self.groups = parts[2 * d + 4] if groups else None
         self.rank_at = d * 256 + 1  # state[0][1]'s word in work
         self.bound_at = at
         self.sampled = False
@@ -2076,14 +2124,15 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
     _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
                      keys=sel.keys, nan=True, settled=sel.state[sel.digits],
                      census=sel.census if census else None,
-                     local=LOCAL_ROOM * _cdiv(sel.keys.numel(), programs))
+                     local=LOCAL_ROOM * _cdiv(sel.keys.numel(), programs), groups=sel.groups)
 
 
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                      counts: torch.Tensor, idx: torch.Tensor, need: int, room: int, side: int,
                      *, keys: torch.Tensor | None = None, scores: bool = False, nan: bool,
                      settled: torch.Tensor | None = None, known: bool = False,
-                     census: torch.Tensor | None = None, local: int = 0) -> None:
+                     census: torch.Tensor | None = None, local: int = 0,
+                     groups: torch.Tensor | None = None) -> None:
     # The indices (and, given `keys`, the keys, or with `scores` the scores whose keys they
     # are, in `keys` of x's dtype) of every key at or above floor's, in index
     # order, when there are `need` to `room` of them (their number to m): a count of each
@@ -2096,11 +2145,16 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     # [bad, positive] the counting pass adds its census to (_count_at_least_kernel's CENSUS), or
     # None. `local`: keys a program the counting pass keeps (with their indices) for the
     # gathering to copy instead of reading x again (_count_at_least_kernel's LOCAL), or 0.
+    # `groups`: zeroed words for the counting pass's sums of each GROUP programs' counts
+    # (2 * ceil(programs / GROUP), with `settled`), from which the gathering adds up where
+    # each run starts (_gather_kernel's GROUP), or None: a running sum of `counts` (a scan).
     n, wide = x.numel(), x.dtype == torch.float64
     block, opts = _config("key_digits")
     strict = settled is not None
     grid = (counts.shape[0] // (2 if strict else 1),)
     local = 0 if known else local
+    grouped = groups is not None and not known
+    ng = _cdiv(grid[0], GROUP) if grouped else 0
     kept = idx
     if local:
         # a key and an index a word, int32 where both fit
@@ -2108,13 +2162,16 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                            else torch.int32, device=x.device)
     if not known:
         launch(_count_at_least_kernel, grid, x, floor, counts,
-               counts if census is None else census, kept, local, n, SIDE=side, WIDE=wide,
-               NAN=nan, STRICT=strict, CENSUS=census is not None, LOCAL=local > 0,
-               R=16 // x.element_size() if local else 1, BLOCK=block, **opts)
-    launch(_gather_kernel, grid, x, floor, m, counts.cumsum(0), idx if keys is None else keys,
-           idx, floor if settled is None else settled, kept, local, n, need, room, SIDE=side,
-           WIDE=wide, SHIFT=0, KEYS=keys is not None, SCORES=scores, NAN=nan, STRICT=strict,
-           LOCAL=local > 0, BLOCK=block, **opts)
+               counts if census is None else census, kept, local,
+               groups if grouped else counts, ng, n, SIDE=side, WIDE=wide, NAN=nan,
+               STRICT=strict, CENSUS=census is not None, LOCAL=local > 0,
+               GROUP=GROUP if grouped else 0, R=16 // x.element_size() if local else 1,
+               BLOCK=block, **opts)
+    launch(_gather_kernel, grid, x, floor, m, counts if grouped else counts.cumsum(0),
+           idx if keys is None else keys, idx, floor if settled is None else settled, kept,
+           local, groups if grouped else counts, ng, n, need, room, SIDE=side, WIDE=wide,
+           SHIFT=0, KEYS=keys is not None, SCORES=scores, NAN=nan, STRICT=strict,
+           LOCAL=local > 0, GROUP=GROUP if grouped else 0, BLOCK=block, **opts)
 
 
 def _check_k(n: int, k: int) -> None:
@@ -2139,9 +2196,10 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _
     _check_k(n, k)
     wide = x.dtype == torch.float64
     plan = _sampling(n, k)
-    sel = _Selection(x, k, zeroed=plan is None)
-    block, opts = _config("key_digits")
     grid = (_programs(n),)
+    sel = _Selection(x, k, zeroed=plan is None,
+                     groups=0 if plan is None else 2 * _cdiv(grid[0], GROUP))
+    block, opts = _config("key_digits")
     sampled = sel.sampled = plan is not None
     # the two-digit pass's counts a program (ROWS); no pass of the sampled path writes them,
     # so it passes its index buffer in their place (int32 as they are, where indices fit: the
@@ -2167,9 +2225,9 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _
             launch(_gathered_counts_kernel, grid, sel.hist[1], sel.state[1], rows, counts,
                    SHIFT=shift, TOP=False, WIDE=wide, num_warps=1)
             launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
-                   sel.idx, sel.state[2], sel.idx, 0, n, 0, sel.keys.numel(), SIDE=side,
-                   WIDE=wide, SHIFT=shift, KEYS=True, SCORES=False, NAN=True, STRICT=False,
-                   LOCAL=False, BLOCK=block, **opts)
+                   sel.idx, sel.state[2], sel.idx, 0, counts, 0, n, 0, sel.keys.numel(),
+                   SIDE=side, WIDE=wide, SHIFT=shift, KEYS=True, SCORES=False, NAN=True,
+                   STRICT=False, LOCAL=False, GROUP=0, BLOCK=block, **opts)
     return sel
 
 
@@ -2355,10 +2413,10 @@ def _row_zeros(BLOCK: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, cap, n,
-                           SIDE: tl.constexpr, WIDE: tl.constexpr, NAN: tl.constexpr,
+def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, cap, groups_ptr,
+                           ng, n, SIDE: tl.constexpr, WIDE: tl.constexpr, NAN: tl.constexpr,
                            STRICT: tl.constexpr, CENSUS: tl.constexpr, LOCAL: tl.constexpr,
-                           R: tl.constexpr, BLOCK: tl.constexpr):
+                           GROUP: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
     # (NaN as _counted says); with STRICT also how many are strictly above it, in the
     # second half of counts_ptr (a program each in both halves). With CENSUS each program
@@ -2370,7 +2428,9 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
     # its own stretch of local_ptr (program p's at p * cap) and their indices as far again
     # behind the programs' stretches (a num_programs * cap offset): _gather_kernel then
     # copies a run that fit from there instead of reading x again. The tile is then laid out
-    # as rows of R (_rows_of), the gathering's layout for its running counts.
+    # as rows of R (_rows_of), the gathering's layout for its running counts. With GROUP
+    # (> 0) each program also adds its counts to its group's sums in groups_ptr (zeroed; the
+    # groups of GROUP programs, ng a half, the strict counts' in the second half).
     floor = tl.load(floor_ptr)
     lo, hi = _span(n, BLOCK)
     acc = _row_zeros(BLOCK, R)
@@ -2411,12 +2471,17 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
         else:
             acc += take.to(tl.int32)
     if LOCAL:
-        tl.store(counts_ptr + tl.program_id(0), at.to(tl.int64))
+        count = at.to(tl.int64)
     else:
-        tl.store(counts_ptr + tl.program_id(0), tl.sum(acc, 0).to(tl.int64))
+        count = tl.sum(acc, 0).to(tl.int64)
+    tl.store(counts_ptr + tl.program_id(0), count)
+    if GROUP > 0:
+        tl.atomic_add(groups_ptr + tl.program_id(0) // GROUP, count)
     if STRICT:
-        tl.store(counts_ptr + tl.num_programs(0) + tl.program_id(0),
-                 tl.sum(tl.reshape(over, [BLOCK]), 0).to(tl.int64))
+        strict = tl.sum(tl.reshape(over, [BLOCK]), 0).to(tl.int64)
+        tl.store(counts_ptr + tl.num_programs(0) + tl.program_id(0), strict)
+        if GROUP > 0:
+            tl.atomic_add(groups_ptr + ng + tl.program_id(0) // GROUP, strict)
     if CENSUS:
         census = tl.reshape(census, [BLOCK])
         tl.atomic_add(census_ptr, tl.sum(census >> 16, 0).to(tl.int64))
