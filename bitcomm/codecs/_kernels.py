@@ -1806,31 +1806,22 @@ def _sample_bound_kernel(x_ptr, work_ptr, words, at, step, r, k, rank_at,
              mask=(w < words) & (w != at))
     # One program: the r-th largest key of the stratified sample of _bracket.positions (the
     # same positions, computed here), rounded down to its sign, exponent and first 7 (float32)
-    # or 8 (float64) mantissa bits: a bound a few more keys reach, for half the search. Its
-    # 8-bit digits from the top, each from a histogram of the sampled keys that share the
-    # digits above it (as _small_top_kernel settles them): 2 for float32's 16 bits, 3 for
-    # float64's 20 (its third digit's low 4 bits dropped), where a search bit by bit took a
-    # reduction over the sample for each of the 16 or 20.
+    # or 8 (float64) mantissa bits: a bound a few more keys reach, for half the search. The
+    # search goes bit by bit from the top: the largest such key that at least r sampled keys
+    # reach, each step adding the next bit when that many still reach it. The bound stays
+    # inside the key's range, so nothing overflows.
     s = tl.arange(0, M).to(tl.int64)
     pos = s * step + ((((s * HASH) & 0xFFFFFFFF) >> 16) * step >> 16)
     key = _order_key(tl.load(x_ptr + pos), SIDE, WIDE)
-    DIGITS: tl.constexpr = 3 if WIDE else 2
-    TOP: tl.constexpr = 56 if WIDE else 24
-    prefix = tl.zeros([], dtype=key.dtype)
-    # the r-th largest's rank among the keys that share the prefix
-    rank = tl.zeros([], dtype=tl.int64) + r
-    for d in tl.static_range(DIGITS):
-        SHIFT = TOP - 8 * d
-        digit = ((key >> SHIFT) & 255).to(tl.int32) ^ (127 if d == 0 else 255)
-        if d == 0:
-            hist = tl.histogram(digit, 256)
-        else:
-            hist = tl.histogram(digit, 256, mask=key >> (SHIFT + 8) == prefix >> (SHIFT + 8))
-        bin, rank = _kth_bin(hist, rank, d == 0)
-        prefix |= bin.to(prefix.dtype) << SHIFT
     if WIDE:
-        prefix = prefix & ~((1 << 44) - 1)
-    tl.store(work_ptr + at, prefix.to(tl.int64))
+        lowest = -9223372036854775808
+    else:
+        lowest = -2147483648
+    bound = tl.where(tl.sum((key >= 0).to(tl.int32), 0) >= r, 0, lowest).to(key.dtype)
+    for bit in tl.static_range(62 if WIDE else 30, 43 if WIDE else 15, -1):
+        t = bound + (1 << bit)
+        bound = tl.where(tl.sum((key >= t).to(tl.int32), 0) >= r, t, bound)
+    tl.store(work_ptr + at, bound.to(tl.int64))
 
 
 @triton.jit
