@@ -1328,11 +1328,8 @@ def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch, small_sample
     the candidates; if fewer than k do, the k-th largest key is the bound itself: m = -1, no
     counting pass reads anything (their histograms stay empty), and the writing passes take
     every key above it and the first ties in index order from x. The sort's result either way.
-    (The sample and room of test_radix_selection_starts_from_a_sampled_bound; with 5
-    programs, their counts added up in groups of 2.)"""
+    (The sample and room of test_radix_selection_starts_from_a_sampled_bound.)"""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
-    if programs > 2:
-        monkeypatch.setattr(_kernels, "GROUP", 2)
     g = torch.Generator().manual_seed(23)
     n, k = 5003, 50  # room: k + n // 4 = 1300
     spots = torch.randperm(n, generator=g)
@@ -1365,6 +1362,16 @@ def test_a_mass_of_ties_at_the_sampled_bound(programs, monkeypatch, small_sample
         assert _kernels.kth_largest(x, k, side).item() == s.sort(descending=True).values[k - 1]
 
 
+def test_a_sampled_count_adds_up_its_programs_by_groups():
+    """The gathering after a sampled bound finds where each run starts from the count pass's
+    sums of its programs' counts by groups: groups of the least power of 2 whose square covers
+    the programs, so that one load of a group's counts and one of the groups' sums reach every
+    program's start (4096 programs: 64 groups of 64)."""
+    got = {p: _kernels._group(p) for p in (1, 2, 3, 4, 5, 16, 17, 20, 4096, 4097, 1 << 16)}
+    assert got == {1: 2, 2: 2, 3: 2, 4: 2, 5: 4, 16: 4, 17: 8, 20: 8, 4096: 64, 4097: 128,
+                   1 << 16: 256}
+
+
 def test_the_gathering_copies_what_the_count_pass_kept(monkeypatch, small_sample):
     """From a sampled bound the count pass keeps each program's keys at or above the bound,
     with their indices, up to LOCAL_ROOM times its share of the room, and the gathering copies
@@ -1372,7 +1379,8 @@ def test_the_gathering_copies_what_the_count_pass_kept(monkeypatch, small_sample
     leaves the candidates those of the x counted. A program whose keys overflow its stretch
     reads its run of x (the doubled scores), as every program does with LOCAL_ROOM = 0; the
     others still copy. A program writes nothing outside its stretch, and nothing from a tile
-    that would overflow it. (Runs of one 256-element tile, 20 programs: room 1300, a stretch of
+    that would overflow it. (Runs of one 256-element tile, 20 programs, whose counts the count
+    pass adds up in 3 groups of 8 for the gathering's running sums: room 1300, a stretch of
     65 keys at LOCAL_ROOM = 1, 260 at 4.)"""
     monkeypatch.setitem(_kernels.TUNING, "key_digits", (256, 4))
     launch = _kernels.launch
@@ -1394,11 +1402,9 @@ def test_the_gathering_copies_what_the_count_pass_kept(monkeypatch, small_sample
     even = torch.randn(n, generator=g)
     crowded = torch.randn(n, generator=g)
     crowded[:256] = 100 + torch.rand(256, generator=g)  # the first run: all candidates
-    cases = [(even, 2, "kept", 64), (even, 0, "x", 64), (crowded, 1, "x", 64),
-             (crowded, 4, "kept", 64), (even, 2, "kept", 4), (crowded, 1, "x", 4)]
-    for v, room, first_run, group in cases:
+    for v, room, first_run in ((even, 2, "kept"), (even, 0, "x"), (crowded, 1, "x"),
+                               (crowded, 4, "kept")):
         monkeypatch.setattr(_kernels, "LOCAL_ROOM", room)
-        monkeypatch.setattr(_kernels, "GROUP", group)  # 4: 5 groups, runs start across them
         kept.clear()
         sel = _kernels._radix_select(v.clone(), k, 0)
         keys = _float32_keys(v)

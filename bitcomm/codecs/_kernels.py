@@ -1555,12 +1555,6 @@ DIGIT = 8
 SLACK = 64
 """The candidates gathered after two digits have room for ``k + n // SLACK`` keys."""
 
-GROUP = 64
-"""Programs (a power of 2) of a sampled bound's count pass whose counts it adds up in one word
-(atomically), so that each program of the gathering finds where its run starts from at most
-``GROUP`` counts and ``programs / GROUP`` sums, without a scan between the two passes (a torch
-call of the host's and two launches)."""
-
 LOCAL_ROOM = 2
 """How many times its share of the candidates' room a program of a sampled bound's count pass
 keeps of the keys it counts (with their indices), for the gathering pass to copy instead of
@@ -1902,6 +1896,8 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
     else:
         col = 0
     if fits | (col == 1):
+        if pid == 0:  # (before the loops: nothing is kept live across them for it)
+            tl.store(m_ptr, total)
         floor = (tl.load(state_ptr) >> SHIFT) + col
         if GROUP > 0:
             at = _before(ends_ptr + col * programs, groups_ptr + col * ng, pid, GROUP)
@@ -1934,30 +1930,23 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
         else:
             _gather_run(x_ptr, keys_ptr, idx_ptr, at, floor, n, SIDE, WIDE, SHIFT, KEYS, SCORES,
                         NAN, BLOCK, R)
-        if pid == 0:
-            tl.store(m_ptr, total)
 
 
 @triton.jit
 def _total(groups_ptr, ng, GROUP: tl.constexpr):
-    # the sum of ng int64 group sums
+    # the sum of ng (at most GROUP) int64 group sums
     r = tl.arange(0, GROUP)
-    acc = tl.zeros([GROUP], dtype=tl.int64)
-    for c in range(0, ng, GROUP):
-        acc += tl.load(groups_ptr + c + r, mask=c + r < ng, other=0)
-    return tl.sum(acc, 0)
+    return tl.sum(tl.load(groups_ptr + r, mask=r < ng, other=0), 0)
 
 
 @triton.jit
 def _before(counts_ptr, groups_ptr, pid, GROUP: tl.constexpr):
     # the sum of the int64 counts of the programs before `pid`: the sums of the groups (of
-    # GROUP programs) before its own, and its own group's counts before it
+    # GROUP programs, at most GROUP groups) before its own, and its group's counts before it
     g = pid // GROUP
     r = tl.arange(0, GROUP)
-    acc = tl.load(counts_ptr + g * GROUP + r, mask=r < pid - g * GROUP, other=0)
-    for c in range(0, g, GROUP):
-        acc += tl.load(groups_ptr + c + r, mask=c + r < g, other=0)
-    return tl.sum(acc, 0)
+    own = tl.load(counts_ptr + g * GROUP + r, mask=r < pid - g * GROUP, other=0)
+    return tl.sum(own + tl.load(groups_ptr + r, mask=r < g, other=0), 0)
 
 
 @triton.jit
@@ -2053,8 +2042,8 @@ class _Selection:
     ``state[digits]``, and no pass counts). ``bound``: the key of the sampled bound, when the
     selection starts from one. ``census``: int64 ``[bad, positive]``, which the sampled path's
     count pass adds its programs' census to (:func:`_count_at_least_kernel`'s CENSUS).
-    ``groups``: ``groups`` words (or None) for that pass's sums of each :data:`GROUP`
-    programs' counts (its GROUP), the gathering's running sums. All zeros
+    ``groups``: ``groups`` words (or None) for that pass's sums of its programs' counts by
+    groups (its GROUP), the gathering's running sums. All zeros
     but ``state[0]``'s rank, ``k``, in one buffer (``work``): two launches, or none where the
     selection starts from a sampled bound, whose one-program kernel writes them
     (``zeroed=False``). ``sampled``: whether the selection started from a sampled bound (its
@@ -2088,6 +2077,18 @@ class _Selection:
         # int32 indices where they fit: half the bytes and cheaper arithmetic
         self.idx = torch.empty(room, dtype=torch.int32 if n <= 2**31 else torch.int64,
                                device=x.device)
+
+
+def _group(programs: int) -> int:
+    # The programs of a sampled bound's count pass whose counts it adds up in one word
+    # (atomically, _count_at_least_kernel's GROUP): the least power of 2 whose square covers
+    # them, so that each program of the gathering finds where its run starts from one load
+    # of at most GROUP counts and one of at most GROUP sums, where a running sum of the counts
+    # would be a scan between the two passes (a torch call of the host's and two launches).
+    group = 2
+    while group * group < programs:
+        group *= 2
+    return group
 
 
 def _sampling(n: int, k: int) -> tuple[int, int] | None:
@@ -2136,16 +2137,18 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     # [bad, positive] the counting pass adds its census to (_count_at_least_kernel's CENSUS), or
     # None. `local`: keys a program the counting pass keeps (with their indices) for the
     # gathering to copy instead of reading x again (_count_at_least_kernel's LOCAL), or 0.
-    # `groups`: zeroed words for the counting pass's sums of each GROUP programs' counts
-    # (2 * ceil(programs / GROUP), with `settled`), from which the gathering adds up where
-    # each run starts (_gather_kernel's GROUP), or None: a running sum of `counts` (a scan).
+    # `groups`: zeroed words for the counting pass's sums of the programs' counts by groups
+    # (2 * ceil(programs / _group(programs)), with `settled`), from which the gathering adds
+    # up where each run starts (_gather_kernel's GROUP), or None: a running sum of `counts`
+    # (a scan).
     n, wide = x.numel(), x.dtype == torch.float64
     block, opts = _config("key_digits")
     strict = settled is not None
     grid = (counts.shape[0] // (2 if strict else 1),)
     local = 0 if known else local
     grouped = groups is not None and not known
-    ng = _cdiv(grid[0], GROUP) if grouped else 0
+    group = _group(grid[0]) if grouped else 0
+    ng = _cdiv(grid[0], group) if grouped else 0
     kept = idx
     if local:
         # a key and an index a word, int32 where both fit
@@ -2156,13 +2159,13 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                counts if census is None else census, kept, local,
                groups if grouped else counts, ng, n, SIDE=side, WIDE=wide, NAN=nan,
                STRICT=strict, CENSUS=census is not None, LOCAL=local > 0,
-               GROUP=GROUP if grouped else 0, R=16 // x.element_size() if local else 1,
+               GROUP=group, R=16 // x.element_size() if local else 1,
                BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, floor, m, counts if grouped else counts.cumsum(0),
            idx if keys is None else keys, idx, floor if settled is None else settled, kept,
            local, groups if grouped else counts, ng, n, need, room, SIDE=side, WIDE=wide,
            SHIFT=0, KEYS=keys is not None, SCORES=scores, NAN=nan, STRICT=strict,
-           LOCAL=local > 0, GROUP=GROUP if grouped else 0, BLOCK=block, **opts)
+           LOCAL=local > 0, GROUP=group, BLOCK=block, **opts)
 
 
 def _check_k(n: int, k: int) -> None:
@@ -2189,7 +2192,7 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _
     plan = _sampling(n, k)
     grid = (_programs(n),)
     sel = _Selection(x, k, zeroed=plan is None,
-                     groups=0 if plan is None else 2 * _cdiv(grid[0], GROUP))
+                     groups=0 if plan is None else 2 * _cdiv(grid[0], _group(grid[0])))
     block, opts = _config("key_digits")
     sampled = sel.sampled = plan is not None
     # the two-digit pass's counts a program (ROWS); no pass of the sampled path writes them,
