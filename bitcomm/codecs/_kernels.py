@@ -2323,7 +2323,7 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
       over ``x`` whose programs each keep theirs (up to :data:`LOCAL_ROOM` times a share of
       the room) and a gathering pass that copies them into one run, about ``1.5 k``
       candidates at ``k = 1%``: one read of ``x`` (and of any run whose candidates overflowed
-      its program's share) and 11 launches for 32-bit scores (the bound's kernel clears the
+      its program's share) and 10 launches for 32-bit scores (the bound's kernel clears the
       work buffer);
     * otherwise (fewer scores, a larger ``k``) the first two passes read ``x`` and a third
       gathers the keys that share or beat the k-th largest's first two digits: about ``k``
