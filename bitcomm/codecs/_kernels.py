@@ -1866,8 +1866,8 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
     # `need` of them fit; if fewer than `need` lie above it, the `need`-th largest key is the
     # bound itself, which goes with the ties still to take to settled_ptr (the last state
     # row), m to -1, and no pass reads anything until the writing passes read x.
-    # With LOCAL (the count pass's, floor's keys and their indices in local_ptr, `cap` a
-    # program) a program whose keys at or above floor's all fit in its stretch copies its
+    # With LOCAL (and GROUP; the count pass's, floor's keys and their indices in local_ptr,
+    # `cap` a program) a program whose keys at or above floor's all fit in its stretch copies its
     # run from there (or the part of it above floor, with STRICT) instead of reading x.
     # With GROUP (> 0) ends_ptr holds the programs' counts themselves, and groups_ptr the
     # sums of each GROUP programs' (_count_at_least_kernel's GROUP; ng of them a half): a
@@ -1907,12 +1907,8 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
         # The tile as rows of 16 bytes, a load each (_rows_of): 8 16-bit, 4 32-bit or 2
         # 64-bit scores.
         R: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
-        if LOCAL:
-            if GROUP > 0:
-                mine = tl.load(ends_ptr + pid)
-            else:
-                mine = tl.load(ends_ptr + pid) - tl.load(ends_ptr + pid - 1, mask=pid > 0,
-                                                         other=0)
+        if LOCAL:  # (with GROUP: ends_ptr holds each program's count)
+            mine = tl.load(ends_ptr + pid)
             if mine <= cap:
                 base = pid.to(tl.int64) * cap
                 behind = programs.to(tl.int64) * cap
@@ -2136,7 +2132,8 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     # `known`: `counts` holds the runs' counts already (no counting pass). `census`: the zeroed
     # [bad, positive] the counting pass adds its census to (_count_at_least_kernel's CENSUS), or
     # None. `local`: keys a program the counting pass keeps (with their indices) for the
-    # gathering to copy instead of reading x again (_count_at_least_kernel's LOCAL), or 0.
+    # gathering to copy instead of reading x again (_count_at_least_kernel's LOCAL), or 0;
+    # with `groups` only.
     # `groups`: zeroed words for the counting pass's sums of the programs' counts by groups
     # (2 * ceil(programs / _group(programs)), with `settled`), from which the gathering adds
     # up where each run starts (_gather_kernel's GROUP), or None: a running sum of `counts`
@@ -2145,8 +2142,8 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     block, opts = _config("key_digits")
     strict = settled is not None
     grid = (counts.shape[0] // (2 if strict else 1),)
-    local = 0 if known else local
     grouped = groups is not None and not known
+    local = local if grouped else 0  # the gathering reads a program's count from its word
     group = _group(grid[0]) if grouped else 0
     ng = _cdiv(grid[0], group) if grouped else 0
     kept = idx
@@ -2418,10 +2415,11 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
     # inf and how many scores are positive (key > 0: the keys of positive floats are their
     # positive bits): a caller's finiteness check and RedSync's count of the side's sign, in
     # this read instead of one of their own, with no reduction to launch after it.
-    # With LOCAL each program also writes the first `cap` of those keys, in index order, to
-    # its own stretch of local_ptr (program p's at p * cap) and their indices as far again
-    # behind the programs' stretches (a num_programs * cap offset): _gather_kernel then
-    # copies a run that fit from there instead of reading x again. The tile is then laid out
+    # With LOCAL each program also writes those keys, in index order, to its own stretch of
+    # local_ptr (program p's at p * cap) and their indices as far again behind the programs'
+    # stretches (a num_programs * cap offset), tile by tile while they fit (nothing of a tile
+    # that would overflow it): _gather_kernel then copies a run that fit from there instead
+    # of reading x again. The tile is then laid out
     # as rows of R (_rows_of), the gathering's layout for its running counts. With GROUP
     # (> 0) each program also adds its counts to its group's sums in groups_ptr (zeroed; the
     # groups of GROUP programs, ng a half, the strict counts' in the second half).
