@@ -331,6 +331,27 @@ def test_radix_selection_gives_the_cpus_sets_for_every_dtype_and_side():
             assert _kernels.kth_largest(v.cuda(), k, 2).item() == kth, (dtype, k)
 
 
+def test_crowded_runs_of_a_sampled_top_k_read_x_again_with_the_cpus_sets(monkeypatch):
+    """From a sampled bound the count pass keeps each program's candidates for the gathering
+    to copy; a program whose candidates overflow its stretch reads its run of x again
+    (compiled, not interpreted): here four runs of 1024 scores, every one above the bound,
+    beside runs that copy; and with LOCAL_ROOM = 0 every run read again. The CPU's sets."""
+    from bitcomm.codecs import _kernels
+
+    g = torch.Generator().manual_seed(12)
+    v = torch.randn(300_007, generator=g)
+    v[:4096] += 50  # the first four programs' runs: all candidates, far past their stretches
+    for room in (_kernels.LOCAL_ROOM, 0):
+        monkeypatch.setattr(_kernels, "LOCAL_ROOM", room)
+        for k in (1000, 5000):
+            assert _kernels._sampling(v.numel(), k) is not None  # the premise: a sampled bound
+            assert torch.equal(select.select_abs(v, k),
+                               select.select_abs(v.cuda(), k).cpu()), (room, k)
+            for side in (1, -1):
+                assert torch.equal(select.select_side(v, k, side),
+                                   select.select_side(v.cuda(), k, side).cpu()), (room, k)
+
+
 def test_a_small_vectors_top_k_is_one_program_with_the_cpus_sets():
     """Up to SMALL_TOP scores the top-k on the GPU is one program (compiled, not
     interpreted): the CPU's sets, ties to lower indices, for 32-, 64- and 16-bit floats and
