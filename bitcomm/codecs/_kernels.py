@@ -1913,10 +1913,9 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
                 base = pid.to(tl.int64) * cap
                 behind = programs.to(tl.int64) * cap
                 for start in range(0, mine, BLOCK):
-                    j = _rows_of(start, BLOCK, R)
-                    live = j < mine
-                    key = tl.load(local_ptr + base + j, mask=live, other=0)
-                    key = key.to(tl.int64 if WIDE else tl.int32)
+                    j, live, key = _tile_keys(x_ptr, local_ptr + base, start, mine, True, SIDE,
+                                              WIDE, BLOCK, R)
+                    key = key.to(tl.int64 if WIDE else tl.int32)  # int64 where n > 2**31
                     i = tl.load(local_ptr + behind + base + j, mask=live, other=0)
                     at = _gathered(keys_ptr, idx_ptr, at, i, live, key, floor, SHIFT, KEYS,
                                    SCORES, NAN, WIDE, R)
