@@ -1167,6 +1167,31 @@ def test_top_indices_by_radix_selection(dtype, monkeypatch):
                     assert got.tolist() == _brute_top(s, k), (programs, n, side, k)
 
 
+@pytest.mark.parametrize("sampled", [True, False])
+def test_the_writing_pass_finds_each_runs_place_from_group_sums(sampled, monkeypatch):
+    """The writing pass's programs each take a run of several tiles (of the candidates, or of
+    x) and place their indices after those of the programs before them, from the counting
+    pass's counts and group sums (7 programs: 2 groups of 4, the last short), keys above the
+    k-th largest and ties apart: ties at the k-th spread over several programs, only the
+    first ``need`` taken. Against a sort, from a sampled bound and from two digits."""
+    from bitcomm.codecs import _bracket
+
+    monkeypatch.setitem(_kernels.TUNING, "top_write", (256, 4))
+    monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", 7)
+    if sampled:
+        monkeypatch.setattr(_bracket, "SAMPLE", 256)
+        monkeypatch.setattr(_bracket, "MIN_N", 4096)
+        monkeypatch.setattr(_kernels, "SLACK", 4)
+    g = torch.Generator().manual_seed(5)
+    n = 5003
+    assert _kernels._group(7) == 4  # the test's premise: 2 groups
+    ties = torch.randint(0, 8, (n,), generator=g) / 4  # some 625 scores a value
+    spread = torch.randn(n, generator=g)
+    for v in (ties, spread):
+        for k in (1, 700, 2500):
+            assert _kernels.top_indices(v, k).tolist() == _brute_top(v, k), (k, v is ties)
+
+
 def _float32_keys(s: torch.Tensor) -> np.ndarray:
     # the order-preserving integer keys of float32 scores, -0.0 as +0.0
     b = np.where(s.numpy() == 0, np.float32(0), s.numpy()).view(np.int32).astype(np.int64)
@@ -1518,15 +1543,17 @@ def test_top_indices_of_a_small_vector_is_one_program(dtype, monkeypatch, launch
 
 def test_radix_selection_launches_few_kernels():
     """A pass over a few million elements takes about as long as its launch, so the launches
-    count: top_indices of 32-bit scores is 12 (a kernel settles each digit at its start
-    instead of a kernel of its own), 16 for float64; kth_largest 10."""
+    count: top_indices of 32-bit scores is 11 (a kernel settles each digit at its start
+    instead of a kernel of its own, and the writing pass finds where each program's indices
+    go from the counting pass's group sums: no scan between them), 15 for float64;
+    kth_largest 10."""
     x = torch.empty(10_000, device="meta")
     got = _launches(lambda: _kernels.top_indices(x, 100, 2))
     assert sorted(got) == sorted(["zeros", "fill_", "key_digits", "key_digits",
                                   "gathered_counts", "cumsum", "gather", "key_digits",
-                                  "key_digits", "chosen_counts", "cumsum", "chosen_write"])
+                                  "key_digits", "chosen_counts", "chosen_write"])
     wide = torch.empty(10_000, device="meta", dtype=torch.float64)
-    assert len(_launches(lambda: _kernels.top_indices(wide, 100))) == 16
+    assert len(_launches(lambda: _kernels.top_indices(wide, 100))) == 15
     assert len(_launches(lambda: _kernels.kth_largest(x, 100))) == 10
     # from a sampled bound: the bound (whose one program also clears the selection's
     # buffers: no zeros and fill), a count and the gathering (no scan between them: the count
@@ -1535,7 +1562,7 @@ def test_radix_selection_launches_few_kernels():
     got = _launches(lambda: _kernels.top_indices(big, 1 << 11, 2))
     assert sorted(got) == sorted(["sample_bound", "count_at_least",
                                   "gather", "key_digits", "key_digits", "key_digits",
-                                  "key_digits", "chosen_counts", "cumsum", "chosen_write"])
+                                  "key_digits", "chosen_counts", "chosen_write"])
 
 
 def test_the_sampled_selection_allocates_no_rows(monkeypatch):
@@ -1681,10 +1708,10 @@ def test_indices_above_starts_from_the_runs_count_above_counted(programs, monkey
 @pytest.mark.parametrize("sampled", [True, False])
 def test_the_top_ks_running_sums_scan_int64_counts_without_a_cast(sampled, monkeypatch):
     """On a GPU torch scans int32 counts into int64 running sums by a cast, a launch of its
-    own, then the scan: the top-k's counts (each program's run, each tile's chosen) are
-    int64 where its kernels write them, so that each running sum is one scan. On the
-    sampled path (one scan: its gathering adds up the count pass's group sums instead) and on
-    the two-digit one (two)."""
+    own, then the scan: the two-digit gathering's counts (each program's run) are int64
+    where its kernel writes them, so that the running sum is one scan. The sampled path
+    scans nothing (its gathering and the writing pass add up their counting passes' group
+    sums instead), the two-digit one once."""
     import sys
 
     from bitcomm.codecs import _bracket
@@ -1708,7 +1735,7 @@ def test_the_top_ks_running_sums_scan_int64_counts_without_a_cast(sampled, monke
     with forced("triton"):
         got = _kernels.top_indices(x, 60)
     assert torch.equal(got, torch.topk(x, 60).indices.sort().values)
-    assert scans == [(torch.int64, torch.int64)] * (1 if sampled else 2), scans
+    assert scans == [(torch.int64, torch.int64)] * (0 if sampled else 1), scans
 
 
 def test_unchecked_nan_is_above_every_score_in_a_top_k_and_above_no_threshold():

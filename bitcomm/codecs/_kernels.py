@@ -1982,48 +1982,60 @@ def _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE: tl.constexp
 
 
 @triton.jit
-def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_ptr, n, tiles,
-                          SIDE: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_ptr, groups_ptr,
+                          ng, n, SIDE: tl.constexpr, WIDE: tl.constexpr, GROUP: tl.constexpr,
+                          BLOCK: tl.constexpr):
     # Settles the last digit (from the last pass's histogram and the state before it; or
-    # takes the key the gathering settled at the sampled bound), then per tile (of the
-    # candidates, or of x): how many keys exceed the k-th largest (counts_ptr[tile]), and how
-    # many equal it (counts_ptr[tiles + tile]), so that one scan of the whole buffer gives
-    # both running sums. Counts of tiles past the last one are left as they are:
-    # _chosen_write_kernel's running sums of ties take the sum of the first half away.
+    # takes the key the gathering settled at the sampled bound), then counts, over this
+    # program's run (of the candidates, or of x), the keys above the k-th largest
+    # (counts_ptr[pid]) and those equal to it (counts_ptr[programs + pid]), and adds both to
+    # its group's sums (groups_ptr[pid // GROUP] and groups_ptr[ng + pid // GROUP], zeroed),
+    # from which _chosen_write_kernel's programs find where their runs' indices go, as
+    # _gather_kernel does from _count_at_least_kernel's: no scan between the two launches.
     kth = _kth_key(hist_ptr, state_ptr, m_ptr, WIDE)
     gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
+    above_n = tl.zeros([BLOCK], dtype=tl.int32)
+    ties_n = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
         _, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
                                      BLOCK)
-        tile = counts_ptr + start // BLOCK
-        tl.store(tile, tl.sum(above.to(tl.int32), 0))
-        tl.store(tile + tiles, tl.sum(tie.to(tl.int32), 0))
+        above_n += above.to(tl.int32)
+        ties_n += tie.to(tl.int32)
+    pid = tl.program_id(0)
+    a = tl.sum(above_n, 0).to(tl.int64)
+    t = tl.sum(ties_n, 0).to(tl.int64)
+    tl.store(counts_ptr + pid, a)
+    tl.store(counts_ptr + tl.num_programs(0) + pid, t)
+    tl.atomic_add(groups_ptr + pid // GROUP, a)
+    tl.atomic_add(groups_ptr + ng + pid // GROUP, t)
 
 
 @triton.jit
-def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, ends_ptr, out_ptr, n, tiles,
-                         SIDE: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr, groups_ptr,
+                         out_ptr, ng, n, SIDE: tl.constexpr, WIDE: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK: tl.constexpr):
     # Every key above the k-th largest, and the first `need` keys equal to it in index order,
-    # written in index order: a tile's chosen indices follow those of the tiles before it
-    # (ends: the running sum of _chosen_counts_kernel's counts, this tile's included; the
-    # ties' run from the sum of the first half on).
+    # written in index order: a program's chosen indices follow those of the programs before
+    # it (_before of _chosen_counts_kernel's counts and group sums, keys above and ties
+    # apart), and a tile's those of the tiles before it in the run.
     kth = tl.load(state_ptr)
     need = tl.load(state_ptr + 1)
-    first_half = tl.load(ends_ptr + tiles - 1)
+    pid = tl.program_id(0)
+    above_at = _before(counts_ptr, groups_ptr, pid, GROUP)
+    ties_at = _before(counts_ptr + tl.num_programs(0), groups_ptr + ng, pid, GROUP)
     gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
     for start in range(lo, hi, BLOCK):
         j, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
                                      BLOCK)
-        tile = ends_ptr + start // BLOCK
-        above_before = tl.load(tile) - tl.sum(above.to(tl.int32), 0)
-        ties_before = tl.load(tile + tiles) - first_half - tl.sum(tie.to(tl.int32), 0)
-        chosen, slot = _chosen(above, tie, ties_before, need, BLOCK)
-        first = above_before + tl.minimum(ties_before, need)  # chosen by the tiles before
+        chosen, slot = _chosen(above, tie, ties_at, need, BLOCK)
+        first = above_at + tl.minimum(ties_at, need)  # chosen by the tiles before
         if gathered:
             i = tl.load(idx_ptr + j, mask=chosen, other=0).to(tl.int64)
         else:
             i = j
         tl.store(out_ptr + first + slot, i, mask=chosen)
+        above_at += tl.sum(above.to(tl.int32), 0)
+        ties_at += tl.sum(tie.to(tl.int32), 0)
 
 
 class _Selection:
@@ -2045,22 +2057,24 @@ class _Selection:
     count pass read all of ``x``).
     """
 
-    def __init__(self, x: torch.Tensor, k: int, zeroed: bool = True, groups: int = 0):
+    def __init__(self, x: torch.Tensor, k: int, zeroed: bool = True, groups: int = 0,
+                 chosen: int = 0):
         n = x.numel()
         wide = x.dtype == torch.float64
         self.digits = (64 if wide else 32) // DIGIT
         d = self.digits
         at = d * 256 + 2 * (d + 1)  # the bound's word, behind the histograms and states
-        work = (torch.zeros if zeroed else torch.empty)(at + 4 + groups, dtype=torch.int64,
-                                                        device=x.device)
+        work = (torch.zeros if zeroed else torch.empty)(at + 4 + groups + chosen,
+                                                        dtype=torch.int64, device=x.device)
         self.work = work
         # Every view in one split: each view is a torch call of 1-2 us of the host's time, and
         # a call of top_indices took 19 of them (rows of 2-D views), some 35 us where the
         # split takes 19 (a 2-core VM's host, on whose CPU tensors views cost as on CUDA ones).
-        parts = work.split([256] * d + [2] * (d + 1) + [1, 1, 2] + ([groups] if groups else []))
+        parts = work.split([256] * d + [2] * (d + 1) + [1, 1, 2, groups, chosen])
         self.hist, self.state = parts[:d], parts[d : 2 * d + 1]
         self.bound, self.m, self.census = parts[2 * d + 1 : 2 * d + 4]
         self.groups = parts[2 * d + 4] if groups else None
+        self.chosen = parts[2 * d + 5]
         self.rank_at = d * 256 + 1  # state[0][1]'s word in work
         self.bound_at = at
         self.sampled = False
@@ -2170,7 +2184,8 @@ def _check_k(n: int, k: int) -> None:
         raise ValueError(f"expected 0 < k <= {n}, got k={k}")
 
 
-def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _Selection:
+def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False,
+                  chosen: int = 0) -> _Selection:
     # Every digit of the k-th largest key but the last, settled on the device; the last pass's
     # histogram is left for the caller's next kernel to settle. From 2**18 scores the keys at or
     # above a sampled bound are gathered first (one read of x, whose count pass keeps them
@@ -2181,14 +2196,15 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False) -> _
     # no pass reads anything. Otherwise the first two passes read x; the keys at or above
     # the k-th's first two digits are then gathered (about k of them for the usual scores)
     # and the later passes read those instead. `census`: as _sampled's; the sampled path (only)
-    # adds it to sel.census (sel.sampled).
+    # adds it to sel.census (sel.sampled). `chosen`: zeroed words to keep in sel.chosen.
     n = x.numel()
     _check_k(n, k)
     wide = x.dtype == torch.float64
     plan = _sampling(n, k)
     grid = (_programs(n),)
     sel = _Selection(x, k, zeroed=plan is None,
-                     groups=0 if plan is None else 2 * _cdiv(grid[0], _group(grid[0])))
+                     groups=0 if plan is None else 2 * _cdiv(grid[0], _group(grid[0])),
+                     chosen=chosen)
     block, opts = _config("key_digits")
     sampled = sel.sampled = plan is not None
     # the two-digit pass's counts a program (ROWS); no pass of the sampled path writes them,
@@ -2240,7 +2256,7 @@ SMALL_TOP = 1 << 16
 """Scores up to which :func:`top_indices` runs in one program (:func:`_small_top_kernel`).
 
 One program's passes wait on their loads tile after tile, where the radix passes spread each
-over the SMs but take 12 launches (each some microseconds of the host's and the device's):
+over the SMs but take 9 to 11 launches (each some microseconds of the host's and the device's):
 below some size the one launch wins. On an H100 (``bitcomm bench tune``, which times both
 paths at 4K-128K scores; docs/results/gpu-h100.md) it won by 25x at 4K, 2.3x at 64K and tied
 at 128K (1.06x); 64K scores are 16 tiles a pass."""
@@ -2319,19 +2335,20 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
       over ``x`` whose programs each keep theirs (up to :data:`LOCAL_ROOM` times a share of
       the room) and a gathering pass that copies them into one run, about ``1.5 k``
       candidates at ``k = 1%``: one read of ``x`` (and of any run whose candidates overflowed
-      its program's share) and 10 launches for 32-bit scores (the bound's kernel clears the
+      its program's share) and 9 launches for 32-bit scores (the bound's kernel clears the
       work buffer);
     * otherwise (fewer scores, a larger ``k``) the first two passes read ``x`` and a third
       gathers the keys that share or beat the k-th largest's first two digits: about ``k``
       for the usual scores (all within a factor ``1 + 2**-7`` of the k-th largest score or
-      above it, for float32), three reads of ``x`` and 12 launches.
+      above it, for float32), three reads of ``x`` and 11 launches.
 
     Up to :data:`SMALL_TOP` scores the whole selection is one launch of one program
     (:func:`_small_top_kernel`): the same passes over ``x``, each digit settled in its
     registers, then one pass that writes the indices.
 
-    Then the counts per tile above and at the k-th key, and each tile's indices at its
-    offset, read the candidates too. When the keys at the sampled bound would outnumber
+    Then a count of each program's run above and at the k-th key (added into group sums as
+    it goes) and the writing of each run's indices at its offset (from those sums, no scan)
+    read the candidates too. When the keys at the sampled bound would outnumber
     ``k + n // SLACK`` (many tied at it, such as the exact zeros of a sparse gradient), the
     candidates are the keys strictly above it if ``k`` or more of them fit; if fewer than
     ``k`` lie above it, the k-th largest key is the bound itself: no counting pass reads
@@ -2354,22 +2371,21 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
     # the count pass packs two counts into an int32 a lane, each at most the tiles of a run
     runs = -(-_grid(n, _config("key_digits")[0])[0] // _programs(n))
     counted = census and runs < 1 << 15
-    sel = _radix_select(x, k, side, counted)
-    d = sel.digits
     block, opts = _config("top_write")
-    tiles = _grid(n, block)[0]
-    grid = (min(COUNT_PROGRAMS, tiles),)
+    grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
+    group = _group(grid[0])
+    ng = _cdiv(grid[0], group)
+    # the writing passes' group sums (keys above the k-th largest, and ties) in the
+    # selection's work buffer, which its first launch clears
+    sel = _radix_select(x, k, side, counted, chosen=2 * ng)
+    d = sel.digits
     wide = x.dtype == torch.float64
-    # both counts of a tile in one 1-D buffer: on a GPU a scan down the columns of a
-    # [tiles, 2] tensor runs in one thread a column (milliseconds at 64M scores); int64, the
-    # running sums' dtype, so that the scan is not preceded by a cast (a launch of its own)
-    per_tile = torch.empty(2 * tiles, dtype=torch.int64, device=x.device)
+    counts = torch.empty(2 * grid[0], dtype=torch.int64, device=x.device)
     launch(_chosen_counts_kernel, grid, x, sel.keys, sel.hist[d - 1], sel.state[d - 1], sel.m,
-           per_tile, n, tiles, SIDE=side, WIDE=wide, BLOCK=block, **opts)
+           counts, sel.chosen, ng, n, SIDE=side, WIDE=wide, GROUP=group, BLOCK=block, **opts)
     out = torch.empty(k, dtype=torch.int64, device=x.device)
-    launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m,
-           per_tile.cumsum(0), out, n, tiles, SIDE=side, WIDE=wide,
-           BLOCK=block, **opts)
+    launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m, counts,
+           sel.chosen, out, ng, n, SIDE=side, WIDE=wide, GROUP=group, BLOCK=block, **opts)
     if not census:
         return out
     if sel.sampled and counted:
