@@ -78,7 +78,7 @@ from bitcomm.collectives import _kernels as ring
 
 assert _launch._DIRECT, triton.__version__
 _frame.FORCE = "triton"
-direct = [0, 0]  # launches by key, launches in all
+direct = [0, 0, 0]  # launches by key, launches in all, launches replayed from a plan
 
 
 def same(a, b):
@@ -90,8 +90,11 @@ def same(a, b):
 def checked(kernel, grid, *args, **kwargs):
     key = _launch._key(kernel, 0, args, kwargs)
     by_key = key is not None and key in _launch._KERNELS
+    plan = getattr(_launch._LOCAL, "plan", None)
+    at = plan.at if plan is not None and plan.replay else None
     launched.clear()
     _launch.launch(kernel, grid, *args, **kwargs)
+    direct[2] += at is not None and plan.replay and plan.at == at + 1
     (got,) = launched
     launched.clear()
     kernel[grid](*args, **kwargs)
@@ -105,7 +108,7 @@ def checked(kernel, grid, *args, **kwargs):
 
 _kernels.launch = checked
 g = torch.Generator().manual_seed(5)
-for n in (1, 9, 16, 17, 1000, 4097, 70000):
+for n in (1, 9, 16, 17, 1000, 4097, 70000, 2**18 + 5):  # the last: a top-k's sampled bound
     x = torch.randn(n + 3, generator=g)
     for v in (x[:n], x[1 : n + 1], x[3:].double(), x[:n].bfloat16()):  # 16-byte aligned or not
         for _ in range(2):  # the second time by key
@@ -143,7 +146,16 @@ for _ in range(2):
     for big in (5, 2**31 - 16, 2**31, 2**31 + 1, 2**32 + 16, 2**63 - 1, -2**40, 2**63, 2**64 - 16):
         checked(_kernels._sign_pack_kernel, (1,), x[:9], bits, big, 2, BLOCK=1024, WIDEN=False)
         checked(_kernels._head_kernel, (1,), frame, big, 7, HEAD=16, num_warps=1)
-print(json.dumps({"triton": triton.__version__, "direct": direct[0], "launches": direct[1]}))
+# a plan replays what its first run recorded; a launch with other keywords than recorded
+# (a setting its key missed) goes by key, and the plan is dropped, to be recorded anew
+for block, replayed, kept in ((1024, 0, True), (1024, 1, True), (512, 0, False),
+                              (512, 0, True), (512, 1, True)):
+    before = direct[2]
+    with _launch.planned(("test",)):
+        checked(_kernels._sign_pack_kernel, (1,), x[:9], bits, 9, 2, BLOCK=block, WIDEN=False)
+    assert (direct[2] - before, ("test",) in _launch._PLANS) == (replayed, kept), block
+print(json.dumps({"triton": triton.__version__, "direct": direct[0], "launches": direct[1],
+                  "replayed": direct[2]}))
 """
 
 
@@ -160,8 +172,10 @@ def test_a_launch_by_key_passes_what_tritons_own_launch_passes(triton_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["triton"].startswith(("3.6." if triton_dir else "3.9."))
-    # most launches are repeats: the comparison covered the path by key, not only Triton's
+    # most launches are repeats: the comparison covered the path by key, not only Triton's,
+    # and the top-k's second calls replayed their plans (9 to 11 launches a call)
     assert report["direct"] > report["launches"] // 3, report
+    assert report["replayed"] >= 50, report
 
 
 @pytest.mark.parametrize(("value", "direct"), [(None, True), ("0", False), ("1", True)])

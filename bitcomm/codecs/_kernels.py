@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from bitcomm.codecs import _bracket, _frame
-from bitcomm.codecs._launch import launch
+from bitcomm.codecs._launch import launch, planned
 
 __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign_unpack",
            "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_decode",
@@ -2368,6 +2368,19 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
         raise ValueError(f"census takes float32 or float64 scores, got {x.dtype}")
     if n <= SMALL_TOP:
         return _small_top(x, k, side, census)
+    # Its launches follow from these alone (no host read; fresh buffers and views of them at
+    # fixed offsets), so the ones recorded under them replay (_launch.planned)
+    plan = (top_indices, n, x.dtype, k, side, census, x.data_ptr() % 16 == 0, LOCAL_ROOM,
+            CANDIDATE_TILES, COUNT_PROGRAMS, SLACK, TUNING["key_digits"], TUNING["top_write"],
+            _bracket.SAMPLE, _bracket.MIN_N, _bracket.HASH)
+    with planned(plan):
+        return _top_indices(x, k, side, census)
+
+
+def _top_indices(x: torch.Tensor, k: int, side: int, census: bool
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    # top_indices by radix selection (more than SMALL_TOP scores)
+    n = x.numel()
     # the count pass packs two counts into an int32 a lane, each at most the tiles of a run
     runs = -(-_grid(n, _config("key_digits")[0])[0] // _programs(n))
     counted = census and runs < 1 << 15

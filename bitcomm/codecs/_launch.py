@@ -44,7 +44,7 @@ try:  # triton 3.4 and newer; the direct launch is taken only under VERIFIED rel
 except ImportError:
     knobs = None
 
-__all__ = ["launch", "VERIFIED", "LIMIT"]
+__all__ = ["launch", "planned", "VERIFIED", "LIMIT", "PLANS"]
 
 VERIFIED = ("3.6.", "3.9.")
 """Triton releases whose argument specialisation ``tests/test_launch.py`` checked against this
@@ -59,6 +59,73 @@ _INTERPRETER_LOCK = threading.Lock()
 _DIRECT = (knobs is not None and not _INTERPRETED and triton.__version__.startswith(VERIFIED)
            and os.environ.get("BITCOMM_DIRECT_LAUNCH") != "0")
 _KERNELS: dict[tuple, tuple] = {}
+
+PLANS = True
+"""Whether :func:`planned` replays recorded launches (False: every launch goes by key)."""
+
+_PLANS: dict[tuple, list] = {}
+_LOCAL = threading.local()  # the plan of this thread's innermost `with planned(...)`
+
+
+class _Plan:
+    # One `with planned(key)`: the steps it replays (from an earlier run under key) or records
+    # (each launch's compiled kernel, parameters after the given ones, kernel and keywords),
+    # how many it has taken, and the plan it is nested in.
+    __slots__ = ("key", "steps", "at", "recorded", "replay", "broken", "device", "outer")
+
+    def __init__(self, key: tuple, steps: list | None, device: int, outer):
+        self.key, self.device, self.outer = key, device, outer
+        self.recorded = self.replay = steps is not None
+        self.steps = steps if self.recorded else []
+        self.at = 0
+        self.broken = False
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, value, tb) -> None:
+        _LOCAL.plan = self.outer
+        if self.recorded:
+            if self.broken or self.at != len(self.steps):  # another sequence: record anew
+                _PLANS.pop(self.key, None)
+        elif not self.broken and kind is None and self.steps:
+            if len(_PLANS) >= LIMIT:
+                _PLANS.clear()
+            _PLANS[self.key] = self.steps
+
+
+class _Unplanned:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, value, tb) -> None:
+        return None
+
+
+_UNPLANNED = _Unplanned()
+
+
+def planned(key: tuple):
+    """Return a context in which this thread's launches follow the plan recorded under ``key``.
+
+    For a caller whose launches are fixed by a few of its inputs (a top-k's by the vector's
+    length, dtype and 16-byte alignment, ``k``, the side and its module's settings: its
+    buffers are fresh allocations and views of them at fixed offsets, and nothing is read
+    back from the device), ``key`` holds those inputs. The first run under a key records
+    each launch's compiled kernel; later runs launch the recorded kernels in order, without
+    :func:`launch`'s key of each launch's arguments (a few microseconds each on a 2-core
+    VM's host, more on a GPU machine's). A launch of another kernel or with other keywords
+    than recorded (a setting the key missed) ends the replay: it and the rest go by key, and
+    the plan is recorded again next time. A no-op where launches do not go by key.
+    """
+    if not (_DIRECT and PLANS):
+        return _UNPLANNED
+    outer = getattr(_LOCAL, "plan", None)
+    plan = _Plan(key, _PLANS.get(key), driver.active.get_current_device(), outer)
+    _LOCAL.plan = plan
+    return plan
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
@@ -75,7 +142,18 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     if not _DIRECT:
         kernel[grid](*args, **kwargs)
         return
-    device = driver.active.get_current_device()
+    active = driver.active
+    device = active.get_current_device()
+    plan = getattr(_LOCAL, "plan", None)
+    if plan is not None and plan.replay:
+        at = plan.at
+        if at < len(plan.steps) and device == plan.device:
+            compiled, tail, recorded, keywords = plan.steps[at]
+            if recorded is kernel and keywords == kwargs:
+                plan.at = at + 1
+                _run(compiled, grid, args + tail, active.get_current_stream(device))
+                return
+        plan.replay, plan.broken = False, True
     key = _key(kernel, device, args, kwargs)
     try:
         known = None if key is None else _KERNELS.get(key)
@@ -86,16 +164,34 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
             if len(_KERNELS) >= LIMIT:
                 _KERNELS.clear()
-            _KERNELS[key] = (compiled, _tail(kernel, len(args), kwargs), kernel)
+            known = _KERNELS[key] = (compiled, _tail(kernel, len(args), kwargs), kernel)
+        if plan is not None and not plan.broken:
+            _record(plan, known, kwargs)
         return
+    if plan is not None and not plan.broken:
+        _record(plan, known, kwargs)
     compiled, tail, _ = known
-    full = args + tail
-    stream = driver.active.get_current_stream(device)
+    _run(compiled, grid, args + tail, active.get_current_stream(device))
+
+
+def _record(plan: _Plan, known: tuple | None, kwargs: dict) -> None:
+    # A recording plan's next step, or its end where the launch had no key
+    if known is None:
+        plan.broken = True
+    else:
+        plan.steps.append((*known, dict(kwargs)))
+
+
+def _run(compiled, grid: tuple[int, ...], full: tuple, stream: int) -> None:
+    # Launch a compiled kernel with every parameter's value (`full`) as Triton's launch does.
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
+    enter = knobs.runtime.launch_enter_hook
+    # the launch metadata is None without an enter hook (CompiledKernel.launch_metadata's
+    # first test), so it is only asked for with one: a call and the arguments' unpacking less
     compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *full),
-                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
+                 None if enter is None else compiled.launch_metadata(grid, stream, *full),
+                 enter, knobs.runtime.launch_exit_hook, *full)
 
 
 def _key(kernel, device: int, args: tuple, kwargs: dict) -> tuple | None:
