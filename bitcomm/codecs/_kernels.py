@@ -2050,7 +2050,8 @@ class _Selection:
     selection starts from one. ``census``: int64 ``[bad, positive]``, which the sampled path's
     count pass adds its programs' census to (:func:`_count_at_least_kernel`'s CENSUS).
     ``groups``: ``groups`` words (or None) for that pass's sums of its programs' counts by
-    groups (its GROUP), the gathering's running sums. All zeros
+    groups (its GROUP), the gathering's running sums. ``chosen``: ``chosen`` words (maybe
+    none) for the writing passes' group sums (:func:`_chosen_counts_kernel`). All zeros
     but ``state[0]``'s rank, ``k``, in one buffer (``work``): two launches, or none where the
     selection starts from a sampled bound, whose one-program kernel writes them
     (``zeroed=False``). ``sampled``: whether the selection started from a sampled bound (its
