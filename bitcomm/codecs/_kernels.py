@@ -1992,22 +1992,27 @@ def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_pt
     # its group's sums (groups_ptr[pid // GROUP] and groups_ptr[ng + pid // GROUP], zeroed),
     # from which _chosen_write_kernel's programs find where their runs' indices go, as
     # _gather_kernel does from _count_at_least_kernel's: no scan between the two launches.
-    kth = _kth_key(hist_ptr, state_ptr, m_ptr, WIDE)
+    # A program without a run (most of them when the candidates are a few tiles a program
+    # would have of x) settles nothing and adds nothing: it only writes its zero counts. The
+    # first program always has a run, and it writes the settled key for the writing pass.
     gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
     above_n = tl.zeros([BLOCK], dtype=tl.int32)
     ties_n = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(lo, hi, BLOCK):
-        _, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
-                                     BLOCK)
-        above_n += above.to(tl.int32)
-        ties_n += tie.to(tl.int32)
+    if lo < hi:
+        kth = _kth_key(hist_ptr, state_ptr, m_ptr, WIDE)
+        for start in range(lo, hi, BLOCK):
+            _, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE,
+                                         WIDE, BLOCK)
+            above_n += above.to(tl.int32)
+            ties_n += tie.to(tl.int32)
     pid = tl.program_id(0)
     a = tl.sum(above_n, 0).to(tl.int64)
     t = tl.sum(ties_n, 0).to(tl.int64)
     tl.store(counts_ptr + pid, a)
     tl.store(counts_ptr + tl.num_programs(0) + pid, t)
-    tl.atomic_add(groups_ptr + pid // GROUP, a)
-    tl.atomic_add(groups_ptr + ng + pid // GROUP, t)
+    if lo < hi:
+        tl.atomic_add(groups_ptr + pid // GROUP, a)
+        tl.atomic_add(groups_ptr + ng + pid // GROUP, t)
 
 
 @triton.jit
@@ -2018,24 +2023,25 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr,
     # written in index order: a program's chosen indices follow those of the programs before
     # it (_before of _chosen_counts_kernel's counts and group sums, keys above and ties
     # apart), and a tile's those of the tiles before it in the run.
-    kth = tl.load(state_ptr)
-    need = tl.load(state_ptr + 1)
-    pid = tl.program_id(0)
-    above_at = _before(counts_ptr, groups_ptr, pid, GROUP)
-    ties_at = _before(counts_ptr + tl.num_programs(0), groups_ptr + ng, pid, GROUP)
     gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
-    for start in range(lo, hi, BLOCK):
-        j, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE, WIDE,
-                                     BLOCK)
-        chosen, slot = _chosen(above, tie, ties_at, need, BLOCK)
-        first = above_at + tl.minimum(ties_at, need)  # chosen by the tiles before
-        if gathered:
-            i = tl.load(idx_ptr + j, mask=chosen, other=0).to(tl.int64)
-        else:
-            i = j
-        tl.store(out_ptr + first + slot, i, mask=chosen)
-        above_at += tl.sum(above.to(tl.int32), 0)
-        ties_at += tl.sum(tie.to(tl.int32), 0)
+    if lo < hi:  # a program without a run has nothing to place
+        kth = tl.load(state_ptr)
+        need = tl.load(state_ptr + 1)
+        pid = tl.program_id(0)
+        above_at = _before(counts_ptr, groups_ptr, pid, GROUP)
+        ties_at = _before(counts_ptr + tl.num_programs(0), groups_ptr + ng, pid, GROUP)
+        for start in range(lo, hi, BLOCK):
+            j, above, tie = _against_kth(x_ptr, keys_ptr, kth, start, total, gathered, SIDE,
+                                         WIDE, BLOCK)
+            chosen, slot = _chosen(above, tie, ties_at, need, BLOCK)
+            first = above_at + tl.minimum(ties_at, need)  # chosen by the tiles before
+            if gathered:
+                i = tl.load(idx_ptr + j, mask=chosen, other=0).to(tl.int64)
+            else:
+                i = j
+            tl.store(out_ptr + first + slot, i, mask=chosen)
+            above_at += tl.sum(above.to(tl.int32), 0)
+            ties_at += tl.sum(tie.to(tl.int32), 0)
 
 
 class _Selection:

@@ -63,20 +63,21 @@ _KERNELS: dict[tuple, tuple] = {}
 PLANS = True
 """Whether :func:`planned` replays recorded launches (False: every launch goes by key)."""
 
-_PLANS: dict[tuple, list] = {}
+_PLANS: dict[tuple, tuple[int, list]] = {}  # key: (the device, the steps)
 _LOCAL = threading.local()  # the plan of this thread's innermost `with planned(...)`
 
 
 class _Plan:
     # One `with planned(key)`: the steps it replays (from an earlier run under key) or records
     # (each launch's compiled kernel, parameters after the given ones, kernel and keywords),
-    # how many it has taken, and the plan it is nested in.
+    # the device they were launched on (taken from the first launch: making a plan asks the
+    # driver nothing), how many it has taken, and the plan it is nested in.
     __slots__ = ("key", "steps", "at", "recorded", "replay", "broken", "device", "outer")
 
-    def __init__(self, key: tuple, steps: list | None, device: int, outer):
-        self.key, self.device, self.outer = key, device, outer
-        self.recorded = self.replay = steps is not None
-        self.steps = steps if self.recorded else []
+    def __init__(self, key: tuple, entry: tuple[int, list] | None, outer):
+        self.key, self.outer = key, outer
+        self.recorded = self.replay = entry is not None
+        self.device, self.steps = entry if self.recorded else (None, [])
         self.at = 0
         self.broken = False
 
@@ -91,7 +92,7 @@ class _Plan:
         elif not self.broken and kind is None and self.steps:
             if len(_PLANS) >= LIMIT:
                 _PLANS.clear()
-            _PLANS[self.key] = self.steps
+            _PLANS[self.key] = (self.device, self.steps)
 
 
 class _Unplanned:
@@ -122,8 +123,7 @@ def planned(key: tuple):
     """
     if not (_DIRECT and PLANS):
         return _UNPLANNED
-    outer = getattr(_LOCAL, "plan", None)
-    plan = _Plan(key, _PLANS.get(key), driver.active.get_current_device(), outer)
+    plan = _Plan(key, _PLANS.get(key), getattr(_LOCAL, "plan", None))
     _LOCAL.plan = plan
     return plan
 
@@ -166,17 +166,20 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
                 _KERNELS.clear()
             known = _KERNELS[key] = (compiled, _tail(kernel, len(args), kwargs), kernel)
         if plan is not None and not plan.broken:
-            _record(plan, known, kwargs)
+            _record(plan, known, kwargs, device)
         return
     if plan is not None and not plan.broken:
-        _record(plan, known, kwargs)
+        _record(plan, known, kwargs, device)
     compiled, tail, _ = known
     _run(compiled, grid, args + tail, active.get_current_stream(device))
 
 
-def _record(plan: _Plan, known: tuple | None, kwargs: dict) -> None:
-    # A recording plan's next step, or its end where the launch had no key
-    if known is None:
+def _record(plan: _Plan, known: tuple | None, kwargs: dict, device: int) -> None:
+    # A recording plan's next step, or its end where the launch had no key or went to
+    # another device than the plan's first launch
+    if plan.device is None:
+        plan.device = device
+    if known is None or device != plan.device:
         plan.broken = True
     else:
         plan.steps.append((*known, dict(kwargs)))
