@@ -74,15 +74,16 @@ class _Plan:
     # driver nothing), how many it has taken, and the plan it is nested in.
     __slots__ = ("key", "steps", "at", "recorded", "replay", "broken", "device", "outer")
 
-    def __init__(self, key: tuple, entry: tuple[int, list] | None, outer):
-        self.key, self.outer = key, outer
+    def __init__(self, key: tuple, entry: tuple[int, list] | None):
+        self.key, self.outer = key, None
         self.recorded = self.replay = entry is not None
         self.device, self.steps = entry if self.recorded else (None, [])
         self.at = 0
         self.broken = False
 
     def __enter__(self) -> None:
-        return None
+        self.outer = getattr(_LOCAL, "plan", None)
+        _LOCAL.plan = self
 
     def __exit__(self, kind, value, tb) -> None:
         _LOCAL.plan = self.outer
@@ -117,15 +118,14 @@ def planned(key: tuple):
     back from the device), ``key`` holds those inputs. The first run under a key records
     each launch's compiled kernel; later runs launch the recorded kernels in order, without
     :func:`launch`'s key of each launch's arguments (a few microseconds each on a 2-core
-    VM's host, more on a GPU machine's). A launch of another kernel or with other keywords
-    than recorded (a setting the key missed) ends the replay: it and the rest go by key, and
-    the plan is recorded again next time. A no-op where launches do not go by key.
+    VM's host, more on a GPU machine's). A launch of another kernel, with other keywords than
+    recorded (a setting the key missed) or on another device ends the replay: it and the rest
+    go by key, and the plan is recorded again next time. A no-op where launches do not go by
+    key.
     """
     if not (_DIRECT and PLANS):
         return _UNPLANNED
-    plan = _Plan(key, _PLANS.get(key), getattr(_LOCAL, "plan", None))
-    _LOCAL.plan = plan
-    return plan
+    return _Plan(key, _PLANS.get(key))
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
