@@ -2392,7 +2392,7 @@ def _top_indices(x: torch.Tensor, k: int, side: int, census: bool
     runs = -(-_grid(n, _config("key_digits")[0])[0] // _programs(n))
     counted = census and runs < 1 << 15
     block, opts = _config("top_write")
-    grid = (min(COUNT_PROGRAMS, _grid(n, block)[0]),)
+    grid = (_programs(n, "top_write"),)
     group = _group(grid[0])
     ng = _cdiv(grid[0], group)
     # the writing passes' group sums (keys above the k-th largest, and ties) in the

@@ -32,6 +32,7 @@ a wrong result comes from this path, without a change to the code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -96,17 +97,7 @@ class _Plan:
             _PLANS[self.key] = (self.device, self.steps)
 
 
-class _Unplanned:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, value, tb) -> None:
-        return None
-
-
-_UNPLANNED = _Unplanned()
+_UNPLANNED = contextlib.nullcontext()  # planned() where launches do not go by key
 
 
 def planned(key: tuple):
