@@ -893,18 +893,32 @@ def test_count_step_adds_votes_and_repacks():
 
     g = torch.Generator().manual_seed(3)
     for n in (1, 8, 9, 8191, 8192, 8193):  # 8192: two full tiles and no last one
-        for i in (1, 2, 3, 4, 7):
+        for i in (1, 2, 3, 4, 7, 8):  # 8: a decision over 9 ranks from 4 planes
             before = torch.randint(0, i + 1, (n,), generator=g)
             x = torch.randn(n, generator=g)
-            got = ck.count_step(counts.pack(before, i), x, counts.width(i), counts.width(i + 1))
+            # every count, with either vote
+            before[: 2 * (i + 1)] = torch.arange(i + 1).repeat_interleave(2)[:n]
+            x[: 2 * (i + 1)] = torch.tensor([-1.0, 1.0]).repeat(i + 1)[:n]
+            received = counts.pack(before, i)
+            if n % 8:  # padding bits set in the received planes stay clear in what is sent
+                w, nb = counts.width(i), (n + 7) // 8
+                received.view(w, nb)[:, -1] |= (1 << (8 - n % 8)) - 1
+            got = ck.count_step(received, x, counts.width(i), counts.width(i + 1))
             assert torch.equal(got, counts.pack(before + (x >= 0).long(), i + 1)), (n, i)
+            wider = counts.width(i) + 2  # planes past the sum's are zeros
+            got = ck.count_step(received, x, counts.width(i), wider)
+            assert torch.equal(got, counts.pack(before + (x >= 0).long(), (1 << wider) - 1))
             twice = 2 * (before + (x >= 0))
-            even = (torch.arange(n) + 5) % 2 == 0  # tie_base 5: odd local indices go up
-            for tie, want in (("negative", twice > i + 1), ("positive", twice >= i + 1),
-                              ("alternate", (twice > i + 1) | ((twice == i + 1) & even))):
-                dec = ck.count_step(counts.pack(before, i), x, counts.width(i), 1, decide=i + 1,
-                                    tie=tie, tie_base=5)
-                assert torch.equal(dec, bits.pack(want.to(torch.uint8), 1)), (n, i, tie)
+            for base in (5, 0):  # odd, then even local indices go up on a tie
+                even = (torch.arange(n) + base) % 2 == 0
+                for tie, want in (("negative", twice > i + 1), ("positive", twice >= i + 1),
+                                  ("alternate", (twice > i + 1) | ((twice == i + 1) & even))):
+                    dec = ck.count_step(received, x, counts.width(i), 1, decide=i + 1,
+                                        tie=tie, tie_base=base)
+                    assert torch.equal(dec, bits.pack(want.to(torch.uint8), 1)), (n, i, tie)
+    with pytest.raises(ValueError, match="at most 8 ranks"):  # 2 planes and a vote: 3 bits
+        ck.count_step(counts.pack(torch.zeros(8, dtype=torch.long), 3), torch.ones(8), 2, 1,
+                      decide=9)
 
 
 def _unpacked(packed: torch.Tensor, n: int) -> torch.Tensor:

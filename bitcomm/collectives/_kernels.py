@@ -3,9 +3,11 @@
 A ring step of :func:`bitcomm.collectives.ring_majority` is, unfused, four passes (unpack the
 received counts, compare the chunk with 0, add, repack at the next width) and two host
 synchronisations (the count decoder's checks). :func:`count_step` does it in one pass that reads
-the received bit planes and the chunk once and writes the next planes once; its last step
-decides and packs the 1-bit decisions instead. :func:`vote_count` is the all-to-all majority's
-sum of every rank's packed votes, decided and packed, in one pass. The payloads are the codecs'
+the received bit planes and the chunk once and writes the next planes once, adding the votes
+to the counts bit-sliced (a ripple carry of whole bytes through the planes, never a count
+unpacked); its last step decides and packs the 1-bit decisions instead. :func:`vote_count`
+is the all-to-all majority's sum of every rank's packed votes, decided and packed, in one
+pass. The payloads are the codecs'
 (:mod:`bitcomm.codecs.counts` fixed packing, :mod:`bitcomm.codecs.sign` bits), byte for byte.
 For :func:`bitcomm.collectives.onebit_allreduce`, :func:`sign_error` packs the signs and writes
 the error feedback in one pass, :func:`weighted_votes` adds up every rank's scaled signs and
@@ -69,25 +71,61 @@ def _count_step_kernel(recv_ptr, x_ptr, out_ptr, n, nb, size, tie_base, first,
                        W_IN: tl.constexpr, W_OUT: tl.constexpr, DECIDE: tl.constexpr,
                        TIE: tl.constexpr, WIDEN: tl.constexpr, BLOCK: tl.constexpr,
                        EDGE: tl.constexpr):
+    # Bit-sliced: a byte of a plane holds one bit of 8 elements' counts, so adding this
+    # rank's votes (a byte of 8 of them) to the counts is a ripple-carry addition of bytes, two
+    # operations a plane for 8 elements, and the majority a comparison of the sum's bits with
+    # a constant, as cheap; unpacking each count, adding and repacking cost several operations
+    # an element a plane. Only the votes are packed element by element (as sign_pack packs).
     ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
+    shifts = (7 - j)[None, :]
     idx = ob[:, None] * 8 + j[None, :]
     live = idx < n
     x = _load(x_ptr + idx, live, -1.0, EDGE)  # padding lanes vote 0
     if WIDEN:  # 16-bit floats compare as float32 (exact)
         x = x.to(tl.float32)
-    count = (x >= 0).to(tl.int32)  # this rank's vote
-    for row in tl.static_range(W_IN):
-        byte = _load(recv_ptr + row * nb + ob, ob < nb, 0, EDGE).to(tl.int32)
-        count += ((byte[:, None] >> (7 - j)[None, :]) & 1) << (W_IN - 1 - row)
+    carry = tl.sum((x >= 0).to(tl.int32) << shifts, axis=1)  # this rank's votes
+    if EDGE:  # the padding bits of the last byte stay 0, whatever the received ones hold
+        mask = tl.sum(live.to(tl.int32) << shifts, axis=1)
+    else:
+        mask = 255
+    inside = ob < nb
     if DECIDE:
-        count = _majority(count, size, idx, tie_base, TIE)
-    if EDGE:
-        count = tl.where(live, count, 0)
-    for row in tl.static_range(W_OUT):
-        bit = (count >> (W_OUT - 1 - row)) & 1
-        out = tl.sum(bit << (7 - j)[None, :], axis=1).to(tl.uint8)
-        _store(out_ptr + row * nb + ob, out, ob < nb, EDGE)
+        # the majority, count > c, bit by bit from the least significant up: where the sum's
+        # bit differs from c's it decides, else the bits below do; `eq` holds count == c.
+        # c < size <= 2 ** (W_IN + 1) (count_step checks): its bits are the sum's
+        if TIE == 1:  # 2 * count >= size
+            c = (size + 1) // 2 - 1
+        else:  # 2 * count > size
+            c = size // 2
+        above = carry & 0
+        eq = above | 255
+        for b in tl.static_range(W_IN + 1):
+            if b < W_IN:
+                plane = _load(recv_ptr + (W_IN - 1 - b) * nb + ob, inside, 0, EDGE).to(tl.int32)
+                bit = plane ^ carry
+                carry = plane & carry
+            else:
+                bit = carry
+            differs = bit ^ (((c >> b) & 1) * 255)
+            above = (bit & differs) | (above & (differs ^ 255))
+            eq = eq & (differs ^ 255)
+        if TIE == 2:  # a tie (an even size's half) goes up at the even global indices
+            # elements 0, 2, 4, 6 of the byte (bits 0xAA), or 1, 3, 5, 7 (0x55)
+            even = 0x55 + 0x55 * (1 - (tie_base & 1))
+            above = above | (eq & even & ((1 - (size & 1)) * 255))
+        _store(out_ptr + ob, (above & mask).to(tl.uint8), inside, EDGE)
+    else:
+        for b in tl.static_range(W_IN):  # from the least significant plane, the last row
+            plane = _load(recv_ptr + (W_IN - 1 - b) * nb + ob, inside, 0, EDGE).to(tl.int32)
+            if b < W_OUT:
+                _store(out_ptr + (W_OUT - 1 - b) * nb + ob, ((plane ^ carry) & mask).to(tl.uint8),
+                       inside, EDGE)
+            carry = plane & carry
+        for b in tl.static_range(W_IN, W_OUT):  # the carry, then zeros
+            _store(out_ptr + (W_OUT - 1 - b) * nb + ob, (carry & mask).to(tl.uint8), inside,
+                   EDGE)
+            carry = carry & 0
 
 
 def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out: int, *,
@@ -99,12 +137,17 @@ def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out:
         x: this rank's chunk (contiguous float tensor).
         w_in: planes in ``received``.
         w_out: planes to write (1 with ``decide``).
-        decide: the number of ranks: write the majority decision bits instead of counts.
+        decide: the number of ranks: write the majority decision bits instead of counts (at
+            most ``2 ** (w_in + 1)``, beyond what the received counts and this rank's vote
+            could reach: ``ValueError``).
         tie: with ``decide``, the tie rule (:data:`bitcomm.collectives.majority.TIES`).
         tie_base: with ``tie="alternate"``, the global index of ``x[0]`` plus the phase (only
             its parity matters).
 
     """
+    if decide > 1 << (w_in + 1):
+        raise ValueError(f"expected at most {1 << (w_in + 1)} ranks for {w_in} received planes, "
+                         f"got decide={decide}")
     n = x.numel()
     nb = (n + 7) // 8
     out = torch.empty(w_out * nb, dtype=torch.uint8, device=x.device)
