@@ -934,17 +934,23 @@ def test_onebit_and_vote_kernels_in_full_tiles_and_the_last_one():
     g = torch.Generator().manual_seed(8)
     tile = 8 * ck.TUNING["vote_count"][0]  # elements a program (vote_count, scaled_signs)
     for n in (13, tile, 2 * tile + 13):
-        for size in (1, 4, 5):
+        # 255: the most ranks whose counts take a byte each; 256: an int32 each
+        for size in (1, 2, 4, 5) if n > 13 else (1, 2, 4, 5, 254, 255, 256):
             raw = torch.randint(0, 2, (size, n), generator=g, dtype=torch.uint8)
+            raw[:, :4], raw[:, 4:8] = 1, 0  # every rank alike: the counts' extremes
+            raw[:, 8:12] = 0  # and at the majority's edge: half the ranks, one more, a tie
+            raw[: size // 2, 8:10] = raw[: size // 2 + 1, 10:12] = 1
             votes = torch.stack([bits.pack(r, 1) for r in raw])
             if n % 8:  # padding bits set in the votes stay clear in the decision
                 votes[:, -1] |= (1 << (8 - n % 8)) - 1
             count = raw.sum(0)
-            even = (torch.arange(n) + 1) % 2 == 0
-            for tie, want in (("negative", 2 * count > size), ("positive", 2 * count >= size),
-                              ("alternate", (2 * count > size) | ((2 * count == size) & even))):
-                got = ck.vote_count(votes, n, tie=tie, tie_base=1)
-                assert torch.equal(got, bits.pack(want.to(torch.uint8), 1)), (n, size, tie)
+            for base in (1, 2):  # odd, then even local indices go up on a tie
+                even = (torch.arange(n) + base) % 2 == 0
+                for tie, want in (("negative", 2 * count > size),
+                                  ("positive", 2 * count >= size),
+                                  ("alternate", (2 * count > size) | ((2 * count == size) & even))):
+                    got = ck.vote_count(votes, n, tie=tie, tie_base=base)
+                    assert torch.equal(got, bits.pack(want.to(torch.uint8), 1)), (n, size, tie)
         for chunk in (1000, tile, tile + 8):
             scales = torch.rand(-(-n // chunk), generator=g) + 0.5
             signs = torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8)
@@ -983,7 +989,8 @@ def test_ring_steps_benchmark_rows():
         rows = ring_steps(1000, 4, device="cpu", repeat=1)
     by = {r.what: r for r in rows}
     assert [r.what for r in rows] == ["step 1", "step 2", "step 3", "decide", "unpack 0",
-                                      "unpack 1", "unpack 2", "unpack 3", "rank-total", "call"]
+                                      "unpack 1", "unpack 2", "unpack 3", "rank-total", "call",
+                                      "vote count"]
     # 4 chunks of 250 elements: 1000 bytes of fp32 and 32 bytes per bit plane each. Step 1
     # writes 1 plane; steps 2 and 3 read counts over 1 and 2 ranks (1 and 2 planes) and write
     # 2 planes; the last step reads 2 planes and writes 1; an unpack reads 1 and writes 1000.
@@ -1002,6 +1009,7 @@ def test_ring_steps_benchmark_rows():
     assert by["rank-total"].hbm_seconds == pytest.approx(sum(r.hbm_seconds for r in rows[:8]))
     assert by["call"].moved == 4 * by["rank-total"].moved
     assert by["call"].wire_bytes == by["rank-total"].wire_bytes
+    assert by["vote count"].moved == 5 * 32  # 4 ranks' votes of 250 elements, the decisions
     # the table `bench collectives --device cuda` saves: a line a row, the rows' figures
     from bitcomm.bench.collectives import steps_markdown
 

@@ -129,7 +129,8 @@ class StepRow:
     the kernel's (``sum_seconds``: that sum's median), and ``vs_hbm`` = seconds / hbm_seconds.
     The ``rank-total`` row sums one rank's kernels (their seconds and their hbm_seconds);
     ``wire_seconds`` is the time that rank's wire bytes take at the stated link rate. The
-    ``call`` row is a whole call with every rank a thread of this process on one device.
+    ``call`` row is a whole call with every rank a thread of this process on one device; the
+    ``vote count`` row the all-to-all majority's kernel on the same chunk (:func:`ring_steps`).
     """
 
     what: str
@@ -155,7 +156,10 @@ def ring_steps(n: int, size: int, *, device: str | torch.device = "cuda", repeat
 
     Rank 0's chunks, in order: the first step (votes packed as 1-bit counts), the middle steps
     (received counts + votes, repacked one plane wider when the width grows), the deciding step,
-    and the ``size`` unpacks of decisions into the +-1 result. Needs the Triton path (a CUDA
+    and the ``size`` unpacks of decisions into the +-1 result; then the ``rank-total`` and
+    ``call`` rows, and last the kernel :func:`~bitcomm.collectives.alltoall_majority` runs on
+    rank 0's chunk instead of those steps (``vote count``: every rank's packed votes counted,
+    decided and packed). Needs the Triton path (a CUDA
     device with triton; CPU tensors under ``TRITON_INTERPRET=1`` with the path forced).
     """
     device = torch.device(device)
@@ -223,6 +227,11 @@ def ring_steps(n: int, size: int, *, device: str | torch.device = "cuda", repeat
 
     rows.append(timed("call", n, call, moved * size, max(1, repeat // 5), wire_bytes=wire,
                       wire_seconds=wire_seconds))
+    # alltoall_majority's one kernel on the same chunk: every rank's packed votes, counted
+    length = lengths[0]
+    nb = (length + 7) // 8
+    votes = torch.randint(0, 256, (size, nb), generator=gen, dtype=torch.uint8).to(device)
+    add("vote count", length, lambda: _kernels.vote_count(votes, length), (size + 1) * nb)
     return rows
 
 
@@ -324,8 +333,9 @@ def markdown(rows: list[Row], config: dict, command: str) -> str:
 def steps_markdown(rows: list[StepRow], config: dict, command: str) -> str:
     """Return :func:`ring_steps`' rows as a Markdown table, headed like :func:`markdown`'s.
 
-    One line a kernel of one rank's ring (then the rank's total and a whole call): its time,
-    the bytes it moves and their time at the HBM read speed, and the wire time where known.
+    One line a kernel of one rank's ring (then the rank's total, a whole call and the
+    all-to-all's vote count): its time, the bytes it moves and their time at the HBM read
+    speed, and the wire time where known.
     """
     out = heading(config, command) + [
         "| ranks | size | kernel | elements | time (ms) | bytes moved | at HBM speed (ms) | "

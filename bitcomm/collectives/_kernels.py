@@ -161,19 +161,62 @@ def count_step(received: torch.Tensor | None, x: torch.Tensor, w_in: int, w_out:
 
 @triton.jit
 def _vote_count_kernel(votes_ptr, out_ptr, n, nb, size, tie_base, first, TIE: tl.constexpr,
-                       BLOCK: tl.constexpr, EDGE: tl.constexpr):
+                       BYTES: tl.constexpr, BLOCK: tl.constexpr, EDGE: tl.constexpr):
     ob = (first + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, 8)
-    count = tl.zeros([BLOCK, 8], dtype=tl.int32)
-    for r in range(size):
-        byte = _load(votes_ptr + r * nb + ob, ob < nb, 0, EDGE).to(tl.int32)
-        count += (byte[:, None] >> (7 - j)[None, :]) & 1
+    shifts = (7 - j)[None, :]
     idx = ob[:, None] * 8 + j[None, :]
-    bit = _majority(count, size, idx, tie_base, TIE)
-    if EDGE:  # the padding bits of the last byte stay 0
-        bit = tl.where(idx < n, bit, 0)
-    out = tl.sum(bit << (7 - j)[None, :], axis=1).to(tl.uint8)
-    _store(out_ptr + ob, out, ob < nb, EDGE)
+    if BYTES:
+        # Fewer than 256 ranks: every element's count in a byte of its own, four an int32
+        # (SWAR), so that a rank costs about one operation an element instead of three and
+        # the decision a few a byte of votes. A vote byte's halves spread their bit i to byte
+        # i (4-bit copies 7 bits apart, which never overlap): elements 0-3 of a vote byte are
+        # `high`'s bytes 3-0, elements 4-7 `low`'s.
+        ones = 0x01010101
+        high = tl.zeros([BLOCK], dtype=tl.int32)
+        low = tl.zeros([BLOCK], dtype=tl.int32)
+        for r in range(size):
+            byte = _load(votes_ptr + r * nb + ob, ob < nb, 0, EDGE).to(tl.int32)
+            high += ((byte >> 4) * 0x204081) & ones
+            low += ((byte & 15) * 0x204081) & ones
+        high = _byte_majority(high, size, tie_base, TIE)
+        low = _byte_majority(low, size, tie_base, TIE)
+        # each word's four decision bits (bytes 0-3's lowest bits) side by side: the
+        # multiplier's four copies put byte t's bit at bit 24 + t, and no other bits meet
+        out = ((((high * 0x01020408) >> 24) & 15) << 4) | (((low * 0x01020408) >> 24) & 15)
+        if EDGE:  # the padding bits of the last byte stay 0
+            out = out & tl.sum((idx < n).to(tl.int32) << shifts, axis=1)
+    else:
+        count = tl.zeros([BLOCK, 8], dtype=tl.int32)
+        for r in range(size):
+            byte = _load(votes_ptr + r * nb + ob, ob < nb, 0, EDGE).to(tl.int32)
+            count += (byte[:, None] >> shifts) & 1
+        bit = _majority(count, size, idx, tie_base, TIE)
+        if EDGE:  # the padding bits of the last byte stay 0
+            bit = tl.where(idx < n, bit, 0)
+        out = tl.sum(bit << shifts, axis=1)
+    _store(out_ptr + ob, out.to(tl.uint8), ob < nb, EDGE)
+
+
+@triton.jit
+def _byte_majority(counts, size, tie_base, TIE: tl.constexpr):
+    # _majority of four counts of fewer than 256 ranks, a byte each of an int32, as 1 or 0 in
+    # the byte's lowest bit: count > c where its byte plus 127 - c reaches 128. c <= 127 and
+    # count - c <= 128, so no byte carries into the next; count == c where count + 128 - c
+    # does, which passes 255 only at 255 ranks, whose odd size has no tie to take. Byte b
+    # holds an element of the parity of 3 - b (the vote byte's elements 0-3 or 4-7 from the
+    # top down).
+    ones = 0x01010101
+    if TIE == 1:  # 2 * count >= size
+        c = (size + 1) // 2 - 1
+    else:  # 2 * count > size
+        c = size // 2
+    above = ((counts + (127 - c) * ones) >> 7) & ones
+    if TIE == 2:  # a tie (an even size's half) goes up at the even global indices
+        tie = (((counts + (128 - c) * ones) >> 7) & ones) ^ above  # count == c
+        even = 0x00010001 << (8 * (1 - (tie_base & 1)))  # bytes 3 and 1, or 2 and 0
+        above = above | (tie & even & ((1 - (size & 1)) * ones))
+    return above
 
 
 def vote_count(votes: torch.Tensor, n: int, *, tie: str = "negative", tie_base: int = 0
@@ -186,7 +229,7 @@ def vote_count(votes: torch.Tensor, n: int, *, tie: str = "negative", tie_base: 
     out = torch.empty(nb, dtype=torch.uint8, device=votes.device)
     if nb:
         _launch_tiles("vote_count", _vote_count_kernel, nb, n, votes, out, n, nb, size,
-                      tie_base % 2, TIE=TIE_CODES[tie])
+                      tie_base % 2, TIE=TIE_CODES[tie], BYTES=size < 256)
     return out
 
 
