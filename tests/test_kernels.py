@@ -1504,10 +1504,14 @@ def test_the_sampled_count_pass_takes_the_census(programs, monkeypatch, small_sa
             assert census.tolist() == [0, int((s > 0).sum())], (n, dtype, side)
             assert idx.tolist() == _kernels.top_indices(w, 50, side).tolist() \
                 == _brute_top(s, 50)
-        for bad in (float("nan"), float("inf"), -float("inf")):
-            w = v.clone()
+        for bad, dtype in itertools.product((float("nan"), float("inf"), -float("inf")),
+                                            (torch.float32, torch.float64)):
+            w = v.to(dtype)
             w[n - 7] = bad
+            w[n - 8] = torch.finfo(dtype).max  # the largest finite magnitude is not bad
             assert int(_kernels.top_indices(w, 50, 1, census=True)[1][0]) > 0, (n, bad)
+            w[n - 7] = 0.0
+            assert int(_kernels.top_indices(w, 50, 1, census=True)[1][0]) == 0, (n, bad)
     with pytest.raises(ValueError, match="float32 or float64"):
         _kernels.top_indices(torch.ones(10, dtype=torch.float16), 2, census=True)
 
@@ -1642,17 +1646,15 @@ def test_no_benchmarked_codec_scans_row_by_row(small_sample):
             assert check(out) == 0, name
 
 
-def test_the_census_rides_on_the_count_pass_only_where_its_lanes_cannot_overflow(
-        monkeypatch):
-    """The count pass packs the census's two counts into 16 bits each of a lane, which counts
-    once a tile: with a program's run of 2**15 tiles or more the census takes score_stats'
-    read instead (one program here, so the runs are long at 2**25 scores)."""
+def test_the_census_rides_on_the_count_pass_of_long_runs(monkeypatch):
+    """The count pass's census counts in an int32 a lane, once a tile: a program's run of
+    2**15 tiles and more (one program here, at 2**25 scores) takes it as well, without a
+    score_stats pass of its own."""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", 1)
-    for n, alone in (((1 << 25) - 1024, False), (1 << 25, True)):
+    for n in ((1 << 25) - 1024, 1 << 25):
         got = _launches(lambda n=n: _kernels.top_indices(torch.empty(n, device="meta"),
                                                          n // 1000, 1, census=True))
-        assert ("score_stats" in got) == alone, (n, got)
-        assert "count_at_least" in got  # the sampled path either way
+        assert "score_stats" not in got and "count_at_least" in got, (n, got)
 
 
 @pytest.mark.parametrize("programs", [4096, 2])

@@ -2388,16 +2388,13 @@ def _top_indices(x: torch.Tensor, k: int, side: int, census: bool
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     # top_indices by radix selection (more than SMALL_TOP scores)
     n = x.numel()
-    # the count pass packs two counts into an int32 a lane, each at most the tiles of a run
-    runs = -(-_grid(n, _config("key_digits")[0])[0] // _programs(n))
-    counted = census and runs < 1 << 15
     block, opts = _config("top_write")
     grid = (_programs(n, "top_write"),)
     group = _group(grid[0])
     ng = _cdiv(grid[0], group)
     # the writing passes' group sums (keys above the k-th largest, and ties) in the
     # selection's work buffer, which its first launch clears
-    sel = _radix_select(x, k, side, counted, chosen=2 * ng)
+    sel = _radix_select(x, k, side, census, chosen=2 * ng)
     d = sel.digits
     wide = x.dtype == torch.float64
     counts = torch.empty(2 * grid[0], dtype=torch.int64, device=x.device)
@@ -2408,7 +2405,7 @@ def _top_indices(x: torch.Tensor, k: int, side: int, census: bool
            sel.chosen, out, ng, n, SIDE=side, WIDE=wide, GROUP=group, BLOCK=block, **opts)
     if not census:
         return out
-    if sel.sampled and counted:
+    if sel.sampled:
         return out, sel.census
     return out, score_stats(x, side)[2:].to(torch.int64)
 
@@ -2429,6 +2426,46 @@ def _small_top(x: torch.Tensor, k: int, side: int, census: bool
 
 
 @triton.jit
+def _count_zeros(BLOCK: tl.constexpr, R: tl.constexpr):
+    # int32 zeros for counts a row of a tile laid out as _rows_of(..., BLOCK, R) lays it out
+    # (a register a row instead of R), or a lane where rows are of 2 or 1 (under triton 3.9.0
+    # float64's rows of 2 spilled a count pass's registers)
+    if R > 2:
+        z = tl.zeros([BLOCK // R], dtype=tl.int32)
+    else:
+        z = _row_zeros(BLOCK, R)
+    return z
+
+
+@triton.jit
+def _row_counts(flags, R: tl.constexpr):
+    # flags set, shaped as _count_zeros: a row's count, or each flag as 0 or 1
+    if R > 2:
+        c = tl.sum(flags.to(tl.int32), 1)
+    else:
+        c = flags.to(tl.int32)
+    return c
+
+
+@triton.jit
+def _row_max(values, R: tl.constexpr):
+    # the largest of each row's values, shaped as _count_zeros
+    if R > 2:
+        m = tl.max(values, 1)
+    else:
+        m = values
+    return m
+
+
+@triton.jit
+def _flat(counts, BLOCK: tl.constexpr, R: tl.constexpr):
+    # counts shaped as _count_zeros, one-dimensional
+    if R == 2:
+        counts = tl.reshape(counts, [BLOCK])
+    return counts
+
+
+@triton.jit
 def _row_zeros(BLOCK: tl.constexpr, R: tl.constexpr):
     # int32 zeros shaped as _rows_of(..., BLOCK, R) lays a tile out
     if R > 1:
@@ -2446,8 +2483,8 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
     # (NaN as _counted says); with STRICT also how many are strictly above it, in the
     # second half of counts_ptr (a program each in both halves). With CENSUS each program
-    # also adds, to census_ptr's two int64 words (zeroed), how many elements of x are NaN or
-    # inf and how many scores are positive (key > 0: the keys of positive floats are their
+    # also adds, to census_ptr's two int64 words (zeroed), 1 if its run of x holds NaN or
+    # inf, and how many scores are positive (key > 0: the keys of positive floats are their
     # positive bits): a caller's finiteness check and RedSync's count of the side's sign, in
     # this read instead of one of their own, with no reduction to launch after it.
     # With LOCAL each program also writes those keys, in index order, to its own stretch of
@@ -2460,12 +2497,14 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
     # groups of GROUP programs, ng a half, the strict counts' in the second half).
     floor = tl.load(floor_ptr)
     lo, hi = _span(n, BLOCK)
-    acc = _row_zeros(BLOCK, R)
-    over = _row_zeros(BLOCK, R)
-    # the census: positive scores in the low 16 bits of a lane, NaN and inf in the high ones
-    # (one register a lane instead of two; a lane counts once a tile, and top_indices asks
-    # for the census only where a program takes fewer than 2**15 tiles)
-    census = _row_zeros(BLOCK, R)
+    # the counts a row (_count_zeros)
+    acc = _count_zeros(BLOCK, R)
+    over = _count_zeros(BLOCK, R)
+    # the census: the count of positive scores, and the largest magnitude's bits read (NaN
+    # and inf, and only they, have every exponent bit set), where counting NaN and inf
+    # takes twice the operations
+    positive = _count_zeros(BLOCK, R)
+    worst = positive.to(tl.int64 if WIDE else tl.int32)
     base = tl.program_id(0).to(tl.int64) * cap
     behind = tl.num_programs(0).to(tl.int64) * cap
     at = tl.zeros([], dtype=tl.int32)  # keys kept so far (LOCAL)
@@ -2475,15 +2514,19 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
             live = i < n
             x = tl.load(x_ptr + i, mask=live, other=0.0)
             key = _order_key(x, SIDE, WIDE)
-            bad = (x != x) | (tl.abs(x) == float("inf"))
-            # the masked lanes' 0.0 has the key 0: not positive
-            census += (key > 0).to(tl.int32) | (bad.to(tl.int32) << 16)
+            # the masked lanes' 0.0 has the key 0 (not positive) and no exponent bits
+            if WIDE:
+                magnitude = x.to(tl.int64, bitcast=True) & 0x7FFFFFFFFFFFFFFF
+            else:
+                magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            positive += _row_counts(key > 0, R)
+            worst = tl.maximum(worst, _row_max(magnitude, R))
         else:
             i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, R)
         counted = live & _counted(key, NAN)
         take = counted & (key >= floor.to(key.dtype))
         if STRICT:
-            over += (counted & (key > floor.to(key.dtype))).to(tl.int32)
+            over += _row_counts(counted & (key > floor.to(key.dtype)), R)
         if LOCAL:  # `at` counts them
             slot, runs = _slots(take, R)
             got = tl.sum(runs, 0)
@@ -2496,23 +2539,27 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
                      mask=put)
             at += got
         else:
-            acc += take.to(tl.int32)
+            acc += _row_counts(take, R)
     if LOCAL:
         count = at.to(tl.int64)
     else:
-        count = tl.sum(acc, 0).to(tl.int64)
+        count = tl.sum(_flat(acc, BLOCK, R), 0).to(tl.int64)
     tl.store(counts_ptr + tl.program_id(0), count)
     if GROUP > 0:
         tl.atomic_add(groups_ptr + tl.program_id(0) // GROUP, count)
     if STRICT:
-        strict = tl.sum(tl.reshape(over, [BLOCK]), 0).to(tl.int64)
+        strict = tl.sum(_flat(over, BLOCK, R), 0).to(tl.int64)
         tl.store(counts_ptr + tl.num_programs(0) + tl.program_id(0), strict)
         if GROUP > 0:
             tl.atomic_add(groups_ptr + ng + tl.program_id(0) // GROUP, strict)
     if CENSUS:
-        census = tl.reshape(census, [BLOCK])
-        tl.atomic_add(census_ptr, tl.sum(census >> 16, 0).to(tl.int64))
-        tl.atomic_add(census_ptr + 1, tl.sum(census & 0xFFFF, 0).to(tl.int64))
+        worst = tl.max(_flat(worst, BLOCK, R), 0)
+        if WIDE:
+            bad = worst >= 0x7FF0000000000000
+        else:
+            bad = worst >= 0x7F800000
+        tl.atomic_add(census_ptr, bad.to(tl.int64))
+        tl.atomic_add(census_ptr + 1, tl.sum(_flat(positive, BLOCK, R), 0).to(tl.int64))
 
 
 def _key_of(threshold: float, wide: bool) -> int:
