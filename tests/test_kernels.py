@@ -1461,13 +1461,16 @@ def test_the_gathering_copies_what_the_count_pass_kept(monkeypatch, small_sample
         if room:  # each program's keys and indices in its stretch, if they fit, else none
             cap = 65 * room
             runs = np.bincount(want // 256, minlength=20)
-            stretches = kept[0].reshape(2, 20, cap)
+            # a key and its index a word: the key in the high half
+            stretches = kept[0].reshape(20, cap)
+            assert kept[0].dtype == torch.int64
             for p in range(20):
                 fits = runs[p] <= cap
                 held = want[want // 256 == p] if fits else want[:0]
-                assert stretches[1, p, : held.size].tolist() == held.tolist(), (room, p)
-                assert stretches[0, p, : held.size].tolist() == keys[held].tolist(), (room, p)
-                assert (stretches[:, p, held.size :] == -7).all(), (room, p)
+                words = stretches[p, : held.size]
+                assert (words & 0xFFFFFFFF).tolist() == held.tolist(), (room, p)
+                assert (words >> 32).tolist() == keys[held].tolist(), (room, p)
+                assert (stretches[p, held.size :] == -7).all(), (room, p)
         got_idx, got_keys = sel.idx[:m].tolist(), sel.keys[:m].tolist()
         if v is even:  # re-read, a run takes more than it counted: its writes go astray
             copied = first_run == "kept"
@@ -1479,6 +1482,20 @@ def test_the_gathering_copies_what_the_count_pass_kept(monkeypatch, small_sample
         assert got_keys[256:] == keys[want[256:]].tolist()  # the other runs: copied
         first = keys[:256] if first_run == "kept" else _float32_keys(2 * v[:256])
         assert got_keys[:256] == first.tolist(), room
+
+
+def test_the_kept_keys_of_negative_scores_come_back_signed(small_sample, launched):
+    """Below zero the sampled bound's candidates have negative keys, which the count pass
+    keeps with their indices (a key in the high half of an int64 word) and the gathering
+    copies: the top-k of all-negative scores, and of bfloat16 ones, against a sort."""
+    g = torch.Generator().manual_seed(44)
+    for dtype in (torch.float32, torch.bfloat16):
+        v = (-torch.rand(6000, generator=g) - 1.0).to(dtype)
+        for k in (30, 60):
+            launched.clear()
+            got = _kernels.top_indices(v, k)
+            assert "_count_at_least_kernel" in launched, launched
+            assert got.tolist() == _brute_top(v.float(), k), (dtype, k)
 
 
 @pytest.mark.parametrize("programs", [4096, 2])

@@ -1563,8 +1563,9 @@ reading x a second time; 0: it keeps none, and the gathering reads x.
 A program whose keys at or above the bound outnumber its stretch (``LOCAL_ROOM *
 ceil(room / programs)``, an even share of the room when LOCAL_ROOM is 1) reads its run of x
 again, so a vector whose large scores crowd into a few runs costs a read of those runs, as
-without it. The stretches take ``2 * LOCAL_ROOM`` times the room's words (int32 for float32
-scores): 27 MB at 64M float32 scores and k = 1% (1.7M keys of room). To measure another
+without it. The stretches take ``LOCAL_ROOM`` times the room's keys and their indices, 8
+bytes a key (16 for float64 scores): 27 MB at 64M float32 scores and k = 1% (1.7M keys of
+room). To measure another
 value: ``bitcomm bench profile --device cuda --codecs topk-1% --set LOCAL_ROOM=N`` (the
 count_at_least and gather rows)."""
 
@@ -1851,7 +1852,7 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
                    cap, groups_ptr, ng, n, need, room, SIDE: tl.constexpr, WIDE: tl.constexpr,
                    SHIFT: tl.constexpr, KEYS: tl.constexpr, SCORES: tl.constexpr,
                    NAN: tl.constexpr, STRICT: tl.constexpr, LOCAL: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                   PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
     # The candidates: every key whose digits from SHIFT up are at least those of the key in
     # state_ptr (the k-th largest's prefix, or a sampled bound: a superset of the top k when
     # there are at least `need` of them), with its index (and, with KEYS, the key, or with
@@ -1913,10 +1914,17 @@ def _gather_kernel(x_ptr, state_ptr, m_ptr, ends_ptr, keys_ptr, idx_ptr, settled
                 base = pid.to(tl.int64) * cap
                 behind = programs.to(tl.int64) * cap
                 for start in range(0, mine, BLOCK):
-                    j, live, key = _tile_keys(x_ptr, local_ptr + base, start, mine, True, SIDE,
-                                              WIDE, BLOCK, R)
-                    key = key.to(tl.int64 if WIDE else tl.int32)  # int64 where n > 2**31
-                    i = tl.load(local_ptr + behind + base + j, mask=live, other=0)
+                    if PACK:  # a key and its index a word (_count_at_least_kernel's PACK)
+                        j = _rows_of(start, BLOCK, R)
+                        live = j < mine
+                        both = tl.load(local_ptr + base + j, mask=live, other=0)
+                        key = (both >> 32).to(tl.int32)
+                        i = both.to(tl.int32)
+                    else:
+                        j, live, key = _tile_keys(x_ptr, local_ptr + base, start, mine, True,
+                                                  SIDE, WIDE, BLOCK, R)
+                        key = key.to(tl.int64 if WIDE else tl.int32)  # int64 where n > 2**31
+                        i = tl.load(local_ptr + behind + base + j, mask=live, other=0)
                     at = _gathered(keys_ptr, idx_ptr, at, i, live, key, floor, SHIFT, KEYS,
                                    SCORES, NAN, WIDE, R)
             else:
@@ -2167,22 +2175,24 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     group = _group(grid[0]) if grouped else 0
     ng = _cdiv(grid[0], group) if grouped else 0
     kept = idx
+    # int32 keys and indices: one int64 word each key and its index (the kernels' PACK), else
+    # two int64 words
+    pack = not wide and n <= 2**31
     if local:
-        # a key and an index a word, int32 where both fit
-        kept = torch.empty(2 * grid[0] * local, dtype=torch.int64 if wide or n > 2**31
-                           else torch.int32, device=x.device)
+        kept = torch.empty((1 if pack else 2) * grid[0] * local, dtype=torch.int64,
+                           device=x.device)
     if not known:
         launch(_count_at_least_kernel, grid, x, floor, counts,
                counts if census is None else census, kept, local,
                groups if grouped else counts, ng, n, SIDE=side, WIDE=wide, NAN=nan,
-               STRICT=strict, CENSUS=census is not None, LOCAL=local > 0,
+               STRICT=strict, CENSUS=census is not None, LOCAL=local > 0, PACK=pack,
                GROUP=group, R=16 // x.element_size() if local else 1,
                BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, floor, m, counts if grouped else counts.cumsum(0),
            idx if keys is None else keys, idx, floor if settled is None else settled, kept,
            local, groups if grouped else counts, ng, n, need, room, SIDE=side, WIDE=wide,
            SHIFT=0, KEYS=keys is not None, SCORES=scores, NAN=nan, STRICT=strict,
-           LOCAL=local > 0, GROUP=group, BLOCK=block, **opts)
+           LOCAL=local > 0, PACK=pack, GROUP=group, BLOCK=block, **opts)
 
 
 def _check_k(n: int, k: int) -> None:
@@ -2240,7 +2250,7 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False,
             launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
                    sel.idx, sel.state[2], sel.idx, 0, counts, 0, n, 0, sel.keys.numel(),
                    SIDE=side, WIDE=wide, SHIFT=shift, KEYS=True, SCORES=False, NAN=True,
-                   STRICT=False, LOCAL=False, GROUP=0, BLOCK=block, **opts)
+                   STRICT=False, LOCAL=False, PACK=False, GROUP=0, BLOCK=block, **opts)
     return sel
 
 
@@ -2479,7 +2489,8 @@ def _row_zeros(BLOCK: tl.constexpr, R: tl.constexpr):
 def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, cap, groups_ptr,
                            ng, n, SIDE: tl.constexpr, WIDE: tl.constexpr, NAN: tl.constexpr,
                            STRICT: tl.constexpr, CENSUS: tl.constexpr, LOCAL: tl.constexpr,
-                           GROUP: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+                           PACK: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
+                           BLOCK: tl.constexpr):
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
     # (NaN as _counted says); with STRICT also how many are strictly above it, in the
     # second half of counts_ptr (a program each in both halves). With CENSUS each program
@@ -2491,7 +2502,9 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
     # local_ptr (program p's at p * cap) and their indices as far again behind the programs'
     # stretches (a num_programs * cap offset), tile by tile while they fit (nothing of a tile
     # that would overflow it): _gather_kernel then copies a run that fit from there instead
-    # of reading x again. The tile is then laid out
+    # of reading x again. With PACK (int32 keys and indices) a key and its index are one
+    # int64 word, the key in its high half: one store an element instead of two, and its
+    # address computed once. The tile is then laid out
     # as rows of R (_rows_of), the gathering's layout for its running counts. With GROUP
     # (> 0) each program also adds its counts to its group's sums in groups_ptr (zeroed; the
     # groups of GROUP programs, ng a half, the strict counts' in the second half).
@@ -2534,9 +2547,14 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
             # never read (the gathering reads the run of x). A mask, not a branch: the GPU
             # image's Triton fails to compile the branch for 16-bit scores' rows of 8.
             put = tl.where(at + got <= cap, take, False)
-            tl.store(local_ptr + base + at + slot, key.to(local_ptr.dtype.element_ty), mask=put)
-            tl.store(local_ptr + behind + base + at + slot, i.to(local_ptr.dtype.element_ty),
-                     mask=put)
+            if PACK:  # an index below 2**31: its int64 has nothing in the high half
+                tl.store(local_ptr + base + at + slot, (key.to(tl.int64) << 32) | i.to(tl.int64),
+                         mask=put)
+            else:
+                tl.store(local_ptr + base + at + slot, key.to(local_ptr.dtype.element_ty),
+                         mask=put)
+                tl.store(local_ptr + behind + base + at + slot,
+                         i.to(local_ptr.dtype.element_ty), mask=put)
             at += got
         else:
             acc += _row_counts(take, R)
