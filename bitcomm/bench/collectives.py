@@ -159,8 +159,8 @@ def ring_steps(n: int, size: int, *, device: str | torch.device = "cuda", repeat
     and the ``size`` unpacks of decisions into the +-1 result; then the ``rank-total`` and
     ``call`` rows, and last the kernel :func:`~bitcomm.collectives.alltoall_majority` runs on
     rank 0's chunk instead of those steps (``vote count``: every rank's packed votes counted,
-    decided and packed). Needs the Triton path (a CUDA
-    device with triton; CPU tensors under ``TRITON_INTERPRET=1`` with the path forced).
+    decided and packed). Needs the Triton path (a CUDA device with triton; CPU tensors under
+    ``TRITON_INTERPRET=1`` with the path forced).
     """
     device = torch.device(device)
     x = registry.standard_input(seed, 0, n).to(device)

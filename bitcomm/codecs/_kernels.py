@@ -1565,9 +1565,8 @@ ceil(room / programs)``, an even share of the room when LOCAL_ROOM is 1) reads i
 again, so a vector whose large scores crowd into a few runs costs a read of those runs, as
 without it. The stretches take ``LOCAL_ROOM`` times the room's keys and their indices, 8
 bytes a key (16 for float64 scores): 27 MB at 64M float32 scores and k = 1% (1.7M keys of
-room). To measure another
-value: ``bitcomm bench profile --device cuda --codecs topk-1% --set LOCAL_ROOM=N`` (the
-count_at_least and gather rows)."""
+room). To measure another value: ``bitcomm bench profile --device cuda --codecs topk-1% --set
+LOCAL_ROOM=N`` (the count_at_least and gather rows)."""
 
 CANDIDATE_TILES = 8
 """Tiles of the candidates' room a program of the digit passes takes after a sampled bound.
@@ -2504,8 +2503,8 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
     # that would overflow it): _gather_kernel then copies a run that fit from there instead
     # of reading x again. With PACK (int32 keys and indices) a key and its index are one
     # int64 word, the key in its high half: one store an element instead of two, and its
-    # address computed once. The tile is then laid out
-    # as rows of R (_rows_of), the gathering's layout for its running counts. With GROUP
+    # address computed once. The tile is then laid out as rows of R (_rows_of), the
+    # gathering's layout for its running counts. With GROUP
     # (> 0) each program also adds its counts to its group's sums in groups_ptr (zeroed; the
     # groups of GROUP programs, ng a half, the strict counts' in the second half).
     floor = tl.load(floor_ptr)

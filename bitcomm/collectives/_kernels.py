@@ -7,8 +7,8 @@ the received bit planes and the chunk once and writes the next planes once, addi
 to the counts bit-sliced (a ripple carry of whole bytes through the planes, never a count
 unpacked); its last step decides and packs the 1-bit decisions instead. :func:`vote_count`
 is the all-to-all majority's sum of every rank's packed votes, decided and packed, in one
-pass. The payloads are the codecs'
-(:mod:`bitcomm.codecs.counts` fixed packing, :mod:`bitcomm.codecs.sign` bits), byte for byte.
+pass. The payloads are the codecs' (:mod:`bitcomm.codecs.counts` fixed packing,
+:mod:`bitcomm.codecs.sign` bits), byte for byte.
 For :func:`bitcomm.collectives.onebit_allreduce`, :func:`sign_error` packs the signs and writes
 the error feedback in one pass, :func:`weighted_votes` adds up every rank's scaled signs and
 the server error, and :func:`scaled_signs` writes the result; the scales stay on the device.
