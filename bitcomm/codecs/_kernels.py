@@ -38,7 +38,7 @@ launch never waits for the device.
   sample (:mod:`~bitcomm.codecs._bracket`), else, after two bytes, the keys that share or beat
   the k-th largest's. The passes and the writing of the chosen indices read only those: two or
   three reads of ``x``, no sort and no host read. From a sampled bound its count pass can
-  also count NaN / inf in ``x`` and the positive scores (``census``): a caller's check and
+  also find NaN / inf in ``x`` and count the positive scores (``census``): a caller's check and
   RedSync's count of the side's sign, without a read of their own. Up to
   :data:`SMALL_TOP` scores (a DDP bucket's) the whole selection is one program.
 

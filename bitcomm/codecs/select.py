@@ -572,14 +572,15 @@ def _checks_top(src: _Scores, k: int) -> bool:
 def _census_top(src: _Scores, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the exact top-k of ``src``'s scores (:func:`_checks_top`) and its census, unread.
 
-    The selection's own first read of ``v`` (from a sampled bound) also counts the NaN and inf
-    of ``v`` and the positive scores (:func:`_read_census`): no read of ``v`` for the check.
+    The selection's own first read of ``v`` (from a sampled bound) also finds any NaN or inf
+    in ``v`` and counts the positive scores (:func:`_read_census`): no read of ``v`` for the
+    check.
     """
     return _frame.kernels().top_indices(src.v, k, src.side, census=True)
 
 
 def _read_census(src: _Scores, census: torch.Tensor, k: int) -> int:
-    """Raise ``ValueError`` if the census counted NaN or inf; return how many of k are positive.
+    """Raise ``ValueError`` if the census found NaN or inf; return how many of k are positive.
 
     One host read.
     """
