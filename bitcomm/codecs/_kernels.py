@@ -2441,8 +2441,10 @@ def _count_zeros(BLOCK: tl.constexpr, R: tl.constexpr):
     # float64's rows of 2 spilled a count pass's registers)
     if R > 2:
         z = tl.zeros([BLOCK // R], dtype=tl.int32)
+    elif R == 2:
+        z = tl.zeros([BLOCK // 2, 2], dtype=tl.int32)
     else:
-        z = _row_zeros(BLOCK, R)
+        z = tl.zeros([BLOCK], dtype=tl.int32)
     return z
 
 
@@ -2472,16 +2474,6 @@ def _flat(counts, BLOCK: tl.constexpr, R: tl.constexpr):
     if R == 2:
         counts = tl.reshape(counts, [BLOCK])
     return counts
-
-
-@triton.jit
-def _row_zeros(BLOCK: tl.constexpr, R: tl.constexpr):
-    # int32 zeros shaped as _rows_of(..., BLOCK, R) lays a tile out
-    if R > 1:
-        z = tl.zeros([BLOCK // R, R], dtype=tl.int32)
-    else:
-        z = tl.zeros([BLOCK], dtype=tl.int32)
-    return z
 
 
 @triton.jit
