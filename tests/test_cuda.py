@@ -372,7 +372,9 @@ def test_a_small_vectors_top_k_is_one_program_with_the_cpus_sets():
     v = torch.randn(_kernels.SMALL_TOP, generator=g).cuda()
     v[:100] = 0.0
     idx, census = _kernels.top_indices(v, 300, 1, census=True)
-    assert census.tolist() == [0, int((v > 0).sum())]
+    assert census.tolist() == [0, 300]
+    v[300:] = -1.0  # fewer positive than k
+    assert _kernels.top_indices(v, 400, 1, census=True)[1].tolist() == [0, int((v > 0).sum())]
     assert count_syncs(lambda: _kernels.top_indices(v, 300, 2)) == 0
 
 

@@ -1501,26 +1501,36 @@ def test_the_kept_keys_of_negative_scores_come_back_signed(small_sample, launche
 @pytest.mark.parametrize("programs", [4096, 2])
 def test_the_sampled_count_pass_takes_the_census(programs, monkeypatch, small_sample,
                                                  launched):
-    """With census, top_indices also says whether x holds NaN or inf and how many scores are
-    positive: from a sampled bound its count pass counts them in its read of x (no
-    score_stats pass), below MIN_N score_stats does. -inf has the score 0 on the top side,
-    and is still reported. The indices are those without census. (The sample and room of
+    """With census, top_indices also says whether x holds NaN or inf and how many of the k
+    chosen scores are positive: from a sampled bound its count pass finds NaN and inf in its
+    read of x and its writing pass counts the positive (no score_stats pass), below MIN_N
+    score_stats does. Fewer positive scores than k (a mass of zeros, the k-th largest 0),
+    exactly k and more. -inf has the score 0 on the top side, and is still reported. The
+    indices are those without census. (The sample and room of
     test_radix_selection_starts_from_a_sampled_bound.)"""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", programs)
     g = torch.Generator().manual_seed(24)
     for n, sampled in ((5003, True), (3001, False)):
-        v = torch.randint(-6, 7, (n,), generator=g) + torch.rand(n, generator=g) * 0.5
-        v[:20] = 0.0  # zeros are not positive on any side
-        for dtype, side in itertools.product((torch.float32, torch.float64), (1, -1, 2, 0)):
-            w = v.to(dtype)
-            s = {0: w, 1: w.clamp(min=0), -1: w.neg().clamp(min=0), 2: w.abs()}[side]
-            launched.clear()
-            idx, census = _kernels.top_indices(w, 50, side, census=True)
-            assert ("_score_stats_kernel" in launched) != sampled, launched
-            assert census.dtype == torch.int64
-            assert census.tolist() == [0, int((s > 0).sum())], (n, dtype, side)
-            assert idx.tolist() == _kernels.top_indices(w, 50, side).tolist() \
-                == _brute_top(s, 50)
+        many = torch.randint(-6, 7, (n,), generator=g) + torch.rand(n, generator=g) * 0.5
+        many[:20] = 0.0  # zeros are not positive on any side
+        few = -torch.rand(n, generator=g) - 0.5  # 40 zeros, 30 positive, the rest negative
+        few[:40] = 0.0
+        few[40 + torch.randperm(n - 40, generator=g)[:30]] = torch.rand(30, generator=g) + 2.0
+        exact = torch.zeros(n)
+        exact[torch.randperm(n, generator=g)[:50]] = 1.5  # ties at the k-th largest
+        for v in (many, few, exact):
+            for dtype, side in itertools.product((torch.float32, torch.float64), (1, -1, 2)):
+                w = v.to(dtype)
+                s = {1: w.clamp(min=0), -1: w.neg().clamp(min=0), 2: w.abs()}[side]
+                launched.clear()
+                idx, census = _kernels.top_indices(w, 50, side, census=True)
+                assert ("_score_stats_kernel" in launched) != sampled, launched
+                assert census.dtype == torch.int64
+                assert census.tolist() == [0, min(50, int((s > 0).sum()))], (n, dtype, side)
+                assert idx.tolist() == _kernels.top_indices(w, 50, side).tolist() \
+                    == _brute_top(s, 50)
+        assert [int((few > 0).sum()), int((exact > 0).sum())] == [30, 50]
+        v = many
         for bad, dtype in itertools.product((float("nan"), float("inf"), -float("inf")),
                                             (torch.float32, torch.float64)):
             w = v.to(dtype)
@@ -1531,6 +1541,8 @@ def test_the_sampled_count_pass_takes_the_census(programs, monkeypatch, small_sa
             assert int(_kernels.top_indices(w, 50, 1, census=True)[1][0]) == 0, (n, bad)
     with pytest.raises(ValueError, match="float32 or float64"):
         _kernels.top_indices(torch.ones(10, dtype=torch.float16), 2, census=True)
+    with pytest.raises(ValueError, match="side 1, -1 or 2, got side=0"):
+        _kernels.top_indices(torch.ones(10), 2, census=True)
 
 
 def _launches(fn) -> list[str]:
@@ -1571,15 +1583,16 @@ def test_top_indices_of_a_small_vector_is_one_program(dtype, monkeypatch, launch
     if dtype in (torch.float32, torch.float64):
         v = torch.randn(3000, generator=g, dtype=dtype)
         v[:40] = 0.0
-        for side in (0, 1, -1, 2):
-            s = {0: v, 1: v.clamp(min=0), -1: v.neg().clamp(min=0), 2: v.abs()}[side]
+        for side in (1, -1, 2):
+            s = {1: v.clamp(min=0), -1: v.neg().clamp(min=0), 2: v.abs()}[side]
             idx, census = _kernels.top_indices(v, 30, side, census=True)
-            assert census.tolist() == [0, int((s > 0).sum())] and idx.tolist() == _brute_top(
-                s, 30), side
+            assert census.tolist() == [0, 30] and idx.tolist() == _brute_top(s, 30), side
         for bad in (float("nan"), float("inf"), -float("inf")):
             w = v.clone()
             w[2999] = bad
             assert int(_kernels.top_indices(w, 30, 1, census=True)[1][0]) == 1, bad
+        w = torch.where(torch.arange(3000) % 200 == 7, v.abs() + 1, -v.abs())  # 15 positive
+        assert _kernels.top_indices(w, 30, 1, census=True)[1].tolist() == [0, 15]
     with pytest.raises(ValueError, match="0 < k <= 9"):
         _kernels.top_indices(torch.ones(9, dtype=dtype), 10)
 
@@ -1664,9 +1677,9 @@ def test_no_benchmarked_codec_scans_row_by_row(small_sample):
 
 
 def test_the_census_rides_on_the_count_pass_of_long_runs(monkeypatch):
-    """The count pass's census counts in an int32 a lane, once a tile: a program's run of
-    2**15 tiles and more (one program here, at 2**25 scores) takes it as well, without a
-    score_stats pass of its own."""
+    """The count pass's census keeps a float a lane, whatever the run's length: a
+    program's run of 2**15 tiles and more (one program here, at 2**25 scores) takes it as
+    well, without a score_stats pass of its own."""
     monkeypatch.setattr(_kernels, "COUNT_PROGRAMS", 1)
     for n in ((1 << 25) - 1024, 1 << 25):
         got = _launches(lambda n=n: _kernels.top_indices(torch.empty(n, device="meta"),

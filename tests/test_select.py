@@ -399,11 +399,11 @@ def test_a_search_reads_its_statistics_with_its_first_counts_on_the_triton_path(
 @needs_interpreter
 def test_the_exact_top_k_checks_and_counts_in_its_own_read_on_the_triton_path(small_sample,
                                                                                launched):
-    """From a sampled bound the exact top-k's count pass also counts NaN / inf in v and the
-    positive scores: a side's checked top-k (RedSync's default, select_abs with check) makes
-    no score_stats pass, and one host read, which also says how many of the k values have
-    the side's sign. The same indices as the numpy path; NaN, inf and -inf raise. (A small
-    sample and more room, for the interpreter.)"""
+    """From a sampled bound the exact top-k's count pass also finds NaN / inf in v, and its
+    writing pass counts the positive scores chosen: a side's checked top-k (RedSync's
+    default, select_abs with check) makes no score_stats pass, and one host read, which also
+    says how many of the k values have the side's sign. The same indices as the numpy path;
+    NaN, inf and -inf raise. (A small sample and more room, for the interpreter.)"""
     from bitcomm.codecs import redsync
 
     g = torch.Generator().manual_seed(32)

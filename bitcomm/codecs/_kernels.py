@@ -38,8 +38,9 @@ launch never waits for the device.
   sample (:mod:`~bitcomm.codecs._bracket`), else, after two bytes, the keys that share or beat
   the k-th largest's. The passes and the writing of the chosen indices read only those: two or
   three reads of ``x``, no sort and no host read. From a sampled bound its count pass can
-  also find NaN / inf in ``x`` and count the positive scores (``census``): a caller's check and
-  RedSync's count of the side's sign, without a read of their own. Up to
+  also find NaN / inf in ``x``, and its writing pass count the positive scores chosen
+  (``census``): a caller's check and RedSync's count of the side's sign, without a read of
+  their own. Up to
   :data:`SMALL_TOP` scores (a DDP bucket's) the whole selection is one program.
 
 Decoders also set a one-element flag when the payload breaks a rule (non-zero padding, a count
@@ -2024,12 +2025,21 @@ def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_pt
 
 @triton.jit
 def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr, groups_ptr,
-                         out_ptr, ng, n, SIDE: tl.constexpr, WIDE: tl.constexpr,
-                         GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                         out_ptr, census_ptr, ng, n, SIDE: tl.constexpr, WIDE: tl.constexpr,
+                         CENSUS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
     # Every key above the k-th largest, and the first `need` keys equal to it in index order,
     # written in index order: a program's chosen indices follow those of the programs before
     # it (_before of _chosen_counts_kernel's counts and group sums, keys above and ties
-    # apart), and a tile's those of the tiles before it in the run.
+    # apart), and a tile's those of the tiles before it in the run. With CENSUS (scores that
+    # are never negative) program 0 also writes to census_ptr[1] how many of the k chosen
+    # are positive: all k (the keys above plus `need` ties) when the k-th largest is,
+    # else those above it, the k-th largest being 0 -- where counting the positive scores
+    # as the count pass reads x took it 4 operations an element.
+    if CENSUS:
+        if tl.program_id(0) == 0:
+            above = _total(groups_ptr, ng, GROUP)
+            ties = tl.load(state_ptr + 1)
+            tl.store(census_ptr + 1, tl.where(tl.load(state_ptr) > 0, above + ties, above))
     gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
     if lo < hi:  # a program without a run has nothing to place
         kth = tl.load(state_ptr)
@@ -2060,8 +2070,9 @@ class _Selection:
     1-D views of ``work``. ``m``: how many candidates were gathered into ``keys`` and ``idx``
     (0: none; room for ``k + n // SLACK``; -1: the k-th largest key is the sampled bound, in
     ``state[digits]``, and no pass counts). ``bound``: the key of the sampled bound, when the
-    selection starts from one. ``census``: int64 ``[bad, positive]``, which the sampled path's
-    count pass adds its programs' census to (:func:`_count_at_least_kernel`'s CENSUS).
+    selection starts from one. ``census``: int64 ``[bad, positive]``, to which the sampled
+    path's count pass adds whether its programs found NaN or inf
+    (:func:`_count_at_least_kernel`'s CENSUS) and its writing pass writes ``positive``.
     ``groups``: ``groups`` words (or None) for that pass's sums of its programs' counts by
     groups (its GROUP), the gathering's running sums. ``chosen``: ``chosen`` words (maybe
     none) for the writing passes' group sums (:func:`_chosen_counts_kernel`). All zeros
@@ -2130,7 +2141,7 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
     # the room, or settles the k-th largest key at the bound when fewer than k lie above it
     # (a mass of equal scores, such as exact zeros: m = -1). `sel`: not zeroed; the bound's
     # kernel writes its work buffer first. `programs`: those of the passes. `census`: whether
-    # the count pass takes the census (into sel.census, _count_at_least_kernel's CENSUS).
+    # the count pass looks for NaN and inf (into sel.census, _count_at_least_kernel's CENSUS).
     work = sel.work
     launch(_sample_bound_kernel, (1,), x, work, work.numel(), sel.bound_at, step, r, k,
            sel.rank_at, SIDE=side, WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE,
@@ -2156,11 +2167,11 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     # holds twice the programs), the keys strictly above floor's are counted too, after the
     # others, for _gather_kernel's STRICT: one 1-D running sum covers both, where a GPU scans
     # the columns of a [programs, 2] tensor one thread a column.
-    # `known`: `counts` holds the runs' counts already (no counting pass). `census`: the zeroed
-    # [bad, positive] the counting pass adds its census to (_count_at_least_kernel's CENSUS), or
-    # None. `local`: keys a program the counting pass keeps (with their indices) for the
-    # gathering to copy instead of reading x again (_count_at_least_kernel's LOCAL), or 0;
-    # with `groups` only.
+    # `known`: `counts` holds the runs' counts already (no counting pass). `census`: the
+    # zeroed [bad, positive] to whose `bad` the counting pass adds whether it found NaN or
+    # inf (_count_at_least_kernel's CENSUS), or None. `local`: keys a program the counting
+    # pass keeps (with their indices) for the gathering to copy instead of reading x again
+    # (_count_at_least_kernel's LOCAL), or 0; with `groups` only.
     # `groups`: zeroed words for the counting pass's sums of the programs' counts by groups
     # (2 * ceil(programs / _group(programs)), with `settled`), from which the gathering adds
     # up where each run starts (_gather_kernel's GROUP), or None: a running sum of `counts`
@@ -2211,8 +2222,9 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False,
     # overflow the room and fewer than k lie above it, the k-th largest key is the bound and
     # no pass reads anything. Otherwise the first two passes read x; the keys at or above
     # the k-th's first two digits are then gathered (about k of them for the usual scores)
-    # and the later passes read those instead. `census`: as _sampled's; the sampled path (only)
-    # adds it to sel.census (sel.sampled). `chosen`: zeroed words to keep in sel.chosen.
+    # and the later passes read those instead. `census`: as _sampled's; the sampled path
+    # (only) looks for NaN and inf into sel.census (sel.sampled). `chosen`: zeroed words to
+    # keep in sel.chosen.
     n = x.numel()
     _check_k(n, k)
     wide = x.dtype == torch.float64
@@ -2285,7 +2297,7 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE
     # reads, are its cost: a histogram pass over x per key digit, each digit settled in
     # registers, then one pass writes, tile after tile, the indices of the keys above the
     # k-th largest and of the first ties at it, in index order. With CENSUS the first pass
-    # also writes [NaN and inf in x, positive scores] (int64) to census_ptr.
+    # also writes [NaN and inf in x, positive scores up to k] (int64) to census_ptr.
     DIGITS: tl.constexpr = 8 if WIDE else 4
     if WIDE:
         prefix = tl.zeros([], dtype=tl.int64)
@@ -2315,7 +2327,8 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE
                                                                 == prefix >> (SHIFT + 8)))
         if CENSUS and d == 0:
             tl.store(census_ptr, tl.sum(bad, 0).to(tl.int64))
-            tl.store(census_ptr + 1, tl.sum(positive, 0).to(tl.int64))
+            total = tl.sum(positive, 0).to(tl.int64)
+            tl.store(census_ptr + 1, tl.minimum(total, k.to(tl.int64)))
         # named apart from the tiles' digits: the compiler carries a name's type round a loop
         bin, r = _kth_bin(hist, r, d == 0)
         prefix |= bin.to(prefix.dtype) << SHIFT
@@ -2373,15 +2386,20 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
     (the sample misled), or when the two-digit path's would outnumber the room (keys alike in
     their first 16 bits).
 
-    With ``census`` (float32 and float64 scores) the result is ``(indices, census)``, the
-    census an int64 ``[bad, positive]`` on the device: ``bad`` is non-zero if ``x`` holds NaN
-    or inf, ``positive`` counts the scores above 0 (when ``bad`` is 0) -- a caller's
-    finiteness check and RedSync's count of the side's sign. The sampled path's count pass
-    takes it in its read of ``x``; the other path reads ``x`` once more (:func:`score_stats`).
+    With ``census`` (float32 and float64 scores of a side that is never negative: 1, -1 or
+    2) the result is ``(indices, census)``, the census an int64 ``[bad, positive]`` on the
+    device: ``bad`` is non-zero if ``x`` holds NaN or inf, ``positive`` counts the chosen
+    scores above 0 (when ``bad`` is 0; ``min(k, the positive scores)``) -- a caller's
+    finiteness check and RedSync's count of the side's sign. From a sampled bound the count
+    pass finds ``bad`` in its read of ``x`` and the writing pass's program 0 writes
+    ``positive`` from the counts above the k-th largest score; the other path reads ``x``
+    once more (:func:`score_stats`).
     """
     n = x.numel()
     if census and x.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"census takes float32 or float64 scores, got {x.dtype}")
+    if census and side not in (1, -1, 2):
+        raise ValueError(f"census takes the scores of side 1, -1 or 2, got side={side!r}")
     if n <= SMALL_TOP:
         return _small_top(x, k, side, census)
     # Its launches follow from these alone (no host read; fresh buffers and views of them at
@@ -2410,13 +2428,17 @@ def _top_indices(x: torch.Tensor, k: int, side: int, census: bool
     launch(_chosen_counts_kernel, grid, x, sel.keys, sel.hist[d - 1], sel.state[d - 1], sel.m,
            counts, sel.chosen, ng, n, SIDE=side, WIDE=wide, GROUP=group, BLOCK=block, **opts)
     out = torch.empty(k, dtype=torch.int64, device=x.device)
+    tally = census and sel.sampled  # the count pass found NaN and inf, this pass the rest
     launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m, counts,
-           sel.chosen, out, ng, n, SIDE=side, WIDE=wide, GROUP=group, BLOCK=block, **opts)
+           sel.chosen, out, sel.census if tally else out, ng, n, SIDE=side, WIDE=wide,
+           CENSUS=tally, GROUP=group, BLOCK=block, **opts)
     if not census:
         return out
-    if sel.sampled:
+    if tally:
         return out, sel.census
-    return out, score_stats(x, side)[2:].to(torch.int64)
+    stats = score_stats(x, side)[2:].to(torch.int64)
+    stats[1:].clamp_(max=k)
+    return out, stats
 
 
 def _small_top(x: torch.Tensor, k: int, side: int, census: bool
@@ -2459,16 +2481,6 @@ def _row_counts(flags, R: tl.constexpr):
 
 
 @triton.jit
-def _row_max(values, R: tl.constexpr):
-    # the largest of each row's values, shaped as _count_zeros
-    if R > 2:
-        m = tl.max(values, 1)
-    else:
-        m = values
-    return m
-
-
-@triton.jit
 def _flat(counts, BLOCK: tl.constexpr, R: tl.constexpr):
     # counts shaped as _count_zeros, one-dimensional
     if R == 2:
@@ -2485,10 +2497,10 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
     # (NaN as _counted says); with STRICT also how many are strictly above it, in the
     # second half of counts_ptr (a program each in both halves). With CENSUS each program
-    # also adds, to census_ptr's two int64 words (zeroed), 1 if its run of x holds NaN or
-    # inf, and how many scores are positive (key > 0: the keys of positive floats are their
-    # positive bits): a caller's finiteness check and RedSync's count of the side's sign, in
-    # this read instead of one of their own, with no reduction to launch after it.
+    # also adds, to census_ptr's first int64 word (zeroed), 1 if its run of x holds NaN or
+    # inf: a caller's finiteness check in this read instead of one of its own, with no
+    # reduction to launch after it (how many of the k are positive, the census's second
+    # word, follows from the writing passes' counts: _chosen_write_kernel).
     # With LOCAL each program also writes those keys, in index order, to its own stretch of
     # local_ptr (program p's at p * cap) and their indices as far again behind the programs'
     # stretches (a num_programs * cap offset), tile by tile while they fit (nothing of a tile
@@ -2504,11 +2516,11 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
     # the counts a row (_count_zeros)
     acc = _count_zeros(BLOCK, R)
     over = _count_zeros(BLOCK, R)
-    # the census: the count of positive scores, and the largest magnitude's bits read (NaN
-    # and inf, and only they, have every exponent bit set), where counting NaN and inf
-    # takes twice the operations
-    positive = _count_zeros(BLOCK, R)
-    worst = positive.to(tl.int64 if WIDE else tl.int32)
+    # the census: x * 0 + spoiled, one fused multiply-add an element, is +-0 for finite x
+    # and NaN once x is NaN or inf (testing the exponent bits takes two operations an
+    # element, and a row's maximum)
+    spoiled = tl.zeros([BLOCK // R, R] if R > 1 else [BLOCK],
+                       dtype=tl.float64 if WIDE else tl.float32)
     base = tl.program_id(0).to(tl.int64) * cap
     behind = tl.num_programs(0).to(tl.int64) * cap
     at = tl.zeros([], dtype=tl.int32)  # keys kept so far (LOCAL)
@@ -2516,15 +2528,9 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
         if CENSUS:  # x itself: -inf has the score 0 on the top side, so keys cannot tell
             i = _rows_of(start, BLOCK, R)
             live = i < n
-            x = tl.load(x_ptr + i, mask=live, other=0.0)
+            x = tl.load(x_ptr + i, mask=live, other=0.0)  # masked lanes: 0.0, finite
             key = _order_key(x, SIDE, WIDE)
-            # the masked lanes' 0.0 has the key 0 (not positive) and no exponent bits
-            if WIDE:
-                magnitude = x.to(tl.int64, bitcast=True) & 0x7FFFFFFFFFFFFFFF
-            else:
-                magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            positive += _row_counts(key > 0, R)
-            worst = tl.maximum(worst, _row_max(magnitude, R))
+            spoiled = tl.fma(x, 0.0, spoiled)
         else:
             i, live, key = _tile_keys(x_ptr, x_ptr, start, n, False, SIDE, WIDE, BLOCK, R)
         counted = live & _counted(key, NAN)
@@ -2562,13 +2568,8 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
         if GROUP > 0:
             tl.atomic_add(groups_ptr + ng + tl.program_id(0) // GROUP, strict)
     if CENSUS:
-        worst = tl.max(_flat(worst, BLOCK, R), 0)
-        if WIDE:
-            bad = worst >= 0x7FF0000000000000
-        else:
-            bad = worst >= 0x7F800000
-        tl.atomic_add(census_ptr, bad.to(tl.int64))
-        tl.atomic_add(census_ptr + 1, tl.sum(_flat(positive, BLOCK, R), 0).to(tl.int64))
+        spoiled = tl.sum(tl.reshape(spoiled, [BLOCK]), 0)
+        tl.atomic_add(census_ptr, (spoiled != spoiled).to(tl.int64))
 
 
 def _key_of(threshold: float, wide: bool) -> int:

@@ -573,21 +573,21 @@ def _census_top(src: _Scores, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the exact top-k of ``src``'s scores (:func:`_checks_top`) and its census, unread.
 
     The selection's own first read of ``v`` (from a sampled bound) also finds any NaN or inf
-    in ``v`` and counts the positive scores (:func:`_read_census`): no read of ``v`` for the
-    check.
+    in ``v``, and its writing pass counts the positive scores chosen (:func:`_read_census`):
+    no read of ``v`` for the check.
     """
     return _frame.kernels().top_indices(src.v, k, src.side, census=True)
 
 
-def _read_census(src: _Scores, census: torch.Tensor, k: int) -> int:
-    """Raise ``ValueError`` if the census found NaN or inf; return how many of k are positive.
+def _read_census(src: _Scores, census: torch.Tensor) -> int:
+    """Raise ``ValueError`` if the census found NaN or inf; return how many chosen are positive.
 
     One host read.
     """
     bad, positive = census.tolist()
     if bad:
         raise ValueError(f"expected finite {src.what}, got NaN or inf")
-    return min(k, positive)
+    return positive
 
 
 def _fallback(src: _Scores, k: int, counts: _Counts) -> tuple[torch.Tensor, int | None]:
@@ -708,7 +708,7 @@ def select_side(v: torch.Tensor, k: int, side: int, method: str = "topk", *,
     if positive and check and method == "topk" and not options and _checks_top(src, k):
         idx, census = _census_top(src, k)
         out = then(idx)  # as if all k were positive: they are where k or more scores are
-        count = _read_census(src, census, k)
+        count = _read_census(src, census)
         return out if count == k else then(_positive(src, idx, count))
     idx, count = _select_of(src, k, method, check, options, positive)
     if not positive or count == idx.numel():
@@ -759,7 +759,7 @@ def _select_of(src: _Scores, k: int, method: str, check: bool, options: dict,
             raise TypeError(f"topk takes no options, got {sorted(options)}")
         if check and _checks_top(src, k):
             idx, census = _census_top(src, k)
-            return idx, _read_census(src, census, k)
+            return idx, _read_census(src, census)
         return _top_counted(src, k, _finite(src, check, count))
     _finite(src, check)
     return select(src.tensor, k, method, check=False, **options), None
