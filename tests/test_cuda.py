@@ -443,6 +443,32 @@ def test_sparse_frames_are_written_on_the_gpu_as_on_the_cpu():
             sparse.encode_at(x.cuda(), i.cuda(), "fp16")
 
 
+def test_a_top_k_frame_is_written_by_its_selection_on_the_gpu_as_on_the_cpu():
+    """sparse.encode_top on the GPU (the top-k's writing pass writes the frame's entries,
+    compiled): the CPU's frame for fp32 and fp16 values at 1% and 10% of a DDP bucket (one
+    program) and of 1M and 4M scores (the sampled and the two-digit radix paths), ties
+    included; unchecked without waiting for the device, checked with one wait; NaN in x is
+    the CPU's error."""
+    g = torch.Generator().manual_seed(19)
+    for n in (30_000, 1_000_003, 1 << 22):
+        x = torch.randn(n, generator=g) * 100
+        x[:200] = torch.tensor([7.0, -7.0, 0.0, -0.0] * 50)  # ties at the k-th
+        on_gpu = x.cuda()
+        for k, fmt, check in itertools.product((n // 100, n // 10), ("fp32", "fp16"),
+                                               (True, False)):
+            want = sparse.encode_top(x, k, fmt, check=check)
+            assert torch.equal(sparse.encode_top(on_gpu, k, fmt, check=check).cpu(), want), \
+                (n, k, fmt, check)
+            waits = count_syncs(lambda k=k, f=fmt, c=check: sparse.encode_top(on_gpu, k, f,
+                                                                              check=c))
+            assert waits == (1 if check else 0), (n, k, fmt, check)
+    x[n // 2] = float("nan")
+    with pytest.raises(ValueError) as want:
+        sparse.encode_top(x, 5000)
+    with pytest.raises(ValueError, match=re.escape(str(want.value))):
+        sparse.encode_top(x.cuda(), 5000)
+
+
 def test_the_torch_transport_moves_host_buffers_without_extra_waits():
     """The transports' staging: with NCCL a host buffer (a length, a count, the agreement's
     record) goes to the GPU, and with MPI or gloo a CUDA tensor's received bytes go back to

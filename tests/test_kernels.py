@@ -2162,6 +2162,55 @@ def test_sparse_encode_at_reads_the_values_in_its_kernel(block, monkeypatch):
                 sparse.encode_at(w, torch.tensor([9, 10]))
 
 
+@pytest.mark.parametrize("small", [True, False])
+def test_a_top_k_frame_is_written_by_the_selections_writing_pass(small, monkeypatch,
+                                                                  small_sample):
+    """encode_top(x, k) is encode_at(x, select_abs(x, k))'s frame, byte for byte: on the
+    Triton path, for fp32 values and unchecked fp16 ones, the top-k's writing pass writes the
+    frame (the one-program path, the sampled radix path and, at k = n, the two-digit one; no
+    sparse_frame launch), ties to lower indices; other formats, checked fp16 and checked
+    float64 take the two calls. Checked, NaN, inf or -inf anywhere in float32 x is the
+    frame's ValueError, also when a deferred block reads the flag."""
+    from bitcomm.codecs import _frame
+
+    if small:
+        monkeypatch.setattr(_kernels, "SMALL_TOP", 1 << 14)
+    g = torch.Generator().manual_seed(61)
+    n = 5000
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 100
+    x[:60] = torch.tensor([300.0, -300.0, 0.0, -0.0] * 15, dtype=torch.float64)  # ties
+    kinds = {"fp32": (torch.bfloat16, torch.float32, torch.float64),
+             "fp16": (torch.float16, torch.float32), "mean": (torch.float32,)}
+    for k, (fmt, dtypes) in itertools.product((1, 50, n + 3), kinds.items()):
+        for dtype, check in itertools.product(dtypes, (True, False)):
+            v = x.to(dtype)
+            with forced("numpy"):
+                want = sparse.encode_at(v, select.select_abs(v, k, check=False), fmt,
+                                        check=check)
+            got = []
+            ops = ops_on_the_triton_path(
+                lambda v=v, f=fmt, c=check: got.append(sparse.encode_top(v, k, f, check=c)))
+            assert torch.equal(got[0], want), (k, fmt, dtype, check)
+            fused = (fmt == "fp32" and (dtype == torch.float32 or not check)
+                     or fmt == "fp16" and not check)
+            assert ("_sparse_frame_kernel" not in ops) == fused, (fmt, dtype, check, ops)
+            if fused:
+                assert ("_small_top_kernel" in ops) == small, ops
+    none = torch.zeros(0, dtype=torch.int64)
+    with forced("triton"):
+        assert torch.equal(sparse.encode_top(v, 0), sparse.encode(none, v[:0], n))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        w = x.float()
+        w[4321] = bad
+        with forced("triton"):
+            with pytest.raises(ValueError, match="expected finite values, got NaN, inf"):
+                sparse.encode_top(w, 50)
+            with pytest.raises(ValueError, match="expected finite values, got NaN, inf"):
+                with _frame.deferred():
+                    sparse.encode_top(w, 50)
+            assert sparse.encode_top(w, 50, check=False).numel() == sparse.encoded_size(n, 50)
+
+
 def test_redsyncs_trimmed_search_ranks_and_frames_its_survivors_in_kernels():
     """RedSync's trimmed search ranks its survivors by their side's scores inside the top-k's
     kernels (no clamped copy of their values) and writes the frame with its mean in two

@@ -120,6 +120,7 @@ for n in (1, 9, 16, 17, 1000, 4097, 70000, 2**18 + 5):  # the last: a top-k's sa
                 _kernels.top_indices(v, max(1, n // 3), 1)
                 chosen = select.select_abs(v, max(1, n // 10), check=False)
                 sparse.encode_at(v, chosen, check=False)
+                sparse.encode_top(v, max(1, n // 100), check=False)  # written by the selection
     c = torch.randint(0, 4, (n,), generator=g, dtype=torch.uint8)
     _frame.FORCE = "numpy"
     frames = [counts.pack(c, 3), qsgd.encode(x[:n], 4, seed=2), sign.pack(x[:n]),

@@ -250,10 +250,18 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                 x, 2.0, n // 100, 1, runs=meta(k._programs(n), torch.int64), scores=True)),
             ("top-k 1% fp32", n, lambda: k.top_indices(x, max(1, n // 100))),
             ("top-k 1% fp32, top side", n, lambda: k.top_indices(x, max(1, n // 100), 1)),
-            # RedSync's checked top-k: the count pass also counts NaN / inf and positives
+            # RedSync's checked top-k: the count pass also finds NaN / inf, the writing pass
+            # counts the positive
             ("top-k 1% fp32, top side, census", n,
              lambda: k.top_indices(x, max(1, n // 100), 1, census=True)),
             ("top-k 1% fp32, magnitude", n, lambda: k.top_indices(x, max(1, n // 100), 2)),
+            # sparse.encode_top's: the writing pass writes the frame's entries (fp32 values),
+            # unchecked and checked (the count pass finds NaN / inf)
+            *((f"top-k 1% fp32, magnitude, frame{', census' if census else ''}", n,
+               lambda census=census: k.top_frame(
+                   x, entries, sparse.HEADER.pack(n, entries, 0), "fp32",
+                   meta(15 + 17 + 8 * entries, torch.uint8)[15:], census=census))
+              for census in (False, True)),
             ("top-k 1% fp64", n, lambda: k.top_indices(meta(n, torch.float64),
                                                        max(1, n // 100))),
             # an AMP gradient's: 16-bit scores take the gathering's flat tiles

@@ -2043,10 +2043,12 @@ def _chosen_counts_kernel(x_ptr, keys_ptr, hist_ptr, state_ptr, m_ptr, counts_pt
         tl.atomic_add(groups_ptr + ng + pid // GROUP, t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=HEAD_WORDS)
 def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr, groups_ptr,
-                         out_ptr, census_ptr, ng, n, SIDE: tl.constexpr, WIDE: tl.constexpr,
-                         CENSUS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                         out_ptr, census_ptr, frame_ptr, ids_ptr, vals_ptr, head0, head1, ng, n,
+                         SIDE: tl.constexpr, WIDE: tl.constexpr, CENSUS: tl.constexpr,
+                         VALUES: tl.constexpr, CODE: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK: tl.constexpr):
     # Every key above the k-th largest, and the first `need` keys equal to it in index order,
     # written in index order: a program's chosen indices follow those of the programs before
     # it (_before of _chosen_counts_kernel's counts and group sums, keys above and ties
@@ -2055,16 +2057,22 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr,
     # are positive: all k (the keys above plus `need` ties) when the k-th largest is,
     # else those above it, the k-th largest being 0 -- where counting the positive scores
     # as the count pass reads x took it 4 operations an element.
+    # VALUES < 0: the indices go to out_ptr (int64). Else they and x's values at them are a
+    # sparse frame's entries (_entries_at), with its header, instead: no int64 indices for a
+    # frame's kernel to read back.
+    pid = tl.program_id(0)
     if CENSUS:
-        if tl.program_id(0) == 0:
+        if pid == 0:
             above = _total(groups_ptr, ng, GROUP)
             ties = tl.load(state_ptr + 1)
             tl.store(census_ptr + 1, tl.where(tl.load(state_ptr) > 0, above + ties, above))
+    if VALUES >= 0:
+        if pid == 0:
+            _sparse_head(frame_ptr, head0, head1, CODE)
     gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
     if lo < hi:  # a program without a run has nothing to place
         kth = tl.load(state_ptr)
         need = tl.load(state_ptr + 1)
-        pid = tl.program_id(0)
         above_at = _before(counts_ptr, groups_ptr, pid, GROUP)
         ties_at = _before(counts_ptr + tl.num_programs(0), groups_ptr + ng, pid, GROUP)
         for start in range(lo, hi, BLOCK):
@@ -2076,9 +2084,28 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr,
                 i = tl.load(idx_ptr + j, mask=chosen, other=0).to(tl.int64)
             else:
                 i = j
-            tl.store(out_ptr + first + slot, i, mask=chosen)
+            if VALUES < 0:
+                tl.store(out_ptr + first + slot, i, mask=chosen)
+            else:
+                _entries_at(x_ptr, ids_ptr, vals_ptr, first + slot, i, chosen)
             above_at += tl.sum(above.to(tl.int32), 0)
             ties_at += tl.sum(tie.to(tl.int32), 0)
+
+
+@triton.jit
+def _sparse_head(frame_ptr, head0, head1, CODE: tl.constexpr):
+    # A sparse frame's 17-byte header: n and k (head0, head1), then the value format's code.
+    _store_head(frame_ptr, head0, head1, 16)
+    tl.store(frame_ptr + 16 + tl.arange(0, 1), tl.full([1], CODE, tl.uint8))
+
+
+@triton.jit
+def _entries_at(x_ptr, ids_ptr, vals_ptr, at, i, chosen):
+    # The chosen entries of a sparse frame, at their places `at`: each index i (the frame's
+    # int32 index field, ids_ptr) and x's value there, in the frame's float (vals_ptr's).
+    tl.store(ids_ptr + at, i.to(tl.int32), mask=chosen)
+    v = tl.load(x_ptr + i, mask=chosen, other=0.0)
+    tl.store(vals_ptr + at, v.to(vals_ptr.dtype.element_ty), mask=chosen)
 
 
 class _Selection:
@@ -2310,14 +2337,17 @@ paths at 4K-128K scores; docs/results/gpu-h100.md) it won by 25x at 4K, 2.3x at 
 at 128K (1.06x); 64K scores are 16 tiles a pass."""
 
 
-@triton.jit(do_not_specialize=("k",))
-def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE: tl.constexpr,
-                      CENSUS: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=("k", *HEAD_WORDS))
+def _small_top_kernel(x_ptr, out_ptr, census_ptr, frame_ptr, ids_ptr, vals_ptr, head0, head1,
+                      n, k, SIDE: tl.constexpr, WIDE: tl.constexpr, CENSUS: tl.constexpr,
+                      VALUES: tl.constexpr, CODE: tl.constexpr, BLOCK: tl.constexpr):
     # The whole radix selection in one program, for a vector small enough that launches, not
     # reads, are its cost: a histogram pass over x per key digit, each digit settled in
     # registers, then one pass writes, tile after tile, the indices of the keys above the
     # k-th largest and of the first ties at it, in index order. With CENSUS the first pass
     # also writes [NaN and inf in x, positive scores up to k] (int64) to census_ptr.
+    # VALUES >= 0: the indices and x's values at them are written as a sparse frame instead
+    # (_chosen_write_kernel's VALUES).
     DIGITS: tl.constexpr = 8 if WIDE else 4
     if WIDE:
         prefix = tl.zeros([], dtype=tl.int64)
@@ -2355,13 +2385,18 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, n, k, SIDE: tl.constexpr, WIDE
     # prefix is the k-th largest key; r ties at it are taken, the first in index order
     written = tl.zeros([], dtype=tl.int64)
     ties = tl.zeros([], dtype=tl.int64)
+    if VALUES >= 0:
+        _sparse_head(frame_ptr, head0, head1, CODE)
     for start in range(0, n, BLOCK):
         j = start + tl.arange(0, BLOCK)
         live = j < n
         key = _order_key(tl.load(x_ptr + j, mask=live, other=0.0), SIDE, WIDE)
         tie = live & (key == prefix)
         chosen, slot = _chosen(live & (key > prefix), tie, ties, r, BLOCK)
-        tl.store(out_ptr + written + slot, j.to(tl.int64), mask=chosen)
+        if VALUES < 0:
+            tl.store(out_ptr + written + slot, j.to(tl.int64), mask=chosen)
+        else:
+            _entries_at(x_ptr, ids_ptr, vals_ptr, written + slot, j, chosen)
         written += tl.sum(chosen.to(tl.int32), 0)
         ties += tl.sum(tie.to(tl.int32), 0)
 
@@ -2415,25 +2450,80 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
     ``positive`` from the counts above the k-th largest score; the other path reads ``x``
     once more (:func:`score_stats`).
     """
+    _check_census(x, side, census)
+    return _top(x, k, side, census, None)
+
+
+def top_frame(x: torch.Tensor, k: int, header: bytes, values: str, frame: torch.Tensor, *,
+              census: bool = False) -> torch.Tensor | None:
+    """Write the sparse frame of the ``k`` entries of ``x`` of largest magnitude into ``frame``.
+
+    The entries ``(i, x[i])`` of ``top_indices(x, k, 2)``, in its ascending order, as
+    :func:`sparse_frame` writes them with ``gather``, where the selection's writing pass
+    writes them itself: no int64 indices written and read back, one launch less. ``header``:
+    the frame's 17 bytes; ``values``: ``"fp32"`` or ``"fp16"`` (its code in
+    :data:`SPARSE_ENCODES`; the value dtypes the frame kernel takes); ``frame``: uint8 of
+    the frame's size, its index field (byte 17 on) aligned; ``n < 2**31`` (int32 indices).
+    With ``census`` (float32 and float64 ``x``) return the census of ``top_indices(x, k, 2,
+    census=True)``, else None.
+    """
     n = x.numel()
+    if n >= 2**31:
+        raise ValueError(f"top_frame writes int32 indices, so n < 2**31, got n={n}")
+    if values not in ("fp32", "fp16"):
+        raise ValueError(f"expected values 'fp32' or 'fp16', got {values!r}")
+    width = 4 if values == "fp32" else 2
+    if frame.dtype != torch.uint8 or frame.numel() != len(header) + (4 + width) * k:
+        raise ValueError(f"expected a uint8 frame of {len(header) + (4 + width) * k} bytes, "
+                         f"got {frame.dtype} of {frame.numel()}")
+    _check_census(x, 2, census)
+    got = _top(x, k, 2, census, (frame, header, values))
+    return got[1] if census else None
+
+
+def _check_census(x: torch.Tensor, side: int, census: bool) -> None:
     if census and x.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"census takes float32 or float64 scores, got {x.dtype}")
     if census and side not in (1, -1, 2):
         raise ValueError(f"census takes the scores of side 1, -1 or 2, got side={side!r}")
+
+
+def _top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    # top_indices, or with `entries` (frame, header, values) top_frame: (its result, census)
+    n = x.numel()
     if n <= SMALL_TOP:
-        return _small_top(x, k, side, census)
+        return _small_top(x, k, side, census, entries)
     # Its launches follow from these alone (no host read; fresh buffers and views of them at
-    # fixed offsets), so the ones recorded under them replay (_launch.planned)
-    plan = (top_indices, n, x.dtype, k, side, census, x.data_ptr() % 16 == 0, LOCAL_ROOM,
+    # fixed offsets; a frame's alignment), so the ones recorded under them replay
+    # (_launch.planned)
+    plan = (top_indices, n, x.dtype, k, side, census, x.data_ptr() % 16 == 0,
+            None if entries is None else (entries[2], entries[0].data_ptr() % 16), LOCAL_ROOM,
             CANDIDATE_TILES, COUNT_PROGRAMS, SLACK, TUNING["key_digits"], TUNING["top_write"],
             _bracket.SAMPLE, _bracket.MIN_N, _bracket.HASH)
     with planned(plan):
-        return _top_indices(x, k, side, census)
+        return _top_indices(x, k, side, census, entries)
 
 
-def _top_indices(x: torch.Tensor, k: int, side: int, census: bool
+def _written_to(x: torch.Tensor, k: int, entries: tuple | None
+                ) -> tuple[torch.Tensor, tuple, dict]:
+    # Where the writing pass puts the chosen: the result (int64 indices, or the frame of
+    # `entries`), the kernels' frame arguments (frame, its index and value fields, the
+    # header's words) and their VALUES and CODE.
+    if entries is None:
+        out = torch.empty(k, dtype=torch.int64, device=x.device)
+        return out, (out, out, out, 0, 0), {"VALUES": -1, "CODE": 0}
+    frame, header, values = entries
+    at, code = len(header), SPARSE_ENCODES[values]
+    ids = frame[at : at + 4 * k].view(torch.int32)
+    vals = frame[at + 4 * k :].view(torch.float16 if code == 1 else torch.float32)
+    return frame, (frame, ids, vals, *_head_words(header[:16])), {"VALUES": code,
+                                                                  "CODE": header[16]}
+
+
+def _top_indices(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    # top_indices by radix selection (more than SMALL_TOP scores)
+    # _top by radix selection (more than SMALL_TOP scores)
     n = x.numel()
     block, opts = _config("top_write")
     grid = (_programs(n, "top_write"),)
@@ -2447,11 +2537,11 @@ def _top_indices(x: torch.Tensor, k: int, side: int, census: bool
     counts = torch.empty(2 * grid[0], dtype=torch.int64, device=x.device)
     launch(_chosen_counts_kernel, grid, x, sel.keys, sel.hist[d - 1], sel.state[d - 1], sel.m,
            counts, sel.chosen, ng, n, SIDE=side, WIDE=wide, GROUP=group, BLOCK=block, **opts)
-    out = torch.empty(k, dtype=torch.int64, device=x.device)
+    out, written, codes = _written_to(x, k, entries)
     tally = census and sel.sampled  # the count pass found NaN and inf, this pass the rest
     launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m, counts,
-           sel.chosen, out, sel.census if tally else out, ng, n, SIDE=side, WIDE=wide,
-           CENSUS=tally, GROUP=group, BLOCK=block, **opts)
+           sel.chosen, out, sel.census if tally else out, *written, ng, n, SIDE=side,
+           WIDE=wide, CENSUS=tally, **codes, GROUP=group, BLOCK=block, **opts)
     if not census:
         return out
     if tally:
@@ -2461,15 +2551,15 @@ def _top_indices(x: torch.Tensor, k: int, side: int, census: bool
     return out, stats
 
 
-def _small_top(x: torch.Tensor, k: int, side: int, census: bool
+def _small_top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    # top_indices of at most SMALL_TOP scores: one launch, one program.
+    # _top of at most SMALL_TOP scores: one launch, one program.
     _check_k(x.numel(), k)
-    out = torch.empty(k, dtype=torch.int64, device=x.device)
+    out, written, codes = _written_to(x, k, entries)
     tally = torch.empty(2, dtype=torch.int64, device=x.device) if census else out
     block, opts = _config("small_top")
-    launch(_small_top_kernel, (1,), x, out, tally, x.numel(), k, SIDE=side,
-           WIDE=x.dtype == torch.float64, CENSUS=census, BLOCK=block, **opts)
+    launch(_small_top_kernel, (1,), x, out, tally, *written, x.numel(), k, SIDE=side,
+           WIDE=x.dtype == torch.float64, CENSUS=census, **codes, BLOCK=block, **opts)
     return (out, tally) if census else out
 
 

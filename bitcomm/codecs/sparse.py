@@ -32,7 +32,8 @@ Worked example: ``encode(torch.tensor([5, 2]), torch.tensor([1.0, -2.0]), n=8)``
 ``08 00 00 00 00 00 00 00 | 02 00 00 00 00 00 00 00 | 00 | 02 00 00 00 05 00 00 00 |
 00 00 00 c0 00 00 80 3f`` (33 bytes). :func:`decode` returns the dense
 ``[0, 0, -2, 0, 0, 1, 0, 0]``, or adds those values into ``out``. :func:`encode_at` makes the
-frame of a dense vector's entries at a selector's indices.
+frame of a dense vector's entries at a selector's indices, :func:`encode_top` that of its top-k
+by magnitude.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ import struct
 import numpy as np
 import torch
 
-from bitcomm.codecs import _frame, qsgd
+from bitcomm.codecs import _frame, qsgd, select
 
-__all__ = ["encode", "encode_at", "decode", "decode_all", "decode_entries", "encoded_size",
-           "entries_in", "value_format", "Qsgd", "ValueFormat", "HEADER", "FORMATS", "FP16_MAX"]
+__all__ = ["encode", "encode_at", "encode_top", "decode", "decode_all", "decode_entries",
+           "encoded_size", "entries_in", "value_format", "Qsgd", "ValueFormat", "HEADER",
+           "FORMATS", "FP16_MAX"]
 
 HEADER = struct.Struct("<qqB")
 """Frame header: n (int64), k (int64), value format (uint8); 17 bytes."""
@@ -251,6 +253,47 @@ def encode_at(x: torch.Tensor, indices: torch.Tensor, fmt: ValueFormat = "fp32",
         return _written(idx, v, n, header, fmt, check, gather=True)
     idx = idx.to(v.device)
     return encode(idx, _at(v, idx), n, fmt, check=check)
+
+
+def encode_top(x: torch.Tensor, k: int, fmt: ValueFormat = "fp32", *,
+               check: bool = True) -> torch.Tensor:
+    """Encode the ``k`` entries of ``x`` of largest magnitude as one sparse frame.
+
+    The frame of ``encode_at(x, select.select_abs(x, k, check=False), fmt, check=check)``
+    (ties to lower indices; a ``k`` above ``x.numel()`` takes every entry) and its errors.
+    On the Triton path, for fp32 values (and unchecked fp16 ones) of fewer than ``2**31``
+    scores, the top-k's writing pass writes the frame's entries itself: no indices written
+    and read back, one launch less. Its check is then the selection's read of ``x`` (float32
+    ``x`` only): NaN or inf anywhere in ``x`` is a non-finite value among the k, which rank
+    above every finite one; a device flag, read at once or with an enclosing
+    ``_frame.deferred`` block's.
+    """
+    v = _frame.check_float(x)
+    k = min(_frame.check_count(k, "k"), v.numel())
+    fmt = value_format(fmt)
+
+    def composed() -> torch.Tensor:
+        return encode_at(v, select.select_abs(v, k, check=False), fmt, check=check)
+
+    if not _fuses(v, k, fmt, check):
+        return composed()
+    n = v.numel()
+    frame = _frame.empty_aligned_at(encoded_size(n, k, fmt), HEADER.size, v.device)
+    census = _frame.kernels().top_frame(v, k, HEADER.pack(n, k, FORMATS.index(fmt)), fmt,
+                                        frame, census=check)
+    if check:  # the frame's own check says which rule
+        _frame.check_later(census[0], composed)
+    return frame
+
+
+def _fuses(v: torch.Tensor, k: int, fmt: str | Qsgd, check: bool) -> bool:
+    # Whether encode_top's selection writes the frame (_kernels.top_frame).
+    if not (k and fmt in ("fp32", "fp16") and v.numel() < 2**31 and v.is_contiguous()
+            and _frame.use_triton(v)):
+        return False
+    if check:  # the census's check covers what the frame's would: float32 into float32
+        return fmt == "fp32" and v.dtype == torch.float32
+    return v.dtype in _WRITTEN[fmt]
 
 
 def _check_entries(idx: torch.Tensor, val: torch.Tensor, n: int, *, fp16: bool) -> None:

@@ -104,6 +104,9 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
         form = sparse.value_format(fmt)
         if form == "mean":
             frame = redsync.encode(v, k, side or "top", method, **(options or {}))
+        elif method == "topk" and form in ("fp32", "fp16") and not options:
+            # With check, the agreement found v finite (and in fp16's range): no second check
+            frame = sparse.encode_top(v, k, form, check=not check)
         else:
             idx = select.select_abs(v, k, method, check=False, **(options or {}))
             if isinstance(form, sparse.Qsgd) and form.seed is not None:
