@@ -1594,33 +1594,24 @@ def _order_key(x, SIDE: tl.constexpr, WIDE: tl.constexpr):
     # cleared: -0.0 is +0.0), or the signed maximum of (+-x)'s bits and 0 (a negative x,
     # -0.0 too, is a negative integer), one or two operations an element where the float
     # operations and the general case's flip took four or five.
-    if WIDE:  # one return of one type: the compiler refuses a return in each branch
+    if WIDE:
         x = x.to(tl.float64)
-        if SIDE == 0:
-            b = tl.where(x == 0, 0.0, x).to(tl.int64, bitcast=True)
-            b ^= (b >> 63) & 0x7FFFFFFFFFFFFFFF
-        elif SIDE == 2:
-            b = tl.abs(x).to(tl.int64, bitcast=True)
-        elif SIDE == 1:
-            b = tl.maximum(x.to(tl.int64, bitcast=True), 0)
-        else:
-            b = tl.maximum(x.to(tl.int64, bitcast=True) ^ -0x8000000000000000, 0)
-        key = tl.where(x != x, 0x7FFFFFFFFFFFFFFF, b)
     else:  # widened before any comparison: the interpreter compares bfloat16 wrongly
         if x.dtype == tl.bfloat16:  # by its bits: the interpreter's cast flushes subnormals
             x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         x = x.to(tl.float32)
-        if SIDE == 0:
-            b = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
-            b ^= (b >> 31) & 0x7FFFFFFF
-        elif SIDE == 2:
-            b = tl.abs(x).to(tl.int32, bitcast=True)
-        elif SIDE == 1:
-            b = tl.maximum(x.to(tl.int32, bitcast=True), 0)
-        else:
-            b = tl.maximum(x.to(tl.int32, bitcast=True) ^ -0x80000000, 0)
-        key = tl.where(x != x, 0x7FFFFFFF, b)
-    return key
+    INT: tl.constexpr = tl.int64 if WIDE else tl.int32
+    MAGNITUDE: tl.constexpr = 0x7FFFFFFFFFFFFFFF if WIDE else 0x7FFFFFFF
+    if SIDE == 0:
+        b = tl.where(x == 0, 0.0, x).to(INT, bitcast=True)
+        b ^= (b >> (63 if WIDE else 31)) & MAGNITUDE
+    elif SIDE == 2:
+        b = tl.abs(x).to(INT, bitcast=True)
+    elif SIDE == 1:
+        b = tl.maximum(x.to(INT, bitcast=True), 0)
+    else:  # -x's bits: the sign bit flipped
+        b = tl.maximum(x.to(INT, bitcast=True) ^ (-MAGNITUDE - 1), 0)
+    return tl.where(x != x, MAGNITUDE, b)
 
 
 @triton.jit
