@@ -1602,6 +1602,7 @@ def _order_key(x, SIDE: tl.constexpr, WIDE: tl.constexpr):
         x = x.to(tl.float32)
     INT: tl.constexpr = tl.int64 if WIDE else tl.int32
     MAGNITUDE: tl.constexpr = 0x7FFFFFFFFFFFFFFF if WIDE else 0x7FFFFFFF
+    SIGN: tl.constexpr = -0x8000000000000000 if WIDE else -0x80000000
     if SIDE == 0:
         b = tl.where(x == 0, 0.0, x).to(INT, bitcast=True)
         b ^= (b >> (63 if WIDE else 31)) & MAGNITUDE
@@ -1610,7 +1611,7 @@ def _order_key(x, SIDE: tl.constexpr, WIDE: tl.constexpr):
     elif SIDE == 1:
         b = tl.maximum(x.to(INT, bitcast=True), 0)
     else:  # -x's bits: the sign bit flipped
-        b = tl.maximum(x.to(INT, bitcast=True) ^ (-MAGNITUDE - 1), 0)
+        b = tl.maximum(x.to(INT, bitcast=True) ^ SIGN, 0)
     return tl.where(x != x, MAGNITUDE, b)
 
 
