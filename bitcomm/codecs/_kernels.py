@@ -2047,8 +2047,8 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr,
     # apart), and a tile's those of the tiles before it in the run. With CENSUS (scores that
     # are never negative) program 0 also writes to census_ptr[1] how many of the k chosen
     # are positive: all k (the keys above plus `need` ties) when the k-th largest is,
-    # else those above it, the k-th largest being 0 -- where counting the positive scores
-    # as the count pass reads x took it 4 operations an element.
+    # else those above it, the k-th largest being 0 -- from counts this pass has, where the
+    # count pass would take 4 operations an element to count them as it reads x.
     # VALUES < 0: the indices go to out_ptr (int64). Else they and x's values at them are a
     # sparse frame's entries (_entries_at), with its header, instead: no int64 indices for a
     # frame's kernel to read back.
