@@ -447,8 +447,9 @@ def test_a_top_k_frame_is_written_by_its_selection_on_the_gpu_as_on_the_cpu():
     """sparse.encode_top on the GPU (the top-k's writing pass writes the frame's entries,
     compiled): the CPU's frame for fp32 and fp16 values at 1% and 10% of a DDP bucket (one
     program) and of 1M and 4M scores (the sampled and the two-digit radix paths), ties
-    included; unchecked without waiting for the device, checked with one wait; NaN in x is
-    the CPU's error."""
+    included; unchecked without waiting for the device, checked with one wait; RedSync's
+    frames of both sides with one wait, also where fewer than k values have the side's sign;
+    NaN in x is the CPU's error."""
     g = torch.Generator().manual_seed(19)
     for n in (30_000, 1_000_003, 1 << 22):
         x = torch.randn(n, generator=g) * 100
@@ -462,6 +463,14 @@ def test_a_top_k_frame_is_written_by_its_selection_on_the_gpu_as_on_the_cpu():
             waits = count_syncs(lambda k=k, f=fmt, c=check: sparse.encode_top(on_gpu, k, f,
                                                                               check=c))
             assert waits == (1 if check else 0), (n, k, fmt, check)
+        # RedSync's frames (a mean of a side's values), also where fewer than k have the sign
+        few = -x.abs()
+        few[torch.randperm(n, generator=g)[:50]] = 3.0
+        for v, side in itertools.product((x, few), ("top", "bottom")):
+            want = redsync.encode(v, n // 100, side)
+            on = v.cuda()
+            assert torch.equal(redsync.encode(on, n // 100, side).cpu(), want), (n, side)
+            assert count_syncs(lambda on=on, s=side: redsync.encode(on, n // 100, s)) == 1
     x[n // 2] = float("nan")
     with pytest.raises(ValueError) as want:
         sparse.encode_top(x, 5000)

@@ -2170,7 +2170,8 @@ def test_a_top_k_frame_is_written_by_the_selections_writing_pass(small, monkeypa
     frame (the one-program path, the sampled radix path and, at k = n, the two-digit one; no
     sparse_frame launch), ties to lower indices; other formats, checked fp16 and checked
     float64 take the two calls. Checked, NaN, inf or -inf anywhere in float32 x is the
-    frame's ValueError, also when a deferred block reads the flag."""
+    frame's ValueError, also when a deferred block reads the flag. RedSync's frames (a mean
+    of a side's values) are written alike."""
     from bitcomm.codecs import _frame
 
     if small:
@@ -2199,6 +2200,18 @@ def test_a_top_k_frame_is_written_by_the_selections_writing_pass(small, monkeypa
     none = torch.zeros(0, dtype=torch.int64)
     with forced("triton"):
         assert torch.equal(sparse.encode_top(v, 0), sparse.encode(none, v[:0], n))
+    # RedSync's mean frame of a side: the programs' float64 sums (one program's tiles), then
+    # their mean
+    from bitcomm.codecs import redsync
+
+    for side, w, k in itertools.product(("top", "bottom"), (x.float(), x), (1, 50, 700)):
+        with forced("numpy"):
+            want = redsync.encode(w, k, side)
+        got = []
+        ops = ops_on_the_triton_path(lambda w=w, k=k, s=side: got.append(redsync.encode(w, k, s)))
+        assert torch.equal(got[0], want), (side, w.dtype, k)
+        assert "_sparse_frame_kernel" not in ops, ops
+        assert ("_sparse_mean_kernel" in ops) != small, ops
     for bad in (float("nan"), float("inf"), -float("inf")):
         w = x.float()
         w[4321] = bad
@@ -2231,11 +2244,13 @@ def test_redsyncs_trimmed_search_ranks_and_frames_its_survivors_in_kernels():
 
 def test_redsyncs_exact_top_k_reads_its_check_behind_the_frames_launches(launched,
                                                                           monkeypatch):
-    """RedSync's encode with the exact top-k launches its frame's kernels before its one host
-    read (the selection's check, and how many values have the side's sign): the frame of the
-    k as if all had it, which they do where k or more values do, and where fewer do, a frame
-    of those after the read. Both give the numpy path's frames; NaN raises the check's
-    error."""
+    """RedSync's encode with the exact top-k has the selection's writing pass write its
+    frame (the indices and the programs' sums, then their mean: no sparse_frame) before its
+    one host read (the selection's check, and how many values have the side's sign): the
+    frame of the k as if all had it, which they do where k or more values do; where fewer
+    do, they are the side's largest scores, whose frame a second selection writes after the
+    read, without another read; where none does, a frame of no entries, which takes no
+    launch. Each gives the numpy path's frame; NaN raises the check's error."""
     import sys
 
     from bitcomm.codecs import redsync
@@ -2247,21 +2262,23 @@ def test_redsyncs_exact_top_k_reads_its_check_behind_the_frames_launches(launche
     original = torch.Tensor.tolist
 
     def tolist(t):
-        if sys._getframe(1).f_code.co_filename.endswith("select.py"):
+        if sys._getframe(1).f_code.co_filename.endswith(("select.py", "redsync.py")):
             launched.append("read")
         return original(t)
 
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-    frame = ["_sparse_frame_kernel", "_sparse_mean_kernel"]
-    # none of the side's sign: a frame of no entries, which takes no launch
-    for v, tail, sent in ((x, [*frame, "read"], 200), (-x.abs(), [*frame, "read"], 0),
-                          (few, [*frame, "read", *frame], 50)):
+    written = ["_chosen_write_kernel", "_sparse_mean_kernel"]
+    for v, after, sent in ((x, [], 200), (-x.abs(), [], 0), (few, written, 50)):
         with forced("numpy"):
             want = redsync.encode(v, 200, "top")
         launched.clear()
         with forced("triton"):
             got = redsync.encode(v, 200, "top")
-        assert launched[-len(tail):] == tail and launched.count("read") == 1, str(launched)
+        read = launched.index("read")
+        assert launched.count("read") == 1 and "_sparse_frame_kernel" not in launched
+        assert set(written) <= set(launched[:read]), str(launched)
+        tail = launched[read + 1 :]
+        assert (tail[-len(after):] if after else tail) == after, str(launched)
         assert torch.equal(got, want)
         assert redsync.decode_entries(got)[0].numel() == sent
     x[123] = float("nan")

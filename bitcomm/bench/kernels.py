@@ -262,6 +262,10 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
                    x, entries, sparse.HEADER.pack(n, entries, 0), "fp32",
                    meta(15 + 17 + 8 * entries, torch.uint8)[15:], census=census))
               for census in (False, True)),
+            # redsync.encode's: the entries and the programs' sums of a mean frame
+            ("top-k 1% fp32, top side, census, mean frame", n, lambda: k.top_frame(
+                x, entries, sparse.HEADER.pack(n, entries, 3), "mean",
+                meta(15 + 17 + 4 * entries + 4, torch.uint8)[15:], side=1, census=True)),
             ("top-k 1% fp64", n, lambda: k.top_indices(meta(n, torch.float64),
                                                        max(1, n // 100))),
             # an AMP gradient's: 16-bit scores take the gathering's flat tiles

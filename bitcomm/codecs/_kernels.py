@@ -2051,7 +2051,9 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr,
     # count pass would take 4 operations an element to count them as it reads x.
     # VALUES < 0: the indices go to out_ptr (int64). Else they and x's values at them are a
     # sparse frame's entries (_entries_at), with its header, instead: no int64 indices for a
-    # frame's kernel to read back.
+    # frame's kernel to read back. A mean's values (VALUES 3) are this program's float64 sum
+    # instead, to vals_ptr[program] (every program's, zero without a run), for
+    # _sparse_mean_kernel to add up in program order.
     pid = tl.program_id(0)
     if CENSUS:
         if pid == 0:
@@ -2062,6 +2064,7 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr,
         if pid == 0:
             _sparse_head(frame_ptr, head0, head1, CODE)
     gathered, total, lo, hi = _source(m_ptr, n, BLOCK, False)
+    summed = tl.zeros([], dtype=tl.float64)
     if lo < hi:  # a program without a run has nothing to place
         kth = tl.load(state_ptr)
         need = tl.load(state_ptr + 1)
@@ -2079,9 +2082,13 @@ def _chosen_write_kernel(x_ptr, keys_ptr, idx_ptr, state_ptr, m_ptr, counts_ptr,
             if VALUES < 0:
                 tl.store(out_ptr + first + slot, i, mask=chosen)
             else:
-                _entries_at(x_ptr, ids_ptr, vals_ptr, first + slot, i, chosen)
+                v = _entries_at(x_ptr, ids_ptr, vals_ptr, first + slot, i, chosen, VALUES)
+                if VALUES == 3:
+                    summed += tl.sum(v.to(tl.float64), 0)
             above_at += tl.sum(above.to(tl.int32), 0)
             ties_at += tl.sum(tie.to(tl.int32), 0)
+    if VALUES == 3:
+        tl.store(vals_ptr + pid, summed)
 
 
 @triton.jit
@@ -2092,12 +2099,15 @@ def _sparse_head(frame_ptr, head0, head1, CODE: tl.constexpr):
 
 
 @triton.jit
-def _entries_at(x_ptr, ids_ptr, vals_ptr, at, i, chosen):
+def _entries_at(x_ptr, ids_ptr, vals_ptr, at, i, chosen, VALUES: tl.constexpr):
     # The chosen entries of a sparse frame, at their places `at`: each index i (the frame's
-    # int32 index field, ids_ptr) and x's value there, in the frame's float (vals_ptr's).
+    # int32 index field, ids_ptr) and x's value there, in the frame's float (vals_ptr's;
+    # not for a mean, VALUES 3). Returns those values (0.0 where not chosen).
     tl.store(ids_ptr + at, i.to(tl.int32), mask=chosen)
     v = tl.load(x_ptr + i, mask=chosen, other=0.0)
-    tl.store(vals_ptr + at, v.to(vals_ptr.dtype.element_ty), mask=chosen)
+    if VALUES != 3:
+        tl.store(vals_ptr + at, v.to(vals_ptr.dtype.element_ty), mask=chosen)
+    return v
 
 
 class _Selection:
@@ -2339,7 +2349,8 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, frame_ptr, ids_ptr, vals_ptr, 
     # k-th largest and of the first ties at it, in index order. With CENSUS the first pass
     # also writes [NaN and inf in x, positive scores up to k] (int64) to census_ptr.
     # VALUES >= 0: the indices and x's values at them are written as a sparse frame instead
-    # (_chosen_write_kernel's VALUES).
+    # (_chosen_write_kernel's VALUES; a mean's, VALUES 3, to vals_ptr as the frame's float32,
+    # added in float64 tile by tile).
     DIGITS: tl.constexpr = 8 if WIDE else 4
     if WIDE:
         prefix = tl.zeros([], dtype=tl.int64)
@@ -2379,6 +2390,7 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, frame_ptr, ids_ptr, vals_ptr, 
     ties = tl.zeros([], dtype=tl.int64)
     if VALUES >= 0:
         _sparse_head(frame_ptr, head0, head1, CODE)
+    summed = tl.zeros([], dtype=tl.float64)
     for start in range(0, n, BLOCK):
         j = start + tl.arange(0, BLOCK)
         live = j < n
@@ -2388,9 +2400,13 @@ def _small_top_kernel(x_ptr, out_ptr, census_ptr, frame_ptr, ids_ptr, vals_ptr, 
         if VALUES < 0:
             tl.store(out_ptr + written + slot, j.to(tl.int64), mask=chosen)
         else:
-            _entries_at(x_ptr, ids_ptr, vals_ptr, written + slot, j, chosen)
+            v = _entries_at(x_ptr, ids_ptr, vals_ptr, written + slot, j, chosen, VALUES)
+            if VALUES == 3:
+                summed += tl.sum(v.to(tl.float64), 0)
         written += tl.sum(chosen.to(tl.int32), 0)
         ties += tl.sum(tie.to(tl.int32), 0)
+    if VALUES == 3:
+        tl.store(vals_ptr, (summed / k).to(tl.float32))
 
 
 def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
@@ -2447,29 +2463,30 @@ def top_indices(x: torch.Tensor, k: int, side: int = 0, *, census: bool = False
 
 
 def top_frame(x: torch.Tensor, k: int, header: bytes, values: str, frame: torch.Tensor, *,
-              census: bool = False) -> torch.Tensor | None:
-    """Write the sparse frame of the ``k`` entries of ``x`` of largest magnitude into ``frame``.
+              side: int = 2, census: bool = False) -> torch.Tensor | None:
+    """Write the sparse frame of the entries of ``x`` at its ``k`` largest scores into ``frame``.
 
-    The entries ``(i, x[i])`` of ``top_indices(x, k, 2)``, in its ascending order, as
+    The entries ``(i, x[i])`` of ``top_indices(x, k, side)``, in its ascending order, as
     :func:`sparse_frame` writes them with ``gather``, where the selection's writing pass
     writes them itself: no int64 indices written and read back, one launch less. ``header``:
-    the frame's 17 bytes; ``values``: ``"fp32"`` or ``"fp16"`` (its code in
-    :data:`SPARSE_ENCODES`; the value dtypes the frame kernel takes); ``frame``: uint8 of
-    the frame's size, its index field (byte 17 on) aligned; ``n < 2**31`` (int32 indices).
-    With ``census`` (float32 and float64 ``x``) return the census of ``top_indices(x, k, 2,
-    census=True)``, else None.
+    the frame's 17 bytes; ``values``: ``"fp32"``, ``"fp16"`` or ``"mean"`` (its code in
+    :data:`SPARSE_ENCODES`; the value dtypes the frame kernel takes; a mean's float64 sums a
+    program, added by a one-program launch after it as :func:`sparse_frame` adds its tiles');
+    ``frame``: uint8 of the frame's size, its index field (byte 17 on) aligned; ``n < 2**31``
+    (int32 indices). With ``census`` (float32 and float64 ``x``, a side that is never
+    negative) return the census of ``top_indices(x, k, side, census=True)``, else None.
     """
     n = x.numel()
     if n >= 2**31:
         raise ValueError(f"top_frame writes int32 indices, so n < 2**31, got n={n}")
-    if values not in ("fp32", "fp16"):
-        raise ValueError(f"expected values 'fp32' or 'fp16', got {values!r}")
-    width = 4 if values == "fp32" else 2
-    if frame.dtype != torch.uint8 or frame.numel() != len(header) + (4 + width) * k:
-        raise ValueError(f"expected a uint8 frame of {len(header) + (4 + width) * k} bytes, "
-                         f"got {frame.dtype} of {frame.numel()}")
-    _check_census(x, 2, census)
-    got = _top(x, k, 2, census, (frame, header, values))
+    if values not in ("fp32", "fp16", "mean"):
+        raise ValueError(f"expected values 'fp32', 'fp16' or 'mean', got {values!r}")
+    size = len(header) + 4 * k + (4 if values == "mean" else 2 * k if values == "fp16" else 4 * k)
+    if frame.dtype != torch.uint8 or frame.numel() != size:
+        raise ValueError(f"expected a uint8 frame of {size} bytes, got {frame.dtype} of "
+                         f"{frame.numel()}")
+    _check_census(x, side, census)
+    got = _top(x, k, side, census, (frame, header, values))
     return got[1] if census else None
 
 
@@ -2497,11 +2514,12 @@ def _top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
         return _top_indices(x, k, side, census, entries)
 
 
-def _written_to(x: torch.Tensor, k: int, entries: tuple | None
+def _written_to(x: torch.Tensor, k: int, entries: tuple | None, programs: int = 0
                 ) -> tuple[torch.Tensor, tuple, dict]:
     # Where the writing pass puts the chosen: the result (int64 indices, or the frame of
     # `entries`), the kernels' frame arguments (frame, its index and value fields, the
-    # header's words) and their VALUES and CODE.
+    # header's words) and their VALUES and CODE. A mean's value field is the frame's float32,
+    # or with `programs` (the radix path's) their float64 sums, for _sparse_mean_kernel.
     if entries is None:
         out = torch.empty(k, dtype=torch.int64, device=x.device)
         return out, (out, out, out, 0, 0), {"VALUES": -1, "CODE": 0}
@@ -2509,6 +2527,8 @@ def _written_to(x: torch.Tensor, k: int, entries: tuple | None
     at, code = len(header), SPARSE_ENCODES[values]
     ids = frame[at : at + 4 * k].view(torch.int32)
     vals = frame[at + 4 * k :].view(torch.float16 if code == 1 else torch.float32)
+    if code == 3 and programs:
+        vals = torch.empty(programs, dtype=torch.float64, device=x.device)
     return frame, (frame, ids, vals, *_head_words(header[:16])), {"VALUES": code,
                                                                   "CODE": header[16]}
 
@@ -2529,11 +2549,15 @@ def _top_indices(x: torch.Tensor, k: int, side: int, census: bool, entries: tupl
     counts = torch.empty(2 * grid[0], dtype=torch.int64, device=x.device)
     launch(_chosen_counts_kernel, grid, x, sel.keys, sel.hist[d - 1], sel.state[d - 1], sel.m,
            counts, sel.chosen, ng, n, SIDE=side, WIDE=wide, GROUP=group, BLOCK=block, **opts)
-    out, written, codes = _written_to(x, k, entries)
+    out, written, codes = _written_to(x, k, entries, grid[0])
     tally = census and sel.sampled  # the count pass found NaN and inf, this pass the rest
     launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m, counts,
            sel.chosen, out, sel.census if tally else out, *written, ng, n, SIDE=side,
            WIDE=wide, CENSUS=tally, **codes, GROUP=group, BLOCK=block, **opts)
+    if codes["VALUES"] == 3:  # the programs' sums, in program order
+        at = len(entries[1]) + 4 * k
+        launch(_sparse_mean_kernel, (1,), written[2], out[at : at + 4].view(torch.float32),
+               grid[0], k, CHUNK=1024, num_warps=4)
     if not census:
         return out
     if tally:

@@ -74,8 +74,44 @@ def encode(x: torch.Tensor, k: int, side: str = "top", method: str = "topk",
     # Zeros and the other sign are not sent.
     # The indices come ascending, distinct and in range from the selector, finite from its
     # check; the frame's launches go ahead of the exact top-k's check (select_side's then).
-    return select.select_side(v, k, 1 if side == "top" else -1, method, positive=True,
+    sign = 1 if side == "top" else -1
+    if method == "topk" and not options and _fuses(v, k):
+        return _selected_frame(v, k, sign)
+    return select.select_side(v, k, sign, method, positive=True,
                               then=lambda idx: sparse.encode_at(v, idx, "mean", check=False),
                               **options)
 
 
+def _fuses(v: torch.Tensor, k: int) -> bool:
+    # Whether the exact top-k's writing pass writes the frame (_selected_frame).
+    return (0 < k < v.numel() < 2**31 and v.dtype in (torch.float32, torch.float64)
+            and v.is_contiguous() and _frame.use_triton(v))
+
+
+def _selected_frame(v: torch.Tensor, k: int, sign: int) -> torch.Tensor:
+    # The frame of the side's k largest scores as the top-k's writing pass writes it
+    # (_kernels.top_frame; its mean added by one more launch): no indices written, and no
+    # frame kernel to read them back. Its census, the one host read, checks v and says how
+    # many of the k have the side's sign; where fewer do, they are the side's largest
+    # `positive` scores, all of them, whose frame follows without a read. The mean's float64
+    # sum is grouped by the pass's programs, not by sparse_frame's tiles: the same sum, as
+    # on the CPU, while it is exact (the k values within 29 - log2(k) binades of each other).
+    n = v.numel()
+    frame = _frame.empty_aligned_at(encoded_size(n, k), sparse.HEADER.size, v.device)
+    census = _frame.kernels().top_frame(v, k, _header(n, k), "mean", frame, side=sign,
+                                        census=True)
+    bad, positive = census.tolist()
+    if bad:
+        raise ValueError("expected finite values, got NaN or inf")
+    if positive == k:
+        return frame
+    if positive == 0:  # a frame of no entries, which says a mean of zero
+        return sparse.encode_at(v, torch.empty(0, dtype=torch.int64, device=v.device), "mean",
+                                check=False)
+    frame = _frame.empty_aligned_at(encoded_size(n, positive), sparse.HEADER.size, v.device)
+    _frame.kernels().top_frame(v, positive, _header(n, positive), "mean", frame, side=sign)
+    return frame
+
+
+def _header(n: int, k: int) -> bytes:
+    return sparse.HEADER.pack(n, k, sparse.FORMATS.index("mean"))
