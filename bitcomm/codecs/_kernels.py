@@ -2515,22 +2515,24 @@ def _top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
 
 
 def _written_to(x: torch.Tensor, k: int, entries: tuple | None, programs: int = 0
-                ) -> tuple[torch.Tensor, tuple, dict]:
+                ) -> tuple[torch.Tensor, tuple, dict, torch.Tensor | None]:
     # Where the writing pass puts the chosen: the result (int64 indices, or the frame of
     # `entries`), the kernels' frame arguments (frame, its index and value fields, the
-    # header's words) and their VALUES and CODE. A mean's value field is the frame's float32,
-    # or with `programs` (the radix path's) their float64 sums, for _sparse_mean_kernel.
+    # header's words), their VALUES and CODE, and the frame's float32 mean for
+    # _sparse_mean_kernel to write, or None. A mean's value field is that float32, or with
+    # `programs` (the radix path's) their float64 sums, which the mean kernel adds.
     if entries is None:
         out = torch.empty(k, dtype=torch.int64, device=x.device)
-        return out, (out, out, out, 0, 0), {"VALUES": -1, "CODE": 0}
+        return out, (out, out, out, 0, 0), {"VALUES": -1, "CODE": 0}, None
     frame, header, values = entries
     at, code = len(header), SPARSE_ENCODES[values]
     ids = frame[at : at + 4 * k].view(torch.int32)
     vals = frame[at + 4 * k :].view(torch.float16 if code == 1 else torch.float32)
+    mean = None
     if code == 3 and programs:
-        vals = torch.empty(programs, dtype=torch.float64, device=x.device)
+        vals, mean = torch.empty(programs, dtype=torch.float64, device=x.device), vals
     return frame, (frame, ids, vals, *_head_words(header[:16])), {"VALUES": code,
-                                                                  "CODE": header[16]}
+                                                                  "CODE": header[16]}, mean
 
 
 def _top_indices(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
@@ -2549,15 +2551,14 @@ def _top_indices(x: torch.Tensor, k: int, side: int, census: bool, entries: tupl
     counts = torch.empty(2 * grid[0], dtype=torch.int64, device=x.device)
     launch(_chosen_counts_kernel, grid, x, sel.keys, sel.hist[d - 1], sel.state[d - 1], sel.m,
            counts, sel.chosen, ng, n, SIDE=side, WIDE=wide, GROUP=group, BLOCK=block, **opts)
-    out, written, codes = _written_to(x, k, entries, grid[0])
+    out, written, codes, mean = _written_to(x, k, entries, grid[0])
     tally = census and sel.sampled  # the count pass found NaN and inf, this pass the rest
     launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m, counts,
            sel.chosen, out, sel.census if tally else out, *written, ng, n, SIDE=side,
            WIDE=wide, CENSUS=tally, **codes, GROUP=group, BLOCK=block, **opts)
-    if codes["VALUES"] == 3:  # the programs' sums, in program order
-        at = len(entries[1]) + 4 * k
-        launch(_sparse_mean_kernel, (1,), written[2], out[at : at + 4].view(torch.float32),
-               grid[0], k, CHUNK=1024, num_warps=4)
+    if mean is not None:  # the programs' sums, in program order
+        launch(_sparse_mean_kernel, (1,), written[2], mean, grid[0], k, CHUNK=1024,
+               num_warps=4)
     if not census:
         return out
     if tally:
@@ -2571,7 +2572,7 @@ def _small_top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple 
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     # _top of at most SMALL_TOP scores: one launch, one program.
     _check_k(x.numel(), k)
-    out, written, codes = _written_to(x, k, entries)
+    out, written, codes, _ = _written_to(x, k, entries)
     tally = torch.empty(2, dtype=torch.int64, device=x.device) if census else out
     block, opts = _config("small_top")
     launch(_small_top_kernel, (1,), x, out, tally, *written, x.numel(), k, SIDE=side,
