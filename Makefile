@@ -55,7 +55,7 @@ gpu-wheels: $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 -d .whl \
-	  $$($(BIN)/python -m pip list --format=freeze | grep -i -E '^(bitarray|mpich|mpi4py|pytest-xdist|execnet)==')
+	  $$($(BIN)/python -m pip list --format=freeze | grep -i -E '^(bitarray|mpich|mpi4py|pytest-xdist|execnet|pytest-timeout)==')
 
 clean:
 	rm -rf $(VENV) build *.egg-info

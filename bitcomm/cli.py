@@ -118,8 +118,13 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
     }
     _announce("bench codecs", config)
     click.echo("# GB/s of fp32 input (4 bytes/element, GB = 1e9); ratio = anchor time / time")
-    header = (f"{'size':>6} {'codec':<16} {'op':<7} {'time(ms)':>10} {'GB/s':>8} "
-              f"{'wire_bytes':>12} {'#wrong':>6} {'ratio':>7} {'vs':<11} {'target':>7}")
+    gpu = device != "cpu"
+    if gpu:  # on the CPU the host's time is the time
+        click.echo("# time = the device's (CUDA events); host = until the call returned")
+    header = (f"{'size':>6} {'codec':<16} {'op':<7} {'time(ms)':>10} "
+              + (f"{'host(ms)':>9} " if gpu else "")
+              + f"{'GB/s':>8} {'wire_bytes':>12} {'#wrong':>6} {'ratio':>7} {'vs':<11} "
+              f"{'target':>7}")
     click.echo(header)
 
     def show(row) -> None:
@@ -128,8 +133,9 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
         flag = ""
         if not math.isnan(row.target):
             flag = " ok" if row.ratio >= row.target else " MISS"
+        host = f"{row.host_seconds * 1e3:>9.3f} " if gpu else ""
         click.echo(f"{_human(row.n):>6} {row.codec:<16} {row.op:<7} {row.seconds * 1e3:>10.2f} "
-                   f"{row.gbps:>8.3f} {row.wire_bytes:>12} {row.wrong:>6} {ratio:>7} "
+                   f"{host}{row.gbps:>8.3f} {row.wire_bytes:>12} {row.wrong:>6} {ratio:>7} "
                    f"{row.anchor:<11} {target:>7}{flag}")
 
     rows = bench_mod.run(sizes, repeat=repeat, seed=seed, progress=show, device=device)

@@ -58,6 +58,8 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
     for n in (65536, 1000):
         # each ratio from the anchor timed beside the row, which is the anchor its target names
         for (codec, _, size), row in by.items():
+            # on the CPU a call's host time is its time
+            assert row["host_seconds"] == row["seconds"] > 0, row
             if size == n and codec != "anchor":
                 assert row["ratio"] == row["anchor_seconds"] / row["seconds"], row
                 assert ("anchor", row["anchor"], n) in by or row["anchor"] == "sign.encode"

@@ -5,6 +5,7 @@ codec's tests) and the Triton kernels under the interpreter (test_kernels.py).""
 
 import itertools
 import re
+import time
 
 import pytest
 import torch
@@ -555,6 +556,13 @@ def test_gpu_benchmarks_run_and_check_their_results():
     assert {("anchor", "sum"), ("anchor", "clone"), ("anchor", "ds-sign"),
             ("sign-vs-ds", "encode"), ("qsgd-4", "decode")} <= names
     assert all(r.wrong == 0 for r in rows)
+    assert all(r.host_seconds > 0 for r in rows)
+    # the host's time is the call's on the host, the time the device's: a call that sleeps on
+    # the host leaves the device idle between the events, a spinning kernel the host free
+    [(device, host)] = bench_codecs._timings([lambda: time.sleep(0.002)], 2, "cuda")
+    assert host >= 0.002 and device >= 0.0015, (device, host)
+    [(device, host)] = bench_codecs._timings([lambda: torch.cuda._sleep(4_000_000)], 2, "cuda")
+    assert device > 4 * host and device > 0.0005, (device, host)
     steps = ring_steps(1 << 16, 4, repeat=2)
     assert [r.what for r in steps][-3:] == ["rank-total", "call", "vote count"]
     assert all(r.seconds > 0 for r in steps)

@@ -14,9 +14,9 @@
 #
 # Why a script: a lent machine is held for minutes of a fixed budget, starts bare and cannot
 # reach a package index. So the packages its image lacks travel as wheels (`make gpu-wheels`
-# here puts bitarray, mpich, mpi4py and pytest-xdist in .whl/; name .whl in the call's carry),
-# the commands are the ones the docs quote, and a step that hangs or fails is cut off or
-# reported and the next one runs.
+# here puts bitarray, mpich, mpi4py, pytest-xdist and pytest-timeout in .whl/; name .whl in
+# the call's carry), the commands are the ones the docs quote, and a step that hangs or fails
+# is cut off or reported and the next one runs.
 #
 # Environment:
 #   GPU_CHECK_SECONDS  the deadline for all steps together (default 480); a step gets at most

@@ -84,6 +84,14 @@ class Row:
     note: str = ""
     anchor_seconds: float = float("nan")
     """The anchor's median, its calls alternating with this row's (``ratio`` is it / seconds)."""
+    host_seconds: float = float("nan")
+    """The median of the host's time a call, from just before it to its return.
+
+    On the CPU the same as ``seconds``. On a GPU, where ``seconds`` is the device's, it says
+    what the host spent: a call that returns without waiting (its launches queued) and takes
+    the host as long as the device took is bound by its host, not by its kernels; a call that
+    reads the device (a flag, a header) waits for it, and the wait is in both times.
+    """
 
     def as_dict(self) -> dict:
         """Return the row as a JSON-friendly dict."""
@@ -116,7 +124,7 @@ def time_call(fn: Callable[[], object], repeat: int, device: torch.device | str 
     waits for inside the call (a host read, a launch slower than the kernel before it) stays
     in the time.
     """
-    return _medians([fn], repeat, device)[0]
+    return _timings([fn], repeat, device)[0][0]
 
 
 def time_against(fn: Callable[[], object], anchor: Callable[[], object], repeat: int,
@@ -128,7 +136,7 @@ def time_against(fn: Callable[[], object], anchor: Callable[[], object], repeat:
     runs of the same code, while the sign decoder's stayed at 150 ms); taken call for call,
     each pair sees the same machine. Otherwise as :func:`time_call`.
     """
-    t, a = _medians([fn, anchor], repeat, device)
+    (t, _), (a, _) = _timings([fn, anchor], repeat, device)
     return t, a
 
 
@@ -143,12 +151,15 @@ def _flush_bytes(device: torch.device) -> int:
     return max(256 << 20, 4 * int(l2))
 
 
-def _medians(fns: list[Callable[[], object]], repeat: int, device: torch.device | str
-             ) -> list[float]:
+def _timings(fns: list[Callable[[], object]], repeat: int, device: torch.device | str
+             ) -> list[tuple[float, float]]:
+    # Each function's median time a call and its host's median time a call (Row.host_seconds),
+    # the functions' calls alternating.
     device = torch.device(device)
     for fn in fns:
         fn()  # warm-up: first-touch page faults, kernel compilation and lazy initialisation
     times: list[list[float]] = [[] for _ in fns]
+    hosts: list[list[float]] = [[] for _ in fns]
     cuda = device.type == "cuda"
     if cuda:
         scratch = torch.empty(_flush_bytes(device), dtype=torch.uint8, device=device)
@@ -161,13 +172,15 @@ def _medians(fns: list[Callable[[], object]], repeat: int, device: torch.device 
                 fn()
             torch.cuda.synchronize(device)
     while len(times[0]) < repeat or (sum(map(sum, times)) < _MIN_SECONDS and len(times[0]) < 50):
-        for fn, spent in zip(fns, times, strict=True):
+        for fn, spent, host in zip(fns, times, hosts, strict=True):
             if cuda:
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 torch.cuda.synchronize(device)
                 scratch.zero_()  # evicts the L2; fn is launched while it runs
                 start.record()
+                t0 = time.perf_counter()
                 fn()
+                host.append(time.perf_counter() - t0)
                 end.record()
                 end.synchronize()
                 spent.append(start.elapsed_time(end) / 1e3)
@@ -175,7 +188,9 @@ def _medians(fns: list[Callable[[], object]], repeat: int, device: torch.device 
                 t0 = time.perf_counter()
                 fn()
                 spent.append(time.perf_counter() - t0)
-    return [statistics.median(spent) for spent in times]
+                host.append(spent[-1])
+    return [(statistics.median(spent), statistics.median(host))
+            for spent, host in zip(times, hosts, strict=True)]
 
 
 def _cases(x: torch.Tensor, n: int, seed: int):
@@ -281,8 +296,8 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
         x = vector(n, seed, device)
         anchors = _anchors(x)
         for name, fn in anchors.items():  # each alone, for its own GB/s
-            t = time_call(fn, repeat, device)
-            emit(Row("anchor", name, n, t, 4 * n / t / 1e9, 0, 0))
+            [(t, host)] = _timings([fn], repeat, device)
+            emit(Row("anchor", name, n, t, 4 * n / t / 1e9, 0, 0, host_seconds=host))
         for codec, enc, dec, check in _cases(x, n, seed):
             if codec == "sign":
                 anchors["sign.encode"] = enc  # what the CPU's counts encoders are held to
@@ -296,9 +311,10 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
                 for name in names:
                     anchor, minimum, why = targets.get(
                         (name, op), ("sum" if gpu else _CPU_ANCHOR[op], float("nan"), ""))
-                    t, against = time_against(fn, anchors[anchor], repeat, device)
+                    (t, host), (against, _) = _timings([fn, anchors[anchor]], repeat,
+                                                        device)
                     emit(Row(name, op, n, t, 4 * n / t / 1e9, int(frame.numel()), wrong,
-                             anchor, against / t, minimum, why, against))
+                             anchor, against / t, minimum, why, against, host))
     return rows
 
 
