@@ -215,13 +215,17 @@ def bench_kernels(n: int, arch: int, only: str | None, jobs: int | None, out_dir
               help="Where the vector lives (cuda: the kernels' times from torch.profiler).")
 @click.option("--top", type=click.IntRange(0), default=4, show_default=True,
               help="Kernels printed under each call, the slowest first (all are saved).")
+@click.option("--host-functions", type=click.IntRange(0), default=0, show_default=True,
+              help="Host functions (cProfile) printed and saved under each call, those with "
+                   "the most own time first.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Directory for profile[-cuda].json and .csv.")
 @click.option("--set", "sets", multiple=True, metavar="NAME=INT",
               help="Set a selection constant for the run (CANDIDATE_TILES, SMALL_TOP, SLACK, "
                    "COUNT_PROGRAMS, LOCAL_ROOM); repeatable.")
 def bench_profile(sizes: tuple[int, ...], names: str | None, calls: int, seed: int,
-                  device: str, top: int, out_dir: str, sets: tuple[str, ...]) -> None:
+                  device: str, top: int, host_functions: int, out_dir: str,
+                  sets: tuple[str, ...]) -> None:
     """Where each codec call's time goes: kernels, launches, host time, the device's idle gap."""
     from bitcomm.bench import profile as bench_mod
 
@@ -240,10 +244,14 @@ def bench_profile(sizes: tuple[int, ...], names: str | None, calls: int, seed: i
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--set") from e
     config = _machine(device) | {"sizes": list(sizes), "codecs": codecs, "calls": calls,
-                                 "seed": seed, "settings": settings}
+                                 "seed": seed, "settings": settings,
+                                 "host_functions": host_functions}
     _announce("bench profile", config)
     click.echo("# per call: launches, device = kernels' time, host = until it returns, wall = "
                "until its work is done, idle = wall - device (us)")
+    if host_functions:
+        click.echo("# host: a function's calls a codec call x its own time a call (us, "
+                   "cProfile: Python functions' high by ~1 us a call)")
     shown = {"kernels": 0}
 
     def show(row) -> None:
@@ -253,13 +261,15 @@ def bench_profile(sizes: tuple[int, ...], names: str | None, calls: int, seed: i
             click.echo(f"{_human(row.n):>6} {row.codec:<16} {row.op:<7} launches "
                        f"{row.launches:>5.1f} device {row.device_us:>9.1f} host "
                        f"{row.host_us:>9.1f} wall {row.wall_us:>9.1f} idle {idle:>9.1f}")
+        elif row.name.startswith(bench_mod.HOST):
+            click.echo(f"{'':>32}{row.launches:>5.1f} x {row.host_us:>9.1f}  {row.name[:90]}")
         elif shown["kernels"] < top:
             shown["kernels"] += 1
             click.echo(f"{'':>32}{row.launches:>5.1f} x {row.device_us:>9.1f}  {row.name[:70]}")
 
     try:
         rows = bench_mod.run(sizes, device=device, codecs=codecs, calls=calls, seed=seed,
-                             progress=show, settings=settings)
+                             progress=show, settings=settings, host_functions=host_functions)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--codecs") from e
     _save(Path(out_dir), "profile" if device == "cpu" else f"profile-{device}", config,

@@ -33,6 +33,30 @@ def test_each_call_is_its_kernels_rows_summed():
         assert all(math.isnan(r.host_us) and math.isnan(r.wall_us) for r in kernels)
 
 
+def test_host_functions_follow_the_kernels_with_their_calls_a_codec_call():
+    from bitcomm.codecs import sign
+
+    rows = profile.run([4097], codecs=["sign"], calls=3, host_functions=40)
+    enc = [r for r in rows if r.op == "encode"]
+    assert enc[0].name == profile.CALL
+    host = [r for r in enc if r.name.startswith(profile.HOST)]
+    kernels = [r for r in enc[1:] if not r.name.startswith(profile.HOST)]
+    assert kernels and 0 < len(host) <= 40
+    assert enc[1:] == kernels + host  # after the kernels, the most own time first
+    assert [r.host_us for r in host] == sorted((r.host_us for r in host), reverse=True)
+    assert all(math.isnan(r.device_us) and r.host_us >= 0 for r in host)
+    # named by function, file and line; counted a codec call (three calls, one pack each)
+    line = sign.pack.__code__.co_firstlineno
+    [pack] = [r for r in host if r.name == f"{profile.HOST}pack (codecs/sign.py:{line})"]
+    assert pack.launches == 1.0
+    # the call's launches and device time stay its kernels' sums; by default no host rows
+    assert math.isclose(enc[0].launches, sum(r.launches for r in kernels))
+    plain = profile.run([4097], codecs=["sign"], calls=1)
+    assert not [r for r in plain if r.name.startswith(profile.HOST)]
+    with pytest.raises(ValueError, match="host_functions to be an int >= 0"):
+        profile.run([4097], codecs=["sign"], host_functions=-1)
+
+
 def test_an_unknown_codec_or_call_count_is_refused_before_any_work(monkeypatch):
     def no_data(*args, **kwargs):
         raise AssertionError("made a vector")
@@ -53,6 +77,17 @@ def test_the_cli_prints_each_call_and_saves_every_row(tmp_path):
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["config"]["codecs"] == ["sign"] and saved["config"]["calls"] == 2
     assert [row["name"] for row in saved["rows"]].count(profile.CALL) == 2
+    assert not any(row["name"].startswith(profile.HOST) for row in saved["rows"])
+    r = CliRunner().invoke(main, ["bench", "profile", "--sizes", "4K", "--codecs", "sign",
+                                  "--calls", "2", "--host-functions", "3", "--out",
+                                  str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    host = [row for row in saved["rows"] if row["name"].startswith(profile.HOST)]
+    assert len(host) == 6 and saved["config"]["host_functions"] == 3  # 3 an operation
+    shown = [ln for ln in r.output.splitlines() if profile.HOST in ln and ln[0] != "#"]
+    assert [ln.split(profile.HOST, 1)[1] for ln in shown] == [
+        row["name"][len(profile.HOST):90] for row in host]
     bad = CliRunner().invoke(main, ["bench", "profile", "--codecs", "nope", "--out",
                                     str(tmp_path)])
     assert bad.exit_code == 2 and "unknown codec(s) ['nope']" in bad.output

@@ -17,6 +17,13 @@ large as ``device``. Each kernel gets a row of its own (its launches and device 
 so a slow row of ``bench codecs`` names the kernel to look at. The profiler adds its own
 overhead to the host side, so ``host`` and ``wall`` come from calls run without it.
 
+Where the host decides (``host`` near ``wall``), ``host_functions`` adds the functions the
+host spent the most of its own time in, from ``cProfile`` over further calls: each a row named
+``host: FUNCTION (FILE:LINE)`` with its calls a codec call and its own microseconds a call (a
+C function's, such as Triton's compiled launcher or a torch operator's binding, is the time
+inside it; a Python function's excludes what it calls). cProfile's own cost falls on the
+Python functions, so their times are high by about a microsecond a call each.
+
 It is a GPU tool: on a CPU the "kernels" are torch's operators timed under the profiler, its
 overhead included, and the numpy work of the numpy path is in none of them.
 """
@@ -24,7 +31,10 @@ overhead included, and the numpy work of the numpy path is in none of them.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import dataclasses
+import os
+import pstats
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -33,7 +43,7 @@ import torch
 
 from bitcomm.bench.codecs import _cases, vector
 
-__all__ = ["Row", "run", "CALL", "DEFAULT_SIZES", "SETTABLE", "check_settings"]
+__all__ = ["Row", "run", "CALL", "HOST", "DEFAULT_SIZES", "SETTABLE", "check_settings"]
 
 SETTABLE = {"CANDIDATE_TILES": 1, "SMALL_TOP": 0, "SLACK": 1, "COUNT_PROGRAMS": 1,
             "LOCAL_ROOM": 0}
@@ -46,6 +56,8 @@ launches hide."""
 DEFAULT_SIZES = (64 << 20,)
 CALL = "(call)"
 """The ``name`` of each operation's summary row (its kernels' rows follow it)."""
+HOST = "host: "
+"""The start of the ``name`` of a host function's row (after the kernels' rows)."""
 
 
 @dataclasses.dataclass
@@ -111,10 +123,33 @@ def _device_times(fn: Callable[[], object], calls: int, device: torch.device
     return out
 
 
+def _host_times(fn: Callable[[], object], calls: int, device: torch.device
+                ) -> dict[str, tuple[int, float]]:
+    # host function -> (calls, own seconds) over `calls` calls, from cProfile
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        prof.disable()
+    _sync(device)
+    out = {}
+    for (path, line, name), (_, count, own, _, _) in pstats.Stats(prof).stats.items():
+        if name == "disable" and path == "~":  # the profiler's own switch
+            continue
+        if path == "~":  # a C function: cProfile names it in braces
+            where = name
+        else:
+            where = f"{name} ({os.path.join(*path.split(os.sep)[-2:])}:{line})"
+        out[where] = (count, own)
+    return out
+
+
 def run(sizes: Iterable[int] = DEFAULT_SIZES, device: str | torch.device = "cpu",
         codecs: Iterable[str] | None = None, calls: int = 5, seed: int = 0,
         progress: Callable[[Row], None] | None = None,
-        settings: dict[str, int] | None = None) -> list[Row]:
+        settings: dict[str, int] | None = None, host_functions: int = 0) -> list[Row]:
     """Profile each codec operation at each size; return its summary row, then its kernels'.
 
     Args:
@@ -128,12 +163,17 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, device: str | torch.device = "cpu"
         settings: :data:`SETTABLE` constants and their values for the run (the module's
             values are put back after it); a name not there, or a value below its bound, is a
             ``ValueError`` before any work.
+        host_functions: how many host functions' rows to add after each operation's kernels,
+            those with the most own time first (0: none).
 
     """
     device = torch.device(device)
     wanted = None if codecs is None else list(codecs)
     if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
         raise ValueError(f"expected calls to be an int >= 1, got {calls!r}")
+    if (isinstance(host_functions, bool) or not isinstance(host_functions, int)
+            or host_functions < 0):
+        raise ValueError(f"expected host_functions to be an int >= 0, got {host_functions!r}")
     settings = check_settings(settings)
     if wanted is not None:  # refused before any vector is made
         known = [c[0] for c in _cases(torch.zeros(8), 8, seed)]
@@ -142,7 +182,7 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, device: str | torch.device = "cpu"
             raise ValueError(f"unknown codec(s) {unknown}; expected some of {known}")
     rows = []
     with _set(settings):
-        for row in _profiled(sizes, device, wanted, calls, seed):
+        for row in _profiled(sizes, device, wanted, calls, seed, host_functions):
             rows.append(row)
             if progress is not None:
                 progress(row)
@@ -181,7 +221,7 @@ def _set(settings: dict[str, int]) -> Iterator[None]:
 
 
 def _profiled(sizes: Iterable[int], device: torch.device, wanted: list[str] | None,
-              calls: int, seed: int) -> Iterator[Row]:
+              calls: int, seed: int, host_functions: int) -> Iterator[Row]:
     for n in sizes:
         x = vector(n, seed, device)
         for codec, enc, dec, _ in _cases(x, n, seed):
@@ -197,3 +237,9 @@ def _profiled(sizes: Iterable[int], device: torch.device, wanted: list[str] | No
                           sum(us for _, us in kernels.values()) / calls, host * 1e6, wall * 1e6)
                 for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
                     yield Row(codec, op, n, name, count / calls, us / calls)
+                if host_functions:
+                    spent = _host_times(fn, calls, device)
+                    for name, (count, own) in sorted(spent.items(),
+                                                     key=lambda kv: -kv[1][1])[:host_functions]:
+                        yield Row(codec, op, n, HOST + name, count / calls, float("nan"),
+                                  own / calls * 1e6)
