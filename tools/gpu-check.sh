@@ -170,7 +170,7 @@ for s in "${steps[@]}"; do
         hooks) step hooks 180 "${cli[@]}" bench hooks --transport nccl --ranks 1 \
             --out "$work" ;;
         profile) step profile 120 "${cli[@]}" bench profile --device cuda --sizes 64M \
-            --out "$work" ;;
+            --host-functions 6 --out "$work" ;;
         # rewrites its files after each row: a cut-off run keeps the settings it reached
         tune) step tune 300 "${cli[@]}" bench tune --n 64M --out "$work" ;;
     esac
