@@ -152,3 +152,52 @@ def test_gpu_check_refuses_a_worker_count_that_is_not_a_number(tmp_path):
     r = _run(str(tmp_path / "out"), "tests", env={"GPU_CHECK_WORKERS": "eight"})
     assert r.returncode == 2 and "GPU_CHECK_WORKERS" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_runs_the_codecs_benchmark_as_often_as_told_each_into_its_folder(tmp_path):
+    fake, calls = _recording_python(tmp_path, True)
+    env = {"GPU_CHECK_PYTHON": str(fake), "GPU_CHECK_WHEELS": str(tmp_path / "none"),
+           "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    r = _run(str(tmp_path / "out"), "codecs", env={**env, "GPU_CHECK_CODECS_RUNS": "3"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = [line for line in calls.read_text().splitlines() if "bench codecs" in line]
+    assert [line.split("--out ")[1].rsplit("/", 1)[1] for line in runs] == [
+        "codecs-run1", "codecs-run2", "codecs-run3"]
+    log = (tmp_path / "out" / "gpu-check.log").read_text()
+    assert all(f"## codecs {i}: ok" in log for i in (1, 2, 3))
+    calls.unlink()
+    r = _run(str(tmp_path / "out2"), "codecs", env=env)  # twice unless told
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert calls.read_text().count("bench codecs") == 2
+    for bad in ("0", "two", "-1"):
+        r = _run(str(tmp_path / "out3"), "codecs", env={**env, "GPU_CHECK_CODECS_RUNS": bad})
+        assert r.returncode == 2 and "GPU_CHECK_CODECS_RUNS" in r.stderr, bad
+
+
+def test_gpu_check_logs_the_gpus_clocks_beside_the_results_and_stops_the_logger(tmp_path):
+    """A stand-in nvidia-smi that writes a line every 0.1 s: its lines end up in the results'
+    archive, and it is not left running."""
+    import re
+    import tarfile
+
+    fake, _ = _recording_python(tmp_path, True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\n[ "$1" = "-L" ] && { echo "GPU 0: stand-in"; exit 0; }\n'
+                   'echo "timestamp, clocks.current.sm [MHz]"\n'
+                   'for i in $(seq 600); do echo "t$i, 1980 MHz"; sleep 0.1; done\n')
+    smi.chmod(0o755)
+    out = tmp_path / "out"
+    r = _run(str(out), "profile", env={
+        "GPU_CHECK_PYTHON": str(fake), "GPU_CHECK_WHEELS": str(tmp_path / "none"),
+        "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (out / "gpu-check.log").read_text()
+    [pid] = re.findall(r"GPU clocks every 0.5 s into gpu-clocks.csv \(pid (\d+)\)", log)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)
+    with tarfile.open(out / "gpu-check.tar.gz") as tar:
+        clocks = tar.extractfile("./gpu-clocks.csv").read().decode()
+    assert clocks.startswith("timestamp, clocks.current.sm [MHz]\n")

@@ -24,6 +24,10 @@
 #                      30 s is left.
 #   GPU_CHECK_PYTHON   the Python that holds a CUDA torch (default python3).
 #   GPU_CHECK_WORKERS  processes of the tests step (default 8; 1: one process, no xdist).
+#   GPU_CHECK_CODECS_RUNS  how many times the codecs step runs its benchmark (default 2), each
+#                      run's files in codecs-run1/, codecs-run2/, ...: a target is judged on
+#                      every run, and at 64M elements a host-bound call's ratio moves from
+#                      run to run with the host's speed.
 #   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). The
 #                      triton-cache.tgz.part-* files there (the ones an earlier run left in
 #                      OUT), or one whole triton-cache.tgz, are unpacked into Triton's cache
@@ -32,7 +36,8 @@
 #                      take over 300 s where it takes 66 s with them).
 #
 # Writes OUT/gpu-check.log (each step's command, output, exit status and seconds),
-# OUT/gpu-check.tar.gz (the benchmarks' .json/.csv/.md files and the tests' junit XML) and
+# OUT/gpu-check.tar.gz (the benchmarks' .json/.csv/.md files, the tests' junit XML, and
+# gpu-clocks.csv and vmstat.log where nvidia-smi and vmstat are there) and
 # OUT/triton-cache.tgz.part-aa, -ab, ... (the compiled kernels, for the next run, in parts of
 # 15 MiB: a lent machine hands back at most 8 files of 16 MiB each, and the whole cache is
 # larger). Exits 1 if a step failed or was cut off.
@@ -54,6 +59,11 @@ nworkers=${GPU_CHECK_WORKERS:-8}
 case $nworkers in
     '' | *[!0-9]*) echo "GPU_CHECK_WORKERS: expected a whole number, got '$nworkers'" >&2; usage ;;
 esac
+nruns=${GPU_CHECK_CODECS_RUNS:-2}
+case $nruns in
+    '' | *[!0-9]* | 0) echo "GPU_CHECK_CODECS_RUNS: expected a whole number >= 1, got '$nruns'" >&2
+        usage ;;
+esac
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 2
@@ -61,7 +71,8 @@ mkdir -p "$out" || exit 2
 out=$(cd "$out" && pwd)
 log=$out/gpu-check.log
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+monitors=()
+trap '[ ${#monitors[@]} -eq 0 ] || kill "${monitors[@]}" 2> /dev/null; rm -rf "$work"' EXIT
 py=${GPU_CHECK_PYTHON:-python3}
 wheels=${GPU_CHECK_WHEELS:-$root/.whl}
 deadline=${GPU_CHECK_SECONDS:-480}
@@ -144,6 +155,21 @@ if ! setup; then
     exit 1
 fi
 
+# The GPU's clocks and the host's load through every step, beside the results: a slow run can
+# then be told from a throttled GPU (its clock-event reasons) or a busy host.
+if command -v nvidia-smi > /dev/null 2>&1; then
+    fields=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu
+    nvidia-smi --query-gpu="$fields,clocks_throttle_reasons.active" --format=csv -lms 500 \
+        > "$work/gpu-clocks.csv" 2>&1 &
+    monitors+=($!)
+    say "# GPU clocks every 0.5 s into gpu-clocks.csv (pid $!)"
+fi
+if command -v vmstat > /dev/null 2>&1; then
+    vmstat -t 1 > "$work/vmstat.log" 2>&1 &
+    monitors+=($!)
+    say "# host load every 1 s into vmstat.log (pid $!)"
+fi
+
 cli=("$py" -m bitcomm.cli)
 # The CUDA tests in GPU_CHECK_WORKERS processes where pytest-xdist is there (the dev extra;
 # `make gpu-wheels` carries it): Triton compiles a process's kernels one after another, and
@@ -161,8 +187,11 @@ for s in "${steps[@]}"; do
     case $s in
         tests) step tests 420 "$py" -m pytest "${workers[@]}" -v -rfEs -p no:cacheprovider \
             --junitxml="$work/test_cuda.xml" tests/test_cuda.py ;;
-        codecs) step codecs 180 "${cli[@]}" bench codecs --device cuda --sizes 64M,256M \
-            --repeat 10 --out "$work" ;;
+        codecs)
+            for ((run = 1; run <= nruns; run++)); do
+                step "codecs $run" 90 "${cli[@]}" bench codecs --device cuda \
+                    --sizes 64M,256M --repeat 10 --out "$work/codecs-run$run"
+            done ;;
         collectives) step collectives 120 "${cli[@]}" bench collectives --device cuda \
             --ranks 8 --sizes 64M --repeat 10 --link-gbps 100 --out "$work" ;;
         select) step select 120 "${cli[@]}" bench select --device cuda --sizes 25600K \
@@ -176,6 +205,11 @@ for s in "${steps[@]}"; do
     esac
 done
 
+if [ ${#monitors[@]} -gt 0 ]; then
+    kill "${monitors[@]}" 2> /dev/null
+    wait "${monitors[@]}" 2> /dev/null
+    monitors=()
+fi
 tar -czf "$out/gpu-check.tar.gz" -C "$work" . 2>> "$log"
 [ -d "$cache" ] && tar -czf - -C "$cache" . 2>> "$log" \
     | split -b 15M - "$out/triton-cache.tgz.part-" 2>> "$log"
