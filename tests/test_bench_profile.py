@@ -49,12 +49,31 @@ def test_host_functions_follow_the_kernels_with_their_calls_a_codec_call():
     line = sign.pack.__code__.co_firstlineno
     [pack] = [r for r in host if r.name == f"{profile.HOST}pack (codecs/sign.py:{line})"]
     assert pack.launches == 1.0
+    assert not [r for r in host if "_lsprof" in r.name]  # the profiler's own switch
     # the call's launches and device time stay its kernels' sums; by default no host rows
     assert math.isclose(enc[0].launches, sum(r.launches for r in kernels))
     plain = profile.run([4097], codecs=["sign"], calls=1)
     assert not [r for r in plain if r.name.startswith(profile.HOST)]
     with pytest.raises(ValueError, match="host_functions to be an int >= 0"):
         profile.run([4097], codecs=["sign"], host_functions=-1)
+
+
+def test_host_functions_that_share_a_name_are_counted_together():
+    """Each Triton kernel's launcher is a C function named `__triton_launcher.launch`: two
+    functions of one name (here two compiled from one source) count as one row, every call."""
+    source = "def f(n):\n    return sum(range(n))\n"
+    made = [{}, {}]
+    for names in made:
+        exec(compile(source, "same.py", "exec"), names)
+    first, second = (names["f"] for names in made)
+    assert first.__code__ is not second.__code__
+
+    def call():
+        first(100)
+        second(100)
+
+    spent = profile._host_times(call, 3, torch.device("cpu"))
+    assert spent["f (same.py:1)"][0] == 6
 
 
 def test_an_unknown_codec_or_call_count_is_refused_before_any_work(monkeypatch):

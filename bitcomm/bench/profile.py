@@ -34,7 +34,6 @@ import contextlib
 import cProfile
 import dataclasses
 import os
-import pstats
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -134,15 +133,20 @@ def _host_times(fn: Callable[[], object], calls: int, device: torch.device
     finally:
         prof.disable()
     _sync(device)
-    out = {}
-    for (path, line, name), (_, count, own, _, _) in pstats.Stats(prof).stats.items():
-        if name == "disable" and path == "~":  # the profiler's own switch
-            continue
-        if path == "~":  # a C function: cProfile names it in braces
-            where = name
+    # Summed by name: distinct functions may share one (each Triton kernel's launcher is a
+    # `__triton_launcher.launch` of its own), which pstats' table keeps only one of.
+    out: dict[str, tuple[int, float]] = {}
+    for entry in prof.getstats():
+        code = entry.code
+        if isinstance(code, str):  # a C function, by cProfile's name for it
+            if code.startswith("<method 'disable' of '_lsprof.Profiler"):  # the switch off
+                continue
+            where = code
         else:
-            where = f"{name} ({os.path.join(*path.split(os.sep)[-2:])}:{line})"
-        out[where] = (count, own)
+            path = os.path.join(*code.co_filename.split(os.sep)[-2:])
+            where = f"{code.co_name} ({path}:{code.co_firstlineno})"
+        count, own = out.get(where, (0, 0.0))
+        out[where] = (count + entry.callcount, own + entry.inlinetime)
     return out
 
 
