@@ -110,19 +110,19 @@ def time_call(fn: Callable[[], object], repeat: int, device: torch.device | str 
               ) -> float:
     """Return the median seconds of ``fn()`` after a warm-up.
 
-    The one timing loop of the benchmarks (:func:`time_against` runs it on two functions). It
-    runs at least ``repeat`` times, and more (up to 50) until ``_MIN_SECONDS`` are spent. On a
-    CUDA device each call is bracketed by CUDA events and the device is synchronised before
-    reading them, so the time is the GPU's; the warm-up there repeats ``fn`` for
-    ``_GPU_WARM_SECONDS`` (at most 1000 calls) so the clocks are up. Each timed call there
-    starts behind a write of a scratch buffer of at least four times the L2 cache
-    (:func:`_flush_bytes`), as ``triton.testing.do_bench`` does: the call's inputs come from
-    HBM, not from the L2 where its last call left them (an 8M-element ring chunk, 33 MB, fits
-    an H200's L2), and the host's work up to the call's first launch (Python, then Triton's
-    launcher: tens of microseconds, which a 10-microsecond kernel would be timed with on an
-    idle GPU) overlaps the write, as it overlaps earlier work in a training step. What the GPU
-    waits for inside the call (a host read, a launch slower than the kernel before it) stays
-    in the time.
+    The benchmarks' one timing loop (``_timings``, which :func:`time_against` runs on two
+    functions and ``run`` reads the host's times from) for one function. It runs at least
+    ``repeat`` times, and more (up to 50) until ``_MIN_SECONDS`` are spent. On a CUDA device
+    each call is bracketed by CUDA events and the device is synchronised before reading them, so
+    the time is the GPU's; the warm-up there repeats ``fn`` for ``_GPU_WARM_SECONDS`` (at most
+    1000 calls) so the clocks are up. Each timed call there starts behind a write of a scratch
+    buffer of at least four times the L2 cache (:func:`_flush_bytes`), as
+    ``triton.testing.do_bench`` does: the call's inputs come from HBM, not from the L2 where its
+    last call left them (an 8M-element ring chunk, 33 MB, fits an H200's L2), and the host's
+    work up to the call's first launch (Python, then Triton's launcher: tens of microseconds,
+    which a 10-microsecond kernel would be timed with on an idle GPU) overlaps the write, as it
+    overlaps earlier work in a training step. What the GPU waits for inside the call (a host
+    read, a launch slower than the kernel before it) stays in the time.
     """
     return _timings([fn], repeat, device)[0][0]
 
