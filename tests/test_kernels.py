@@ -9,6 +9,7 @@ them on CUDA tensors.
 import itertools
 import math
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -1605,7 +1606,7 @@ def test_radix_selection_launches_few_kernels():
     kth_largest 10."""
     x = torch.empty(10_000, device="meta")
     got = _launches(lambda: _kernels.top_indices(x, 100, 2))
-    assert sorted(got) == sorted(["zeros", "fill_", "key_digits", "key_digits",
+    assert sorted(got) == sorted(["zero_", "fill_", "key_digits", "key_digits",
                                   "gathered_counts", "cumsum", "gather", "key_digits",
                                   "key_digits", "chosen_counts", "chosen_write"])
     wide = torch.empty(10_000, device="meta", dtype=torch.float64)
@@ -1621,21 +1622,60 @@ def test_radix_selection_launches_few_kernels():
                                   "key_digits", "chosen_counts", "chosen_write"])
 
 
-def test_the_sampled_selection_allocates_no_rows(monkeypatch):
-    """Only the two-digit pass writes a program's 257 counts (ROWS): the sampled path, whose
-    passes never do, allocates no such buffer (an allocation is some microseconds of the
-    host's on a GPU), and the two-digit path still does."""
-    empty, shapes = torch.empty, []
+def _allocations(fn) -> list[tuple[int, torch.dtype]]:
+    # (elements, dtype) of each tensor bitcomm's code makes with torch's factories while fn
+    # runs (not torch's own: its meta kernels make theirs with them too)
+    made = []
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("empty", "zeros", "full", "ones", "empty_like", "zeros_like"):
+            factory = getattr(torch, name)
 
-    def recording(*size, **kwargs):
-        shapes.append(tuple(size[0]) if size and isinstance(size[0], tuple) else size)
-        return empty(*size, **kwargs)
+            def recording(*args, factory=factory, **kwargs):
+                out = factory(*args, **kwargs)
+                if sys._getframe(1).f_globals["__name__"].startswith("bitcomm"):
+                    made.append((out.numel(), out.dtype))
+                return out
 
-    monkeypatch.setattr(torch, "empty", recording)
-    for n, sampled in ((1 << 18, True), (10_000, False)):
-        shapes.clear()
-        _launches(lambda n=n: _kernels.top_indices(torch.zeros(n, device="meta"), n // 100, 2))
-        assert any(len(s) == 2 and s[1] == 257 for s in shapes) != sampled, (n, shapes)
+            patch.setattr(torch, name, recording)
+        fn()
+    return made
+
+
+@pytest.mark.parametrize("n", [10_000, 1 << 18, 1 << 20])
+def test_a_selection_allocates_its_scratch_once(n):
+    """An allocation on a GPU costs the host some microseconds (a view about one): the radix
+    selection's buffers are views of one allocation, so top_frame makes one tensor (its frame
+    is the caller's), RedSync's mean of the programs' sums and census included, and
+    top_indices two (the scratch and its indices); the two-digit path (10_000 scores, whose
+    census is score_stats' pass) too, float64 too. Only the two-digit pass writes a
+    program's 257 counts: the sampled path's scratch has no room for them (at 2**18 scores
+    they would outweigh the rest)."""
+    k = n // 100
+    x = torch.empty(n, device="meta")
+    sampled = _kernels._sampling(n, k) is not None
+    for values in ("fp32", "mean"):
+        header = sparse.HEADER.pack(n, k, sparse.FORMATS.index(values))
+        size = sparse.encoded_size(n, k, values)  # its index field at byte 32
+        frame = torch.empty(15 + size, dtype=torch.uint8, device="meta")[15:]
+        made = _allocations(lambda: _launches(lambda: _kernels.top_frame(
+            x, k, header, values, frame, side=1, census=sampled and values == "mean")))
+        assert [dtype for _, dtype in made] == [torch.int64], (values, made)
+    for v in (x, x.double()):
+        made = _allocations(lambda v=v: _launches(lambda: _kernels.top_indices(v, k, 2)))
+        assert sorted(size for size, _ in made)[0] == k and len(made) == 2, made
+    if not sampled:
+        return
+    (words, _), = _allocations(lambda: _launches(lambda: _kernels.top_frame(
+        x, k, header, "mean", frame, side=1)))
+    programs = _kernels._programs(n)
+    room = k + n // _kernels.SLACK
+    local = _kernels.LOCAL_ROOM * -(-room // programs)
+    # int32 keys and indices (a word for two), a program's kept keys (a word each), its two
+    # counts, two more and a mean's sum for the writing pass, the work buffer's 2K words, its
+    # padding
+    bound = room + programs * local + 5 * programs + 2048 + 16
+    assert words <= bound, (words, programs)
+    assert words + programs * 257 // 2 > bound  # with the rows in it, it would not be
 
 
 def test_no_kernel_wrapper_scans_row_by_row():

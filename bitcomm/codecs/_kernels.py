@@ -2122,44 +2122,70 @@ class _Selection:
     selection starts from one. ``census``: int64 ``[bad, positive]``, to which the sampled
     path's count pass adds whether its programs found NaN or inf
     (:func:`_count_at_least_kernel`'s CENSUS) and its writing pass writes ``positive``.
-    ``groups``: ``groups`` words (or None) for that pass's sums of its programs' counts by
-    groups (its GROUP), the gathering's running sums. ``chosen``: ``chosen`` words (maybe
-    none) for the writing passes' group sums (:func:`_chosen_counts_kernel`). All zeros
-    but ``state[0]``'s rank, ``k``, in one buffer (``work``): two launches, or none where the
-    selection starts from a sampled bound, whose one-program kernel writes them
-    (``zeroed=False``). ``sampled``: whether the selection started from a sampled bound (its
-    count pass read all of ``x``).
+    ``groups``: the sampled count pass's sums of its programs' counts by groups (its GROUP),
+    the gathering's running sums, or None. ``chosen``: ``chosen`` words (maybe none) for the
+    writing passes' group sums (:func:`_chosen_counts_kernel`). All zeros but ``state[0]``'s
+    rank, ``k``, in one buffer (``work``): two launches, or none where the selection starts
+    from a sampled bound (``plan``, :func:`_sampling`'s), whose one-program kernel writes
+    them. ``sampled``: whether it does (its count pass reads all of ``x``).
+
+    The passes' scratch, left uninitialised: ``counts`` (int64, ``2 * programs`` from a
+    sampled bound, each program's run at and above it then strictly above it, else
+    ``programs``, the two-digit gathering's runs), ``kept`` (the keys and indices each program
+    of a sampled count pass keeps, ``local`` of them, :func:`_gather_at_least`'s) or ``rows``
+    (int32, 257 a program: the two-digit pass's counts; on the sampled path, which writes
+    none, ``idx`` in their place), and for the caller ``writes`` int64 words and
+    ``sums`` float64 ones. Every buffer of the selection is a view of one allocation, each
+    16-byte aligned: an allocation on a GPU takes the host some microseconds (6 of the H200's
+    a ``torch.empty``), a view about one, and a top-k took seven allocations.
     """
 
-    def __init__(self, x: torch.Tensor, k: int, zeroed: bool = True, groups: int = 0,
-                 chosen: int = 0):
+    def __init__(self, x: torch.Tensor, k: int, plan: tuple[int, int] | None, programs: int,
+                 chosen: int = 0, writes: int = 0, sums: int = 0):
         n = x.numel()
         wide = x.dtype == torch.float64
         self.digits = (64 if wide else 32) // DIGIT
         d = self.digits
+        self.sampled = sampled = plan is not None
+        groups = 2 * _cdiv(programs, _group(programs)) if sampled else 0
         at = d * 256 + 2 * (d + 1)  # the bound's word, behind the histograms and states
-        work = (torch.zeros if zeroed else torch.empty)(at + 4 + groups + chosen,
-                                                        dtype=torch.int64, device=x.device)
+        room = min(n, k + n // SLACK)
+        self.local = LOCAL_ROOM * _cdiv(room, programs) if sampled else 0
+        # int32 keys and indices where they fit: half the bytes and cheaper arithmetic
+        narrow, narrow_idx = not wide, n <= 2**31
+        pack = narrow and narrow_idx  # a kept key and its index in one int64 word
+        sizes = [at + 4 + groups + chosen,
+                 _cdiv(room, 2) if narrow else room, _cdiv(room, 2) if narrow_idx else room,
+                 2 * programs if sampled else programs,
+                 (1 if pack else 2) * programs * self.local if sampled
+                 else _cdiv(programs * 257, 2),
+                 writes, sums]
+        sizes = [size + (size & 1) for size in sizes]  # 16 bytes a part
+        scratch = torch.empty(sum(sizes), dtype=torch.int64, device=x.device)
+        # split_with_sizes: Tensor.split's Python wrapper costs the host 2 us a call
+        work, keys, idx, self.counts, kept, self.writes, spare = scratch.split_with_sizes(sizes)
         self.work = work
-        # Every view in one split: each view is a torch call of 1-2 us of the host's time, and
-        # a call of top_indices took 19 of them (rows of 2-D views), some 35 us where the
-        # split takes 19 (a 2-core VM's host, on whose CPU tensors views cost as on CUDA ones).
-        parts = work.split([256] * d + [2] * (d + 1) + [1, 1, 2, groups, chosen])
+        # Every view of work in one split: each view is a torch call of 1-2 us of the host's
+        # time, and a call of top_indices took 19 of them (rows of 2-D views), some 35 us where
+        # the split takes 19 (a 2-core VM's host, on whose CPU tensors views cost as on CUDA
+        # ones).
+        parts = work.split_with_sizes([256] * d + [2] * (d + 1) + [1, 1, 2, groups, chosen])
         self.hist, self.state = parts[:d], parts[d : 2 * d + 1]
         self.bound, self.m, self.census = parts[2 * d + 1 : 2 * d + 4]
         self.groups = parts[2 * d + 4] if groups else None
         self.chosen = parts[2 * d + 5]
         self.rank_at = d * 256 + 1  # state[0][1]'s word in work
         self.bound_at = at
-        self.sampled = False
-        if zeroed:
+        if not sampled:
+            work.zero_()
             self.state[0][1:].fill_(k)  # one fill kernel on the device, no copy from the host
-        room = min(n, k + n // SLACK)
-        self.keys = torch.empty(room, dtype=torch.int64 if wide else torch.int32,
-                                device=x.device)
-        # int32 indices where they fit: half the bytes and cheaper arithmetic
-        self.idx = torch.empty(room, dtype=torch.int32 if n <= 2**31 else torch.int64,
-                               device=x.device)
+        # ``room`` keys and indices; their parts may hold a few more, which no pass reads
+        self.room = room
+        self.keys = keys.view(torch.int32) if narrow else keys
+        self.idx = idx.view(torch.int32) if narrow_idx else idx
+        self.kept = kept if sampled else None
+        self.rows = self.idx if sampled else kept.view(torch.int32)
+        self.sums = spare.view(torch.float64) if sums else None
 
 
 def _group(programs: int) -> int:
@@ -2183,23 +2209,22 @@ def _sampling(n: int, k: int) -> tuple[int, int] | None:
     return None if r * step > k + n // (2 * SLACK) else (step, r)
 
 
-def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, programs: int,
-             census: bool, step: int, r: int) -> None:
+def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, census: bool, step: int,
+             r: int) -> None:
     # Gathers the keys at or above the sampled bound of _bracket (their number to sel.m when
     # they are k or more and fit), or those strictly above it when the keys at it overflow
     # the room, or settles the k-th largest key at the bound when fewer than k lie above it
     # (a mass of equal scores, such as exact zeros: m = -1). `sel`: not zeroed; the bound's
-    # kernel writes its work buffer first. `programs`: those of the passes. `census`: whether
+    # kernel writes its work buffer first. `census`: whether
     # the count pass looks for NaN and inf (into sel.census, _count_at_least_kernel's CENSUS).
     work = sel.work
     launch(_sample_bound_kernel, (1,), x, work, work.numel(), sel.bound_at, step, r, k,
            sel.rank_at, SIDE=side, WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE,
            HASH=_bracket.HASH, WORK=1 << (work.numel() - 1).bit_length(), num_warps=16)
-    counts = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
-    _gather_at_least(x, sel.bound, sel.m, counts, sel.idx, k, sel.keys.numel(), side,
+    _gather_at_least(x, sel.bound, sel.m, sel.counts, sel.idx, k, sel.room, side,
                      keys=sel.keys, nan=True, settled=sel.state[sel.digits],
-                     census=sel.census if census else None,
-                     local=LOCAL_ROOM * _cdiv(sel.keys.numel(), programs), groups=sel.groups)
+                     census=sel.census if census else None, local=sel.local, kept=sel.kept,
+                     groups=sel.groups)
 
 
 def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
@@ -2207,7 +2232,8 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                      *, keys: torch.Tensor | None = None, scores: bool = False, nan: bool,
                      settled: torch.Tensor | None = None, known: bool = False,
                      census: torch.Tensor | None = None, local: int = 0,
-                     groups: torch.Tensor | None = None) -> None:
+                     kept: torch.Tensor | None = None, groups: torch.Tensor | None = None
+                     ) -> None:
     # The indices (and, given `keys`, the keys, or with `scores` the scores whose keys they
     # are, in `keys` of x's dtype) of every key at or above floor's, in index
     # order, when there are `need` to `room` of them (their number to m): a count of each
@@ -2220,7 +2246,9 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     # zeroed [bad, positive] to whose `bad` the counting pass adds whether it found NaN or
     # inf (_count_at_least_kernel's CENSUS), or None. `local`: keys a program the counting
     # pass keeps (with their indices) for the gathering to copy instead of reading x again
-    # (_count_at_least_kernel's LOCAL), or 0; with `groups` only.
+    # (_count_at_least_kernel's LOCAL), or 0; with `groups` only, and `kept` their room (int64,
+    # a word each key and index where both are 32-bit, two words otherwise, a program's
+    # `local` after another's).
     # `groups`: zeroed words for the counting pass's sums of the programs' counts by groups
     # (2 * ceil(programs / _group(programs)), with `settled`), from which the gathering adds
     # up where each run starts (_gather_kernel's GROUP), or None: a running sum of `counts`
@@ -2233,13 +2261,10 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
     local = local if grouped else 0  # the gathering reads a program's count from its word
     group = _group(grid[0]) if grouped else 0
     ng = _cdiv(grid[0], group) if grouped else 0
-    kept = idx
+    kept = kept if local else idx
     # int32 keys and indices: one int64 word each key and its index (the kernels' PACK), else
     # two int64 words
     pack = not wide and n <= 2**31
-    if local:
-        kept = torch.empty((1 if pack else 2) * grid[0] * local, dtype=torch.int64,
-                           device=x.device)
     if not known:
         launch(_count_at_least_kernel, grid, x, floor, counts,
                counts if census is None else census, kept, local,
@@ -2261,7 +2286,7 @@ def _check_k(n: int, k: int) -> None:
 
 
 def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False,
-                  chosen: int = 0) -> _Selection:
+                  chosen: int = 0, writes: int = 0, sums: int = 0) -> _Selection:
     # Every digit of the k-th largest key but the last, settled on the device; the last pass's
     # histogram is left for the caller's next kernel to settle. From 2**18 scores the keys at or
     # above a sampled bound are gathered first (one read of x, whose count pass keeps them
@@ -2273,26 +2298,24 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False,
     # the k-th's first two digits are then gathered (about k of them for the usual scores)
     # and the later passes read those instead. `census`: as _sampled's; the sampled path
     # (only) looks for NaN and inf into sel.census (sel.sampled). `chosen`: zeroed words to
-    # keep in sel.chosen.
+    # keep in sel.chosen; `writes` and `sums`: the caller's scratch words in sel.writes and
+    # sel.sums (_Selection's).
     n = x.numel()
     _check_k(n, k)
     wide = x.dtype == torch.float64
     plan = _sampling(n, k)
     grid = (_programs(n),)
-    sel = _Selection(x, k, zeroed=plan is None,
-                     groups=0 if plan is None else 2 * _cdiv(grid[0], _group(grid[0])),
-                     chosen=chosen)
+    sel = _Selection(x, k, plan, grid[0], chosen, writes, sums)
     block, opts = _config("key_digits")
-    sampled = sel.sampled = plan is not None
+    sampled = sel.sampled
     # the two-digit pass's counts a program (ROWS); no pass of the sampled path writes them,
     # so it passes its index buffer in their place (int32 as they are, where indices fit: the
-    # kernels' signatures stay those compiled) and allocates nothing
-    rows = sel.idx if sampled else torch.empty((grid[0], 257), dtype=torch.int32,
-                                               device=x.device)
+    # kernels' signatures stay those compiled)
+    rows = sel.rows
     passes = grid
     if sampled:
-        _sampled(x, k, side, sel, grid[0], census, *plan)
-        passes = (min(grid[0], _cdiv(sel.keys.numel(), CANDIDATE_TILES * block)),)
+        _sampled(x, k, side, sel, census, *plan)
+        passes = (min(grid[0], _cdiv(sel.room, CANDIDATE_TILES * block)),)
     shifts = range((sel.digits - 1) * DIGIT, -1, -DIGIT)
     for p, shift in enumerate(shifts):
         # pass p settles digit p - 1 first, except after the two-digit gathering, which did
@@ -2304,11 +2327,11 @@ def _radix_select(x: torch.Tensor, k: int, side: int, census: bool = False,
                FIRST=not sampled and p < 2, SETTLE=settle, SETTLE_TOP=p == 1, BLOCK=block,
                **opts)
         if two_digits:
-            counts = torch.empty(grid[0], dtype=torch.int64, device=x.device)  # each program's
+            counts = sel.counts[: grid[0]]  # each program's (its part may hold one more)
             launch(_gathered_counts_kernel, grid, sel.hist[1], sel.state[1], rows, counts,
                    SHIFT=shift, TOP=False, WIDE=wide, num_warps=1)
             launch(_gather_kernel, grid, x, sel.state[2], sel.m, counts.cumsum(0), sel.keys,
-                   sel.idx, sel.state[2], sel.idx, 0, counts, 0, n, 0, sel.keys.numel(),
+                   sel.idx, sel.state[2], sel.idx, 0, counts, 0, n, 0, sel.room,
                    SIDE=side, WIDE=wide, SHIFT=shift, KEYS=True, SCORES=False, NAN=True,
                    STRICT=False, LOCAL=False, PACK=False, GROUP=0, BLOCK=block, **opts)
     return sel
@@ -2514,13 +2537,15 @@ def _top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
         return _top_indices(x, k, side, census, entries)
 
 
-def _written_to(x: torch.Tensor, k: int, entries: tuple | None, programs: int = 0
+def _written_to(x: torch.Tensor, k: int, entries: tuple | None,
+                sums: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, tuple, dict, torch.Tensor | None]:
     # Where the writing pass puts the chosen: the result (int64 indices, or the frame of
     # `entries`), the kernels' frame arguments (frame, its index and value fields, the
     # header's words), their VALUES and CODE, and the frame's float32 mean for
     # _sparse_mean_kernel to write, or None. A mean's value field is that float32, or with
-    # `programs` (the radix path's) their float64 sums, which the mean kernel adds.
+    # `sums` (the radix path's, a float64 a program) its programs' sums, which the mean
+    # kernel adds.
     if entries is None:
         out = torch.empty(k, dtype=torch.int64, device=x.device)
         return out, (out, out, out, 0, 0), {"VALUES": -1, "CODE": 0}, None
@@ -2529,8 +2554,8 @@ def _written_to(x: torch.Tensor, k: int, entries: tuple | None, programs: int = 
     ids = frame[at : at + 4 * k].view(torch.int32)
     vals = frame[at + 4 * k :].view(torch.float16 if code == 1 else torch.float32)
     mean = None
-    if code == 3 and programs:
-        vals, mean = torch.empty(programs, dtype=torch.float64, device=x.device), vals
+    if code == 3 and sums is not None:
+        vals, mean = sums, vals
     return frame, (frame, ids, vals, *_head_words(header[:16])), {"VALUES": code,
                                                                   "CODE": header[16]}, mean
 
@@ -2544,14 +2569,17 @@ def _top_indices(x: torch.Tensor, k: int, side: int, census: bool, entries: tupl
     group = _group(grid[0])
     ng = _cdiv(grid[0], group)
     # the writing passes' group sums (keys above the k-th largest, and ties) in the
-    # selection's work buffer, which its first launch clears
-    sel = _radix_select(x, k, side, census, chosen=2 * ng)
+    # selection's work buffer, which its first launch clears; their counts a program, and a
+    # mean's sums a program, in its scratch
+    averaged = entries is not None and entries[2] == "mean"
+    sel = _radix_select(x, k, side, census, chosen=2 * ng, writes=2 * grid[0],
+                        sums=grid[0] if averaged else 0)
     d = sel.digits
     wide = x.dtype == torch.float64
-    counts = torch.empty(2 * grid[0], dtype=torch.int64, device=x.device)
+    counts = sel.writes
     launch(_chosen_counts_kernel, grid, x, sel.keys, sel.hist[d - 1], sel.state[d - 1], sel.m,
            counts, sel.chosen, ng, n, SIDE=side, WIDE=wide, GROUP=group, BLOCK=block, **opts)
-    out, written, codes, mean = _written_to(x, k, entries, grid[0])
+    out, written, codes, mean = _written_to(x, k, entries, sel.sums)
     tally = census and sel.sampled  # the count pass found NaN and inf, this pass the rest
     launch(_chosen_write_kernel, grid, x, sel.keys, sel.idx, sel.state[d], sel.m, counts,
            sel.chosen, out, sel.census if tally else out, *written, ng, n, SIDE=side,
