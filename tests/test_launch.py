@@ -38,11 +38,18 @@ class Compiled:
         launched.append((self, args))
 
 
+asked = []  # what launches asked the driver for
+
+
 class Driver:
+    device = 0
+
     def get_current_device(self):
-        return 0
+        asked.append("device")
+        return self.device
 
     def get_current_stream(self, device):
+        asked.append("stream")
         return 7
 
     def get_current_target(self):
@@ -155,6 +162,23 @@ for block, replayed, kept in ((1024, 0, True), (1024, 1, True), (512, 0, False),
     with _launch.planned(("test",)):
         checked(_kernels._sign_pack_kernel, (1,), x[:9], bits, 9, 2, BLOCK=block, WIDEN=False)
     assert (direct[2] - before, ("test",) in _launch._PLANS) == (replayed, kept), block
+# a replay asks the driver for the device and the stream once, at its first launch; on
+# another device than recorded it ends there (the plan dropped), and the next call records
+# the plan anew for that device
+_kernels.launch = _launch.launch
+v = torch.randn(2**18, generator=g)
+for device, replays, recorded in ((0, False, 0), (0, True, 0), (1, False, None),
+                                  (1, False, 1), (1, True, 1)):
+    driver.active.device = device
+    asked.clear()
+    launched.clear()
+    _kernels.top_indices(v, 2621)  # 9 launches from a sampled bound
+    assert (asked == ["device", "stream"]) == replays, (device, asked)
+    assert len(launched) == 9, (device, launched)
+    plans = [_launch._PLANS[k][0] for k in _launch._PLANS
+             if k[0] is _kernels.top_indices and k[1] == 2**18]
+    assert plans == ([] if recorded is None else [recorded]), (device, plans)
+driver.active.device = 0
 print(json.dumps({"triton": triton.__version__, "direct": direct[0], "launches": direct[1],
                   "replayed": direct[2]}))
 """

@@ -72,8 +72,10 @@ class _Plan:
     # One `with planned(key)`: the steps it replays (from an earlier run under key) or records
     # (each launch's compiled kernel, parameters after the given ones, kernel and keywords),
     # the device they were launched on (taken from the first launch: making a plan asks the
-    # driver nothing), how many it has taken, and the plan it is nested in.
-    __slots__ = ("key", "steps", "at", "recorded", "replay", "broken", "device", "outer")
+    # driver nothing), the stream a replay launches on (asked for at its first launch), how
+    # many it has taken, and the plan it is nested in.
+    __slots__ = ("key", "steps", "at", "recorded", "replay", "broken", "device", "stream",
+                 "outer")
 
     def __init__(self, key: tuple, entry: tuple[int, list] | None):
         self.key, self.outer = key, None
@@ -81,6 +83,7 @@ class _Plan:
         self.device, self.steps = entry if self.recorded else (None, [])
         self.at = 0
         self.broken = False
+        self.stream = None
 
     def __enter__(self) -> None:
         self.outer = getattr(_LOCAL, "plan", None)
@@ -109,10 +112,12 @@ def planned(key: tuple):
     back from the device), ``key`` holds those inputs. The first run under a key records
     each launch's compiled kernel; later runs launch the recorded kernels in order, without
     :func:`launch`'s key of each launch's arguments (a few microseconds each on a 2-core
-    VM's host, more on a GPU machine's). A launch of another kernel, with other keywords than
-    recorded (a setting the key missed) or on another device ends the replay: it and the rest
-    go by key, and the plan is recorded again next time. A no-op where launches do not go by
-    key.
+    VM's host, more on a GPU machine's), and on the device and stream its first launch found
+    (a caller's launches under one key are one call, which switches neither; asking the
+    driver is a microsecond or two a launch). A launch of another kernel, with other keywords
+    than recorded (a setting the key missed), or a first launch on another device, ends the
+    replay: it and the rest go by key, and the plan is recorded again next time. A no-op where
+    launches do not go by key.
     """
     if not (_DIRECT and PLANS):
         return _UNPLANNED
@@ -133,18 +138,25 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     if not _DIRECT:
         kernel[grid](*args, **kwargs)
         return
-    active = driver.active
-    device = active.get_current_device()
     plan = getattr(_LOCAL, "plan", None)
     if plan is not None and plan.replay:
         at = plan.at
-        if at < len(plan.steps) and device == plan.device:
+        if at < len(plan.steps):
             compiled, tail, recorded, keywords = plan.steps[at]
             if recorded is kernel and keywords == kwargs:
-                plan.at = at + 1
-                _run(compiled, grid, args + tail, active.get_current_stream(device))
-                return
+                stream = plan.stream
+                if stream is None:  # the replay's first launch
+                    active = driver.active
+                    device = active.get_current_device()
+                    if device == plan.device:
+                        stream = plan.stream = active.get_current_stream(device)
+                if stream is not None:
+                    plan.at = at + 1
+                    _run(compiled, grid, args + tail, stream)
+                    return
         plan.replay, plan.broken = False, True
+    active = driver.active
+    device = active.get_current_device()
     key = _key(kernel, device, args, kwargs)
     try:
         known = None if key is None else _KERNELS.get(key)
