@@ -479,6 +479,55 @@ def test_a_top_k_frame_is_written_by_its_selection_on_the_gpu_as_on_the_cpu():
         sparse.encode_top(x.cuda(), 5000)
 
 
+def test_a_top_k_made_again_from_its_record_gives_the_cpus_frames(monkeypatch):
+    """From its second call on new vectors of one length, a sampled top-k is made again from
+    the launches its first call recorded (_launch.replay: no Python of the selection's, the
+    launcher given the new addresses): the CPU's frames, indices and census on each of four
+    new vectors, for sparse.encode_top checked and not, RedSync's frame and top_indices with
+    census, 16-byte aligned and not; none of the later calls goes through the selection's
+    launches."""
+    from bitcomm.codecs import _kernels, _launch
+
+    if not _launch._DIRECT:
+        pytest.skip("launches go through Triton's own path here (BITCOMM_DIRECT_LAUNCH=0, or a "
+                    "Triton release outside _launch.VERIFIED)")
+    launches = []
+    real = _kernels.launch
+
+    def counting(kernel, grid, *args, **kwargs):
+        launches.append(kernel)
+        real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", counting)
+    # nothing recorded by the tests before (the same lengths and k)
+    monkeypatch.setattr(_launch, "_CALLS", {})
+    monkeypatch.setattr(_launch, "_PLANS", {})
+    g = torch.Generator().manual_seed(23)
+    n, k = 1_000_003, 10_000
+    assert _kernels._sampling(n, k) is not None  # the premise: a sampled bound
+    calls = {
+        "encode_top": lambda v: sparse.encode_top(v, k, check=False),
+        "encode_top checked": lambda v: sparse.encode_top(v, k),
+        "redsync": lambda v: redsync.encode(v, k, "top"),
+        "top_indices census": lambda v: (
+            _kernels.top_indices(v, k, 1, census=True) if v.is_cuda
+            else (select.select_side(v, k, 1), torch.tensor([0, min(k, int((v > 0).sum()))]))),
+    }
+    for shift in (0, 1):  # x 16-byte aligned, then 4 bytes past it
+        for i in range(4):
+            x = torch.randn(n + 1, generator=g) * 10
+            x[shift : shift + 100] = 7.0  # ties at the k-th
+            x = x[shift : shift + n]
+            on_gpu = x.cuda() if shift == 0 else torch.cat([x[:1], x]).cuda()[1:]
+            for name, call in calls.items():
+                launches.clear()
+                want, got = call(x), call(on_gpu)
+                for w, h in zip(want if isinstance(want, tuple) else (want,),
+                                got if isinstance(got, tuple) else (got,), strict=True):
+                    assert torch.equal(h.cpu(), w), (shift, i, name)
+                assert (launches == []) == (i > 0), (shift, i, name, len(launches))
+
+
 def test_the_torch_transport_moves_host_buffers_without_extra_waits():
     """The transports' staging: with NCCL a host buffer (a length, a count, the agreement's
     record) goes to the GPU, and with MPI or gloo a CUDA tensor's received bytes go back to

@@ -22,6 +22,7 @@ import json, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
+from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
 
 launched = []  # (compiled kernel, what its run() got)
@@ -32,7 +33,7 @@ class Compiled:
     packed_metadata = object()
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        return ("metadata", grid, stream, len(args))
 
     def run(self, *args):
         launched.append((self, args))
@@ -88,7 +89,21 @@ _frame.FORCE = "triton"
 direct = [0, 0, 0]  # launches by key, launches in all, launches replayed from a plan
 
 
+def hooked(args):
+    # Triton's launch passes its hook chains even with no hook in them, and the launch
+    # metadata for them, where a launch by key passes None for an empty chain, and no
+    # metadata without a hook: the launcher calls no hook either way
+    args = list(args)
+    for at in (7, 8):  # the enter and exit hooks
+        if isinstance(args[at], HookChain) and not args[at].calls:
+            args[at] = None
+    if args[7] is None and args[8] is None:
+        args[6] = None
+    return args
+
+
 def same(a, b):
+    a, b = hooked(a), hooked(b)
     return len(a) == len(b) and all(x is y or (type(x) is type(y) and x == y
                                                and not isinstance(x, torch.Tensor))
                                     for x, y in zip(a, b))
@@ -162,7 +177,7 @@ for block, replayed, kept in ((1024, 0, True), (1024, 1, True), (512, 0, False),
     with _launch.planned(("test",)):
         checked(_kernels._sign_pack_kernel, (1,), x[:9], bits, 9, 2, BLOCK=block, WIDEN=False)
     assert (direct[2] - before, ("test",) in _launch._PLANS) == (replayed, kept), block
-# a replay asks the driver for the device and the stream once, at its first launch; on
+# a replay asks the driver for the device and the stream once, at its start; on
 # another device than recorded it ends there (the plan dropped), and the next call records
 # the plan anew for that device
 _kernels.launch = _launch.launch
@@ -173,11 +188,134 @@ for device, replays, recorded in ((0, False, 0), (0, True, 0), (1, False, None),
     asked.clear()
     launched.clear()
     _kernels.top_indices(v, 2621)  # 9 launches from a sampled bound
-    assert (asked == ["device", "stream"]) == replays, (device, asked)
+    # (a call recorded whole on device 0 asks for the device before it leaves the rest to
+    # the launches' plan on device 1)
+    assert (asked.count("stream") == 1 and asked.count("device") <= 2) == replays, (device,
+                                                                                    asked)
     assert len(launched) == 9, (device, launched)
     plans = [_launch._PLANS[k][0] for k in _launch._PLANS
              if k[0] is _kernels.top_indices and k[1] == 2**18]
     assert plans == ([] if recorded is None else [recorded]), (device, plans)
+driver.active.device = 0
+
+# with a hook in a chain, a launch by key passes the chains and the metadata as Triton does
+_kernels.launch = checked
+hook = lambda metadata: None  # noqa: E731
+for chain in (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook):
+    chain.add(hook)
+    before = direct[0]
+    checked(_kernels._sign_pack_kernel, (1,), x[:9], bits, 9, 2, BLOCK=1024, WIDEN=False)
+    assert direct[0] == before + 1  # by key
+    chain.remove(hook)
+
+# A top-k from a sampled bound is recorded whole, then made again without its Python: the
+# launcher gets the values, and pointers at the same places in the inputs and allocations,
+# that launches by key pass for the same inputs, and the result lies where theirs does.
+empty, allocated = torch.empty, []
+
+
+def logged(*args, **kwargs):
+    t = empty(*args, **kwargs)
+    allocated.append(t)
+    return t
+
+
+def places(args, sources):
+    # each argument, a tensor's or pointer's as (source, byte offset)
+    out = []
+    for a in args:
+        p = a.data_ptr() if isinstance(a, torch.Tensor) else a
+        if isinstance(a, torch.Tensor) or (isinstance(p, int) and p > 2**40):
+            hits = [(i, p - s.data_ptr()) for i, s in enumerate(sources)
+                    if s.data_ptr() <= p <= s.data_ptr() + s.numel() * s.element_size()]
+            assert hits, p
+            out.append(("at", hits[0]))
+        else:
+            out.append(a)
+    return out
+
+
+wrapped = []  # launches through _kernels.launch (a whole replay makes none)
+
+
+def counted(kernel, grid, *args, **kwargs):
+    wrapped.append(kernel)
+    _launch.launch(kernel, grid, *args, **kwargs)
+
+
+def made(call):
+    # its result, launches, allocations and launches through _kernels.launch
+    allocated.clear()
+    launched.clear()
+    wrapped.clear()
+    got = call()
+    return got, [args for _, args in launched], list(allocated), len(wrapped)
+
+
+torch.empty = logged
+_kernels.launch = counted
+n, k = 2**18, 2621
+header = sparse.HEADER.pack(n, k, 0)
+header_mean = sparse.HEADER.pack(n, k, 3)
+cases = {
+    "indices": lambda v, f: _kernels.top_indices(v, k),
+    "census": lambda v, f: _kernels.top_indices(v, k, 1, census=True),
+    "frame": lambda v, f: _kernels.top_frame(v, k, header, "fp32", f[: 17 + 8 * k]),
+    "mean": lambda v, f: _kernels.top_frame(v, k, header_mean, "mean", f[: 21 + 4 * k],
+                                           side=1, census=True),
+}
+for name, call in cases.items():
+    def inputs():
+        v = torch.randn(n, generator=g)
+        return v, empty(32 + 8 * k, dtype=torch.uint8)[15:]
+    v, f = inputs()
+    call(v, f)  # recorded
+    before = len(_launch._CALLS)
+    v, f = inputs()
+    got, runs, mine, through = made(lambda: call(v, f))
+    assert len(runs) == (10 if name == "mean" else 9) and through == 0, (name, through)
+    _launch.PLANS = False
+    want, by_key, theirs, through = made(lambda: call(v, f))
+    _launch.PLANS = True
+    assert through == len(runs), name
+    assert len(mine) == len(theirs) and len(_launch._CALLS) == before, (name, mine, theirs)
+    frame = f[: 17 + 8 * k] if name == "frame" else f[: 21 + 4 * k]
+    sources = lambda owned: (v, frame, *owned)  # noqa: E731
+    for r, w in zip(runs, by_key):
+        assert places(r[9:], sources(mine)) == places(w[9:], sources(theirs)), name
+        assert r[:6] == w[:6] and r[6:9] == (None, None, None), name
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    kinds = lambda ts: [None if t is None else (t.dtype, t.shape) for t in ts]  # noqa: E731
+    assert kinds(got) == kinds(want), name
+    assert (places([t for t in got if t is not None], sources(mine))
+            == places([t for t in want if t is not None], sources(theirs))), name
+torch.empty = empty
+# not whole: a path with torch's own kernels (the two-digit path zeroes its work buffer),
+# and a call whose launch takes a tensor from outside its inputs and allocations
+for _ in range(2):
+    _kernels.top_indices(torch.randn(70000, generator=g), 700)
+assert not [key for key in _launch._CALLS if key[1] == 70000]
+outside = torch.empty(2, dtype=torch.uint8)
+for zero, far, whole in ((True, False, False), (False, True, False), (False, False, True)):
+    _launch._CALLS.pop(("whole",), None)
+    _launch._PLANS.pop(("whole",), None)
+    with _launch.planned(("whole",), (x,)) as plan:
+        out = torch.empty(2, dtype=torch.uint8)
+        if zero:
+            out.zero_()
+        _launch.launch(_kernels._sign_pack_kernel, (1,), x[:9], outside if far else out, 9, 2,
+                       BLOCK=1024, WIDEN=False)
+        plan.returns(out)
+    assert (("whole",) in _launch._CALLS) == whole, (zero, far)
+# a replay with a hook set, or on another device, is left to the caller
+launched.clear()
+assert _launch.replay(("whole",), (x,)) is not _launch.MISSED and len(launched) == 1
+triton.knobs.runtime.launch_enter_hook.add(hook)
+assert _launch.replay(("whole",), (x,)) is _launch.MISSED
+triton.knobs.runtime.launch_enter_hook.remove(hook)
+driver.active.device = 1
+assert _launch.replay(("whole",), (x,)) is _launch.MISSED
 driver.active.device = 0
 print(json.dumps({"triton": triton.__version__, "direct": direct[0], "launches": direct[1],
                   "replayed": direct[2]}))

@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from bitcomm.codecs import _bracket, _frame
-from bitcomm.codecs._launch import launch, planned
+from bitcomm.codecs._launch import MISSED, launch, planned, replay
 
 __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign_unpack",
            "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_decode",
@@ -2527,14 +2527,21 @@ def _top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
     if n <= SMALL_TOP:
         return _small_top(x, k, side, census, entries)
     # Its launches follow from these alone (no host read; fresh buffers and views of them at
-    # fixed offsets; a frame's alignment), so the ones recorded under them replay
-    # (_launch.planned)
-    plan = (top_indices, n, x.dtype, k, side, census, x.data_ptr() % 16 == 0,
-            None if entries is None else (entries[2], entries[0].data_ptr() % 16), LOCAL_ROOM,
-            CANDIDATE_TILES, COUNT_PROGRAMS, SLACK, TUNING["key_digits"], TUNING["top_write"],
-            _bracket.SAMPLE, _bracket.MIN_N, _bracket.HASH)
-    with planned(plan):
-        return _top_indices(x, k, side, census, entries)
+    # fixed offsets; a frame's alignment and header), so the ones recorded under them replay
+    # (_launch.planned); from a sampled bound, whose torch ops are only the scratch's
+    # allocation and views, the whole call replays (_launch.replay)
+    plan = (top_indices, n, x.dtype, x.device, k, side, census, x.data_ptr() % 16 == 0,
+            None if entries is None else (entries[2], entries[0].data_ptr() % 16, entries[1]),
+            LOCAL_ROOM, CANDIDATE_TILES, COUNT_PROGRAMS, SLACK, TUNING["key_digits"],
+            TUNING["top_write"], _bracket.SAMPLE, _bracket.MIN_N, _bracket.HASH)
+    inputs = (x,) if entries is None else (x, entries[0])
+    got = replay(plan, inputs)
+    if got is not MISSED:
+        return got
+    with planned(plan, inputs if _sampling(n, k) is not None else None) as recording:
+        got = _top_indices(x, k, side, census, entries)
+        recording.returns(got)
+    return got
 
 
 def _written_to(x: torch.Tensor, k: int, entries: tuple | None,

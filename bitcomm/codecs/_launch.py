@@ -9,9 +9,11 @@ kernels outrun the host, the device waits for it.
 
 :func:`launch` keeps the compiled kernel that such a launch returned under a key of what
 Triton's specialisation reads from the arguments, and launches it directly the next time the
-key recurs, with the arguments, stream, metadata and hooks Triton's own launch would pass
-(``tests/test_launch.py`` holds the two launches equal, call for call, under the Triton
-releases it verifies). Triton specialises an argument on its type alone, and further:
+key recurs, with the arguments and stream Triton's own launch would pass, and its hooks
+where any are set (Triton passes its hook chains even when empty, which the launcher then
+calls for nothing, with metadata made for them; ``tests/test_launch.py`` holds the two
+launches equal, call for call, under the Triton releases it verifies). Triton specialises an
+argument on its type alone, and further:
 
 - a tensor on its dtype and whether its address is a multiple of 16 bytes;
 - an int on its width (int32, int64 or uint64 by its value), and, unless the kernel leaves it
@@ -28,24 +30,31 @@ interpreter (``TRITON_INTERPRET=1``), and arguments of other types always go thr
 ``kernel[grid]``; so does every launch where the environment has ``BITCOMM_DIRECT_LAUNCH=0``
 when bitcomm's kernels are first imported: a way back to Triton's own launch, to tell whether
 a wrong result comes from this path, without a change to the code.
+
+A caller whose launches follow from a few of its inputs goes further: :func:`planned` replays
+the launches recorded under a key of those, and a call that made only allocations, views and
+launches is recorded whole, for :func:`replay` to make again from the new inputs' addresses
+alone (a top-k from a sampled bound: nine launches in 8 us of the 2-core VM's host, where its
+Python took 37).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
 import torch
 import triton
+from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime import driver
 
 try:  # triton 3.4 and newer; the direct launch is taken only under VERIFIED releases
     from triton import knobs
+    from triton.knobs import HookChain
 except ImportError:
-    knobs = None
+    knobs = HookChain = None
 
-__all__ = ["launch", "planned", "VERIFIED", "LIMIT", "PLANS"]
+__all__ = ["launch", "planned", "replay", "MISSED", "VERIFIED", "LIMIT", "PLANS"]
 
 VERIFIED = ("3.6.", "3.9.")
 """Triton releases whose argument specialisation ``tests/test_launch.py`` checked against this
@@ -62,10 +71,49 @@ _DIRECT = (knobs is not None and not _INTERPRETED and triton.__version__.startsw
 _KERNELS: dict[tuple, tuple] = {}
 
 PLANS = True
-"""Whether :func:`planned` replays recorded launches (False: every launch goes by key)."""
+"""Whether :func:`planned` and :func:`replay` replay recorded launches and calls (False: every
+launch goes by key)."""
 
 _PLANS: dict[tuple, tuple[int, list]] = {}  # key: (the device, the steps)
+_CALLS: dict[tuple, _Call] = {}  # key: a call recorded whole (planned with inputs)
 _LOCAL = threading.local()  # the plan of this thread's innermost `with planned(...)`
+
+MISSED = object()
+"""What :func:`replay` returns where it has no call to replay: the caller runs its own."""
+
+# the torch ops that allocate; any op but those and views makes a call not replayable whole
+_ALLOCATIONS = frozenset([torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default])
+
+
+class _Call:
+    # A call recorded whole: the device index its launches went to, the device of its
+    # inputs, its allocations (shape, dtype) in order, each launch as (the compiled kernel's
+    # launcher, grid, function, metadata, its parameters' values with None for each
+    # pointer, the pointers as (parameter, source, byte offset)), where a source is an
+    # input's index or len(inputs) plus an allocation's, and its result (_described).
+    __slots__ = ("device", "where", "made", "steps", "result")
+
+    def __init__(self, device: int, where: torch.device, made: list, steps: list, result):
+        self.device, self.where, self.made, self.steps, self.result = (device, where, made,
+                                                                      steps, result)
+
+
+class _Watch(TorchDispatchMode):
+    # The torch ops of a call being recorded whole: the tensors it allocates, in order, and
+    # whether it ran any op but an allocation or a view (a kernel of torch's, or a read of
+    # the device, which a replay of its launches alone would miss).
+    def __init__(self):
+        super().__init__()
+        self.made: list[torch.Tensor] = []
+        self.other = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.made.append(out)
+        elif not func.is_view:
+            self.other = True
+        return out
 
 
 class _Plan:
@@ -74,23 +122,43 @@ class _Plan:
     # the device they were launched on (taken from the first launch: making a plan asks the
     # driver nothing), the stream a replay launches on (asked for at its first launch), how
     # many it has taken, and the plan it is nested in.
+    # With `inputs` (a call to record whole), also the watch of its torch ops, each
+    # launch's step of a _Call (None once one cannot be), and its result's description.
     __slots__ = ("key", "steps", "at", "recorded", "replay", "broken", "device", "stream",
-                 "outer")
+                 "outer", "inputs", "watch", "whole", "result")
 
-    def __init__(self, key: tuple, entry: tuple[int, list] | None):
+    def __init__(self, key: tuple, entry: tuple[int, list] | None,
+                 inputs: tuple[torch.Tensor, ...] | None = None):
         self.key, self.outer = key, None
         self.recorded = self.replay = entry is not None
         self.device, self.steps = entry if self.recorded else (None, [])
         self.at = 0
         self.broken = False
         self.stream = None
+        self.inputs = inputs
+        self.watch = None if inputs is None else _Watch()
+        self.whole: list | None = [] if inputs is not None else None
+        self.result = None
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _Plan:
         self.outer = getattr(_LOCAL, "plan", None)
         _LOCAL.plan = self
+        if self.watch is not None:
+            self.watch.__enter__()
+        return self
 
     def __exit__(self, kind, value, tb) -> None:
         _LOCAL.plan = self.outer
+        if self.watch is not None:
+            self.watch.__exit__(kind, value, tb)
+            if (kind is None and not self.broken and not self.watch.other and self.whole
+                    and self.result is not None):
+                if len(_CALLS) >= LIMIT:
+                    _CALLS.clear()
+                where = self.inputs[0].device
+                made = [(tuple(t.shape), t.dtype) for t in self.watch.made]
+                _CALLS[self.key] = _Call(self.device, where, made, self.whole, self.result)
+            self.watch = None  # its allocations go with it
         if self.recorded:
             if self.broken or self.at != len(self.steps):  # another sequence: record anew
                 _PLANS.pop(self.key, None)
@@ -99,11 +167,28 @@ class _Plan:
                 _PLANS.clear()
             _PLANS[self.key] = (self.device, self.steps)
 
+    def returns(self, result) -> None:
+        """Keep where the call's ``result`` lies (a call recorded whole returns it again)."""
+        if self.watch is not None:
+            self.result = _described(result, self.inputs + tuple(self.watch.made))
 
-_UNPLANNED = contextlib.nullcontext()  # planned() where launches do not go by key
+
+class _Unplanned:
+    # planned() where launches do not go by key
+    def __enter__(self) -> _Unplanned:
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        return None
+
+    def returns(self, result) -> None:
+        return None
 
 
-def planned(key: tuple):
+_UNPLANNED = _Unplanned()
+
+
+def planned(key: tuple, inputs: tuple[torch.Tensor, ...] | None = None):
     """Return a context in which this thread's launches follow the plan recorded under ``key``.
 
     For a caller whose launches are fixed by a few of its inputs (a top-k's by the vector's
@@ -118,10 +203,106 @@ def planned(key: tuple):
     than recorded (a setting the key missed), or a first launch on another device, ends the
     replay: it and the rest go by key, and the plan is recorded again next time. A no-op where
     launches do not go by key.
+
+    With ``inputs`` (the call's tensor arguments), the call is also recorded whole, for
+    :func:`replay` to make again without running the caller's Python: the context's
+    ``returns(result)`` says what the call returns. It is recorded where its torch ops were
+    only allocations and views (no kernel of torch's, no read of the device), every tensor a
+    launch took lay in an input or in one of those allocations, and ``result`` does too (or
+    is None, or a tuple of those).
     """
     if not (_DIRECT and PLANS):
         return _UNPLANNED
-    return _Plan(key, _PLANS.get(key))
+    entry = _PLANS.get(key)
+    # a call is watched while its launches are first recorded, not at every replay
+    return _Plan(key, entry, inputs if entry is None and key not in _CALLS else None)
+
+
+def replay(key: tuple, inputs: tuple[torch.Tensor, ...]):
+    """Make the call recorded whole under ``key`` again on ``inputs``; else return MISSED.
+
+    Its allocations are made again (the shapes and dtypes recorded), and each launch of the
+    recorded call goes to the compiled kernel's launcher directly, its pointers the same
+    offsets into the inputs and the new allocations: no Python of the caller's, no tensor
+    views, no key a launch, and addresses the launcher takes as they are (a tensor costs it
+    a call of ``data_ptr`` and a query of the driver). The result is rebuilt where it lay.
+    ``key`` must hold whatever fixes the call's launches beyond the inputs' addresses
+    (sizes, dtypes, the inputs' 16-byte alignment, settings), as for :func:`planned`. Not
+    with Triton's launch hooks set (a profiler's, which read the tensors): MISSED.
+    """
+    call = _CALLS.get(key) if PLANS else None
+    if call is None or _hooks() != (None, None):
+        return MISSED
+    active = driver.active
+    device = active.get_current_device()
+    if device != call.device:
+        return MISSED
+    stream = active.get_current_stream(device)
+    made = [torch.empty(shape, dtype=dtype, device=call.where) for shape, dtype in call.made]
+    bases = [t.data_ptr() for t in inputs] + [t.data_ptr() for t in made]
+    for run, grid, function, metadata, values, pointers in call.steps:
+        full = list(values)
+        for at, source, offset in pointers:
+            full[at] = bases[source] + offset
+        run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *full)
+    return _rebuilt(call.result, inputs, made)
+
+
+def _located(t: torch.Tensor, sources: tuple[torch.Tensor, ...]) -> tuple[int, int] | None:
+    # (source, byte offset) of a contiguous tensor lying within one of `sources`, or None
+    if not t.is_contiguous():
+        return None
+    at = t.data_ptr()
+    end = at + t.numel() * t.element_size()
+    for i, source in enumerate(sources):
+        base = source.data_ptr()
+        if base <= at and end <= base + source.numel() * source.element_size():
+            return i, at - base
+    return None
+
+
+def _described(result, sources: tuple[torch.Tensor, ...]):
+    # Where `result` lies, for _rebuilt: None; a tensor as (source, element offset, dtype,
+    # shape), a source itself as its index; a tuple of those. None if it does not lie in
+    # the sources.
+    if result is None:
+        return ("none",)
+    if isinstance(result, tuple):
+        parts = [_described(r, sources) for r in result]
+        return None if None in parts else ("tuple", parts)
+    if not isinstance(result, torch.Tensor):
+        return None
+    for i, source in enumerate(sources):
+        if result is source:
+            return ("source", i)
+    place = _located(result, sources)
+    if place is None or place[1] % result.element_size():
+        return None
+    source, offset = place
+    if sources[source].numel() * sources[source].element_size() % result.element_size():
+        return None
+    return ("view", source, offset // result.element_size(), result.dtype,
+            tuple(result.shape))
+
+
+def _rebuilt(described, inputs: tuple[torch.Tensor, ...], made: list[torch.Tensor]):
+    # The result _described gave, from this call's inputs and allocations
+    kind = described[0]
+    if kind == "none":
+        return None
+    if kind == "tuple":
+        return tuple(_rebuilt(part, inputs, made) for part in described[1])
+    source = described[1]
+    t = inputs[source] if source < len(inputs) else made[source - len(inputs)]
+    if kind == "source":
+        return t
+    _, _, offset, dtype, shape = described
+    flat = t if t.dim() == 1 else t.view(-1)
+    flat = flat if t.dtype == dtype else flat.view(dtype)
+    numel = 1
+    for size in shape:
+        numel *= size
+    return flat[offset : offset + numel].view(shape)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
@@ -169,35 +350,67 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
                 _KERNELS.clear()
             known = _KERNELS[key] = (compiled, _tail(kernel, len(args), kwargs), kernel)
         if plan is not None and not plan.broken:
-            _record(plan, known, kwargs, device)
+            _record(plan, known, kwargs, device, grid, args)
         return
     if plan is not None and not plan.broken:
-        _record(plan, known, kwargs, device)
+        _record(plan, known, kwargs, device, grid, args)
     compiled, tail, _ = known
     _run(compiled, grid, args + tail, active.get_current_stream(device))
 
 
-def _record(plan: _Plan, known: tuple | None, kwargs: dict, device: int) -> None:
+def _record(plan: _Plan, known: tuple | None, kwargs: dict, device: int,
+            grid: tuple[int, ...], args: tuple) -> None:
     # A recording plan's next step, or its end where the launch had no key or went to
-    # another device than the plan's first launch
+    # another device than the plan's first launch; for a call recorded whole, the launch's
+    # step of its _Call too, unless a tensor it takes lies outside the call's inputs and
+    # allocations
     if plan.device is None:
         plan.device = device
     if known is None or device != plan.device:
         plan.broken = True
-    else:
-        plan.steps.append((*known, dict(kwargs)))
+        return
+    plan.steps.append((*known, dict(kwargs)))
+    if plan.whole is None:
+        return
+    compiled, tail, _ = known
+    sources = plan.inputs + tuple(plan.watch.made)
+    values, pointers = list(args + tail), []
+    for at, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            place = _located(value, sources)
+            if place is None:
+                plan.whole = None
+                return
+            pointers.append((at, *place))
+            values[at] = None
+    grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    plan.whole.append((compiled.run, grid, compiled.function, compiled.packed_metadata,
+                       tuple(values), tuple(pointers)))
 
 
 def _run(compiled, grid: tuple[int, ...], full: tuple, stream: int) -> None:
     # Launch a compiled kernel with every parameter's value (`full`) as Triton's launch does.
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
-    enter = knobs.runtime.launch_enter_hook
-    # the launch metadata is None without an enter hook (CompiledKernel.launch_metadata's
-    # first test), so it is only asked for with one: a call and the arguments' unpacking less
+    enter, leave = _hooks()
+    # the launch metadata is read by the hooks alone, so it is only made for them: a call
+    # and a dict less a launch
+    metadata = (None if enter is None and leave is None
+                else compiled.launch_metadata(grid, stream, *full))
     compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
-                 None if enter is None else compiled.launch_metadata(grid, stream, *full),
-                 enter, knobs.runtime.launch_exit_hook, *full)
+                 metadata, enter, leave, *full)
+
+
+def _hooks() -> tuple:
+    # Triton's launch enter and exit hooks, each None where it is a chain with no hook in it:
+    # the launcher calls a hook that is not None (a Python call each launch, which an empty
+    # chain spends on nothing), and Triton makes the launch metadata for it
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if isinstance(enter, HookChain) and not enter.calls:
+        enter = None
+    if isinstance(leave, HookChain) and not leave.calls:
+        leave = None
+    return enter, leave
 
 
 def _key(kernel, device: int, args: tuple, kwargs: dict) -> tuple | None:
