@@ -354,3 +354,17 @@ def test_bitcomm_direct_launch_0_sends_every_launch_through_triton(value, direct
                             env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == [str(direct)]
+
+
+@pytest.mark.parametrize(("value", "plans"), [(None, True), ("0", False), ("1", True)])
+def test_bitcomm_plans_0_turns_the_replays_off(value, plans):
+    """BITCOMM_PLANS=0 turns planned's and replay's replays off, the launch by key kept."""
+    env = dict(os.environ)
+    env.pop("BITCOMM_PLANS", None)
+    if value is not None:
+        env["BITCOMM_PLANS"] = value
+    code = "from bitcomm.codecs import _launch; print(_launch.PLANS)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [str(plans)]

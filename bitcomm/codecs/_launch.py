@@ -70,9 +70,11 @@ _DIRECT = (knobs is not None and not _INTERPRETED and triton.__version__.startsw
            and os.environ.get("BITCOMM_DIRECT_LAUNCH") != "0")
 _KERNELS: dict[tuple, tuple] = {}
 
-PLANS = True
+PLANS = os.environ.get("BITCOMM_PLANS") != "0"
 """Whether :func:`planned` and :func:`replay` replay recorded launches and calls (False: every
-launch goes by key)."""
+launch goes by key; ``BITCOMM_PLANS=0`` in the environment when bitcomm's kernels are first
+imported, to time a call's host work without them or to tell whether a wrong result comes
+from a replay)."""
 
 _PLANS: dict[tuple, tuple[int, list]] = {}  # key: (the device, the steps)
 _CALLS: dict[tuple, _Call] = {}  # key: a call recorded whole (planned with inputs)
