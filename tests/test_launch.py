@@ -341,30 +341,20 @@ def test_a_launch_by_key_passes_what_tritons_own_launch_passes(triton_dir):
     assert report["replayed"] >= 50, report
 
 
-@pytest.mark.parametrize(("value", "direct"), [(None, True), ("0", False), ("1", True)])
-def test_bitcomm_direct_launch_0_sends_every_launch_through_triton(value, direct):
-    """BITCOMM_DIRECT_LAUNCH=0 turns the launch by key off (a compiled, verified Triton)."""
+@pytest.mark.parametrize(("variable", "name"), [("BITCOMM_DIRECT_LAUNCH", "_DIRECT"),
+                                               ("BITCOMM_PLANS", "PLANS")])
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("0", False), ("1", True)])
+def test_a_switch_set_to_0_turns_its_path_off(variable, name, value, on):
+    """BITCOMM_DIRECT_LAUNCH=0 turns the launch by key off (a compiled, verified Triton), every
+    launch then Triton's own; BITCOMM_PLANS=0 turns the replays of planned and replay off, the
+    launch by key kept."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    env.pop("BITCOMM_DIRECT_LAUNCH", None)
+    env.pop(variable, None)
     if value is not None:
-        env["BITCOMM_DIRECT_LAUNCH"] = value
-    code = "from bitcomm.codecs import _launch; print(_launch._DIRECT)"
+        env[variable] = value
+    code = f"from bitcomm.codecs import _launch; print(_launch.{name}, _launch._DIRECT)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == [str(direct)]
-
-
-@pytest.mark.parametrize(("value", "plans"), [(None, True), ("0", False), ("1", True)])
-def test_bitcomm_plans_0_turns_the_replays_off(value, plans):
-    """BITCOMM_PLANS=0 turns planned's and replay's replays off, the launch by key kept."""
-    env = dict(os.environ)
-    env.pop("BITCOMM_PLANS", None)
-    if value is not None:
-        env["BITCOMM_PLANS"] = value
-    code = "from bitcomm.codecs import _launch; print(_launch.PLANS)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == [str(plans)]
+    assert result.stdout.split() == [str(on), str(on or name == "PLANS")]
