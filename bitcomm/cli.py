@@ -202,6 +202,55 @@ def bench_kernels(n: int, arch: int, only: str | None, jobs: int | None, out_dir
         click.echo(f"# {len(spilled)} kernels spill registers: {', '.join(spilled)}", err=True)
 
 
+@bench.command("host")
+@click.option("--sizes", type=SizeList(), default="1M", show_default=True,
+              help="Comma-separated float32 element counts (their host work hardly depends on "
+                   "it; a top-k takes its sampled path from 256K).")
+@click.option("--calls", type=click.IntRange(1), default=200, show_default=True,
+              help="Calls a round.")
+@click.option("--rounds", type=click.IntRange(1), default=7, show_default=True,
+              help="Rounds (each side's fastest is kept).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for host.json, .csv and .md.")
+def bench_host(sizes: tuple[int, ...], calls: int, rounds: int, seed: int,
+               out_dir: str) -> None:
+    """Time the host's work a codec call on the Triton path, without a GPU (stand-in driver).
+
+    Each call with the launch and call replays against the same call without them. This
+    process's Triton launches stand-in kernels from then on: run it on its own.
+    """
+    import triton
+
+    from bitcomm.bench import heading
+    from bitcomm.bench import host as bench_mod
+
+    config = _machine() | {"triton": triton.__version__, "sizes": list(sizes), "calls": calls,
+                           "rounds": rounds, "seed": seed}
+    command = (f"bitcomm bench host --sizes {','.join(_human(s) for s in sizes)} --calls "
+               f"{calls} --rounds {rounds} --seed {seed}")
+    _announce("bench host", config)
+    click.echo(f"{'codec':<12} {'op':<7} {'n':>6} {'replayed':>10} {'anchor':>10} {'ratio':>6}"
+               "   (us of host a call; anchor: without the replays)")
+
+    def show(row) -> None:
+        click.echo(f"{row.codec:<12} {row.op:<7} {_human(row.n):>6} {row.host_us:>10.1f} "
+                   f"{row.anchor_us:>10.1f} {row.ratio:>6.2f}")
+
+    try:
+        rows = bench_mod.run(sizes, calls=calls, rounds=rounds, seed=seed, progress=show)
+    except RuntimeError as e:
+        raise click.UsageError(str(e)) from e
+    table = heading(config, command)[:-1] + [
+        f"- Triton: {config['triton']}, its launches to a stand-in driver", "",
+        "| codec | op | n | host us a call | without the replays | ratio |",
+        "| --- | --- | --- | --- | --- | --- |"] + [
+        f"| {r.codec} | {r.op} | {_human(r.n)} | {r.host_us:.1f} | {r.anchor_us:.1f} | "
+        f"{r.ratio:.2f} |" for r in rows]
+    _save(Path(out_dir), "host", config, [r.as_dict() for r in rows],
+          markdown="\n".join(table) + "\n")
+
+
 @bench.command("profile")
 @click.option("--sizes", type=SizeList(), default="64M", show_default=True,
               help="Comma-separated float32 element counts.")

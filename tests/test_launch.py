@@ -1,8 +1,9 @@
 """bitcomm.codecs._launch: a launch by key passes what Triton's own launch passes.
 
-The codecs run on CPU tensors with the Triton path forced and a stand-in driver: launches go
-through Triton's real argument binding, specialisation and kernel cache, and its compile step
-hands out a stand-in kernel that records what it is launched with. Every launch is made twice,
+The codecs run on CPU tensors with the Triton path forced and a stand-in driver
+(:func:`bitcomm.bench.host.stand_in`): launches go through Triton's real argument binding,
+specialisation and kernel cache, and its compile step hands out a stand-in kernel that
+records what it is launched with. Every launch is made twice,
 by ``_launch.launch`` and then by ``kernel[grid]`` itself: the same compiled kernel must get
 the same arguments, stream, metadata and hooks. Under the dev extra's Triton and the GPU
 image's (the releases of ``_launch.VERIFIED``), in a subprocess each.
@@ -20,65 +21,13 @@ _GPU_TRITON = os.path.join(sys.prefix, "triton-gpu")
 _SCRIPT = r"""
 import json, sys
 import torch, triton
-from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.knobs import HookChain
-from triton.runtime.jit import JITFunction
+
+from bitcomm.bench.host import stand_in
 
 launched = []  # (compiled kernel, what its run() got)
-
-
-class Compiled:
-    function = object()
-    packed_metadata = object()
-
-    def launch_metadata(self, grid, stream, *args):
-        return ("metadata", grid, stream, len(args))
-
-    def run(self, *args):
-        launched.append((self, args))
-
-
-asked = []  # what launches asked the driver for
-
-
-class Driver:
-    device = 0
-
-    def get_current_device(self):
-        asked.append("device")
-        return self.device
-
-    def get_current_stream(self, device):
-        asked.append("stream")
-        return 7
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_benchmarker(self):
-        return None
-
-    def get_device_interface(self):
-        return torch.cuda
-
-    def map_python_to_cpp_type(self, t):
-        return t
-
-
-driver.set_active(Driver())
-
-
-def compiled(self, key, signature, device, *args, **kwargs):
-    kernel = Compiled()
-    self.device_caches[device][0][key] = kernel
-    return kernel
-
-
-JITFunction._do_compile = compiled
+asked = stand_in(launched).asked  # what launches asked the driver for
 
 from bitcomm.codecs import _frame, _kernels, _launch, counts, qsgd, sign, sparse
 from bitcomm.codecs import select
@@ -358,3 +307,31 @@ def test_a_switch_set_to_0_turns_its_path_off(variable, name, value, on):
                             env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == [str(on), str(on or name == "PLANS")]
+
+
+def test_bench_host_times_each_call_with_and_without_the_replays(tmp_path):
+    """`bitcomm bench host` (a process of its own: it installs the stand-in driver) prints and
+    saves a row per codec operation, each with its time under the replays, its anchor without
+    them and their ratio, the Markdown table headed by date, machine and command; where the
+    launches go through Triton's own path it says why and stops."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    command = [sys.executable, "-m", "bitcomm.cli", "bench", "host", "--sizes", "300K",
+               "--calls", "2", "--rounds", "1", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "host.json").read_text())["rows"]
+    assert [(r["codec"], r["op"]) for r in rows] == [
+        ("sign", "encode"), ("sign", "decode"), ("qsgd-4", "encode"), ("qsgd-4", "decode"),
+        ("topk-1%", "encode"), ("redsync-1%", "select")]
+    for r in rows:
+        assert r["n"] == 300 << 10 and r["host_us"] > 0 and r["anchor_us"] > 0, r
+        assert abs(r["ratio"] - r["host_us"] / r["anchor_us"]) < 1e-9, r
+        assert f"{r['codec']:<12} {r['op']:<7}" in result.stdout
+    table = (tmp_path / "host.md").read_text()
+    assert "- Command: `bitcomm bench host --sizes 300K --calls 2 --rounds 1 --seed 0`" in table
+    assert "- Triton: 3.9." in table and "- Date: " in table
+    assert table.count("\n| ") == 1 + 1 + len(rows)  # header, rule, rows
+    env["TRITON_INTERPRET"] = "1"
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2 and "Triton's own path" in result.stderr, result.stderr
