@@ -2137,7 +2137,7 @@ class _Selection:
     none, ``idx`` in their place), and for the caller ``writes`` int64 words and
     ``sums`` float64 ones. Every buffer of the selection is a view of one allocation, each
     16-byte aligned: an allocation on a GPU takes the host some microseconds (6 of the H200's
-    a ``torch.empty``), a view about one, and a top-k took seven allocations.
+    a ``torch.empty``), a view about one, and a top-k's buffers are seven.
     """
 
     def __init__(self, x: torch.Tensor, k: int, plan: tuple[int, int] | None, programs: int,
@@ -2215,8 +2215,8 @@ def _sampled(x: torch.Tensor, k: int, side: int, sel: _Selection, census: bool, 
     # they are k or more and fit), or those strictly above it when the keys at it overflow
     # the room, or settles the k-th largest key at the bound when fewer than k lie above it
     # (a mass of equal scores, such as exact zeros: m = -1). `sel`: not zeroed; the bound's
-    # kernel writes its work buffer first. `census`: whether
-    # the count pass looks for NaN and inf (into sel.census, _count_at_least_kernel's CENSUS).
+    # kernel writes its work buffer first. `census`: whether the count pass looks for NaN and
+    # inf (into sel.census, _count_at_least_kernel's CENSUS).
     work = sel.work
     launch(_sample_bound_kernel, (1,), x, work, work.numel(), sel.bound_at, step, r, k,
            sel.rank_at, SIDE=side, WIDE=x.dtype == torch.float64, M=_bracket.SAMPLE,
