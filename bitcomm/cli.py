@@ -217,10 +217,15 @@ def bench_host(sizes: tuple[int, ...], calls: int, rounds: int, seed: int,
                out_dir: str) -> None:
     """Time the host's work a codec call on the Triton path, without a GPU (stand-in driver).
 
-    Each call with the launch and call replays against the same call without them. This
-    process's Triton launches stand-in kernels from then on: run it on its own.
+    Each call with the launch and call replays against the same call without them. Needs
+    triton (the gpu or dev extra); no GPU. This process's Triton launches stand-in kernels
+    from then on: run it on its own.
     """
-    import triton
+    try:
+        import triton
+    except ImportError:
+        raise click.UsageError("bench host: triton is not installed (pip install "
+                               "'bitcomm[gpu]')") from None
 
     from bitcomm.bench import heading
     from bitcomm.bench import host as bench_mod

@@ -313,7 +313,7 @@ def test_bench_host_times_each_call_with_and_without_the_replays(tmp_path):
     """`bitcomm bench host` (a process of its own: it installs the stand-in driver) prints and
     saves a row per codec operation, each with its time under the replays, its anchor without
     them and their ratio, the Markdown table headed by date, machine and command; where the
-    launches go through Triton's own path it says why and stops."""
+    launches go through Triton's own path, or triton is missing, it says why and stops."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     command = [sys.executable, "-m", "bitcomm.cli", "bench", "host", "--sizes", "300K",
@@ -335,3 +335,9 @@ def test_bench_host_times_each_call_with_and_without_the_replays(tmp_path):
     env["TRITON_INTERPRET"] = "1"
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 2 and "Triton's own path" in result.stderr, result.stderr
+    # without triton at all, it says what to install
+    blocked = ["-c", "import sys; sys.modules['triton'] = None; from bitcomm.cli import main; "
+               "main()"] + command[3:]
+    result = subprocess.run([sys.executable, *blocked], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 2 and "triton is not installed" in result.stderr, result.stderr
