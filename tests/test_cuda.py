@@ -516,7 +516,7 @@ def test_a_top_k_made_again_from_its_record_gives_the_cpus_frames(monkeypatch):
     for shift in (0, 1):  # x 16-byte aligned, then 4 bytes past it
         for i in range(4):
             x = torch.randn(n + 1, generator=g) * 10
-            x[shift : shift + 100] = 7.0  # ties at the k-th
+            x[shift : shift + 100] = 7.0  # a run of equal scores
             x = x[shift : shift + n]
             on_gpu = x.cuda() if shift == 0 else torch.cat([x[:1], x]).cuda()[1:]
             for name, call in calls.items():
