@@ -198,8 +198,14 @@ for s in "${steps[@]}"; do
             --dists laplace,gauss --out "$work" ;;
         hooks) step hooks 180 "${cli[@]}" bench hooks --transport nccl --ranks 1 \
             --out "$work" ;;
-        profile) step profile 120 "${cli[@]}" bench profile --device cuda --sizes 64M \
-            --host-functions 6 --out "$work" ;;
+        profile)
+            step profile 120 "${cli[@]}" bench profile --device cuda --sizes 64M \
+                --host-functions 6 --out "$work"
+            # the top-k's and RedSync's calls again without the launch and call replays
+            # (BITCOMM_PLANS=0): what the replays save of this machine's host time
+            step "profile without replays" 60 env BITCOMM_PLANS=0 "${cli[@]}" bench profile \
+                --device cuda --sizes 64M --codecs topk-1%,redsync-1% --host-functions 6 \
+                --out "$work/no-replays" ;;
         # rewrites its files after each row: a cut-off run keeps the settings it reached
         tune) step tune 300 "${cli[@]}" bench tune --n 64M --out "$work" ;;
     esac
