@@ -169,19 +169,12 @@ def logged(*args, **kwargs):
     return t
 
 
-def places(args, sources):
-    # each argument, a tensor's or pointer's as (source, byte offset)
-    out = []
-    for a in args:
-        p = a.data_ptr() if isinstance(a, torch.Tensor) else a
-        if isinstance(a, torch.Tensor) or (isinstance(p, int) and p > 2**40):
-            hits = [(i, p - s.data_ptr()) for i, s in enumerate(sources)
-                    if s.data_ptr() <= p <= s.data_ptr() + s.numel() * s.element_size()]
-            assert hits, p
-            out.append(("at", hits[0]))
-        else:
-            out.append(a)
-    return out
+def place(pointer, sources):
+    # (the first source holding the address, its byte offset there)
+    hits = [(i, pointer - s.data_ptr()) for i, s in enumerate(sources)
+            if s.data_ptr() <= pointer <= s.data_ptr() + s.numel() * s.element_size()]
+    assert hits, pointer
+    return hits[0]
 
 
 wrapped = []  # launches through _kernels.launch (a whole replay makes none)
@@ -230,15 +223,23 @@ for name, call in cases.items():
     assert len(mine) == len(theirs) and len(_launch._CALLS) == before, (name, mine, theirs)
     frame = f[: 17 + 8 * k] if name == "frame" else f[: 21 + 4 * k]
     sources = lambda owned: (v, frame, *owned)  # noqa: E731
+    assert len(runs) == len(by_key), name
     for r, w in zip(runs, by_key):
-        assert places(r[9:], sources(mine)) == places(w[9:], sources(theirs)), name
-        assert r[:6] == w[:6] and r[6:9] == (None, None, None), name
+        assert r[:6] == w[:6] and r[6:9] == (None, None, None) and len(r) == len(w), name
+        for a, b in zip(r[9:], w[9:]):  # where a launch by key passes a tensor, an int
+            if isinstance(b, torch.Tensor):
+                assert type(a) is int, (name, a)
+                assert place(a, sources(mine)) == place(b.data_ptr(), sources(theirs)), name
+            else:
+                assert type(a) is type(b) and a == b, (name, a, b)
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
     kinds = lambda ts: [None if t is None else (t.dtype, t.shape) for t in ts]  # noqa: E731
     assert kinds(got) == kinds(want), name
-    assert (places([t for t in got if t is not None], sources(mine))
-            == places([t for t in want if t is not None], sources(theirs))), name
+    for h, w in zip(got, want):
+        if w is not None:
+            assert (place(h.data_ptr(), sources(mine))
+                    == place(w.data_ptr(), sources(theirs))), name
 torch.empty = empty
 # not whole: a path with torch's own kernels (the two-digit path zeroes its work buffer),
 # and a call whose launch takes a tensor from outside its inputs and allocations
