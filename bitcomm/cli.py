@@ -204,8 +204,9 @@ def bench_kernels(n: int, arch: int, only: str | None, jobs: int | None, out_dir
 
 @bench.command("host")
 @click.option("--sizes", type=SizeList(), default="1M", show_default=True,
-              help="Comma-separated float32 element counts (their host work hardly depends on "
-                   "it; a top-k takes its sampled path from 256K).")
+              help="Comma-separated float32 element counts (a top-k takes its sampled path "
+                   "from 256K; past a few MB a CPU tensor's allocation is an mmap, which CUDA's "
+                   "caching allocator does not pay).")
 @click.option("--calls", type=click.IntRange(1), default=200, show_default=True,
               help="Calls a round.")
 @click.option("--rounds", type=click.IntRange(1), default=7, show_default=True,
