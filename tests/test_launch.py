@@ -342,3 +342,45 @@ def test_bench_host_times_each_call_with_and_without_the_replays(tmp_path):
     result = subprocess.run([sys.executable, *blocked], capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 2 and "triton is not installed" in result.stderr, result.stderr
+
+
+_ONE_COMPILE = r"""
+import json
+import torch
+from triton.runtime.jit import JITFunction
+
+from bitcomm.bench.host import stand_in
+
+stand_in()
+compiles = []
+stub = JITFunction._do_compile
+
+
+def counted(self, *args, **kwargs):
+    compiles.append(self.fn.__name__)
+    return stub(self, *args, **kwargs)
+
+
+JITFunction._do_compile = counted
+from bitcomm.codecs import _frame, _kernels
+
+_frame.FORCE = "triton"
+x = torch.randn(4096)
+scales = torch.empty(8)
+for key in (5, 1, 16, 17, 2**31 + 16, 2**32 - 1):  # 1, multiples of 16, and others
+    _kernels.qsgd_codes(x, 4, 512, key, scales, None)
+print(json.dumps(compiles))
+"""
+
+
+def test_the_qsgd_stream_key_is_data_one_compiled_kernel_for_every_key():
+    """The encoder's stream key is data, as a header word is: a key of 1 or a multiple of 16
+    (one draw in sixteen from a generator) takes the compiled kernel of any other key, where
+    a specialised argument would compile a variant of its own, a stall of seconds in a
+    training step on a GPU."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", _ONE_COMPILE], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == ["_qsgd_codes_kernel"]

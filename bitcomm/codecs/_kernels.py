@@ -223,9 +223,10 @@ HEAD_WORDS = ("head0", "head1")
 """The header-word arguments of the kernels that write a frame's header (_store_head).
 
 A launch makes an int argument equal to 1 a compile-time constant (a Python int in the kernel,
-with no ``.to``) and compiles a variant for it. Arguments that carry data (header words, a
-float's bits, k) are left unspecialised (``do_not_specialize``): any value may be 1, and a
-value is no reason for another compile."""
+with no ``.to``) and compiles a variant for it, and one for a multiple of 16. Arguments that
+carry data (header words, a float's bits, k, qsgd's stream key) are left unspecialised
+(``do_not_specialize``): any value may be 1 or a multiple of 16 (a key drawn from a generator
+once in sixteen draws), and a value is no reason for another compile."""
 
 
 @triton.jit
@@ -762,7 +763,7 @@ def _shift(bucket: int) -> int:
     return bucket.bit_length() - 1 if bucket & (bucket - 1) == 0 else -1
 
 
-@triton.jit(do_not_specialize=HEAD_WORDS)
+@triton.jit(do_not_specialize=(*HEAD_WORDS, "key"))
 def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, head_ptr, head0,
                        head1, n, nbytes, nbuckets, bucket, key, S: tl.constexpr,
                        BITS: tl.constexpr, ROW: tl.constexpr, ROWS: tl.constexpr,
