@@ -528,6 +528,36 @@ def test_a_top_k_made_again_from_its_record_gives_the_cpus_frames(monkeypatch):
                 assert (launches == []) == (i > 0), (shift, i, name, len(launches))
 
 
+def test_a_qsgd_encode_made_again_from_its_record_gives_the_cpus_frames(monkeypatch):
+    """qsgd's encoding kernel call is recorded whole with its stream key as a scalar
+    (_launch.replay): four new vectors, each with another seed, give the CPU's frames for
+    2, 4 and 8 bits, and only each layout's first call goes through the launch wrapper."""
+    from bitcomm.codecs import _kernels, _launch
+
+    if not _launch._DIRECT:
+        pytest.skip("launches go through Triton's own path here (BITCOMM_DIRECT_LAUNCH=0, or a "
+                    "Triton release outside _launch.VERIFIED)")
+    launches = []
+    real = _kernels.launch
+
+    def counting(kernel, grid, *args, **kwargs):
+        launches.append(kernel)
+        real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", counting)
+    monkeypatch.setattr(_launch, "_CALLS", {})
+    monkeypatch.setattr(_launch, "_PLANS", {})
+    g = torch.Generator().manual_seed(29)
+    for width in (2, 4, 8):
+        for i in range(4):
+            x = torch.randn(100_003, generator=g)
+            launches.clear()
+            got = qsgd.encode(x.cuda(), width, seed=1000 * width + i)
+            assert torch.equal(got.cpu(), qsgd.encode(x, width, seed=1000 * width + i)), \
+                (width, i)
+            assert (launches == []) == (i > 0), (width, i, len(launches))
+
+
 def test_the_torch_transport_moves_host_buffers_without_extra_waits():
     """The transports' staging: with NCCL a host buffer (a length, a count, the agreement's
     record) goes to the GPU, and with MPI or gloo a CUDA tensor's received bytes go back to

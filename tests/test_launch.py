@@ -240,24 +240,47 @@ for name, call in cases.items():
         if w is not None:
             assert (place(h.data_ptr(), sources(mine))
                     == place(w.data_ptr(), sources(theirs))), name
+# qsgd's encoder is recorded whole with its stream key as a scalar: a replay of another key
+# passes that key where the launch by key does, and the rest as it does
+scales, codes = empty(8), empty(4096 // 2 + 14, dtype=torch.uint8)
+flag = torch.zeros(1, dtype=torch.int32)
+qsgd_call = lambda v, key: _kernels.qsgd_codes(  # noqa: E731
+    v, 4, 512, key, scales, None, out=codes[14:], flags=flag, header=(codes, b"q" * 14))
+qsgd_call(torch.randn(4096, generator=g), 5)  # recorded
+v = torch.randn(4096, generator=g)
+got, runs, mine, through = made(lambda: qsgd_call(v, 2**32 - 16))
+_launch.PLANS = False
+want, by_key, theirs, through = made(lambda: qsgd_call(v, 2**32 - 16))
+_launch.PLANS = True
+assert len(runs) == len(by_key) == 1 and mine == theirs == [] and through == 1
+sources = (v, codes, scales, flag)
+for a, b in zip(runs[0], by_key[0]):
+    if isinstance(b, torch.Tensor):
+        assert type(a) is int and place(a, sources) == place(b.data_ptr(), sources)
+    elif not isinstance(b, (HookChain, tuple)) and b is not None:
+        assert type(a) is type(b) and a == b, (a, b)
+assert -16 in runs[0]  # the key as the kernel takes it (a signed int32)
+assert got.data_ptr() == want.data_ptr() == codes.data_ptr() + 14  # the codes given
 torch.empty = empty
 # not whole: a path with torch's own kernels (the two-digit path zeroes its work buffer),
 # and a call whose launch takes a tensor from outside its inputs and allocations
 for _ in range(2):
     _kernels.top_indices(torch.randn(70000, generator=g), 700)
-assert not [key for key in _launch._CALLS if key[1] == 70000]
+assert not [key for key in _launch._CALLS if key[:2] == (_kernels.top_indices, 70000)]
+# a scalar the kernel specialises (sign pack's n), since its value could pick another kernel
 outside = torch.empty(2, dtype=torch.uint8)
-for zero, far, whole in ((True, False, False), (False, True, False), (False, False, True)):
+for zero, far, scalars, whole in ((True, False, (), False), (False, True, (), False),
+                                  (False, False, ("n",), False), (False, False, (), True)):
     _launch._CALLS.pop(("whole",), None)
     _launch._PLANS.pop(("whole",), None)
-    with _launch.planned(("whole",), (x,)) as plan:
+    with _launch.planned(("whole",), (x,), scalars) as plan:
         out = torch.empty(2, dtype=torch.uint8)
         if zero:
             out.zero_()
         _launch.launch(_kernels._sign_pack_kernel, (1,), x[:9], outside if far else out, 9, 2,
                        BLOCK=1024, WIDEN=False)
         plan.returns(out)
-    assert (("whole",) in _launch._CALLS) == whole, (zero, far)
+    assert (("whole",) in _launch._CALLS) == whole, (zero, far, scalars)
 # a replay with a hook set, or on another device, is left to the caller
 launched.clear()
 assert _launch.replay(("whole",), (x,)) is not _launch.MISSED and len(launched) == 1

@@ -834,6 +834,35 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     bytes the kernel sets to ``data`` (at most 16 bytes), where a copy from the host would
     take a pinned buffer and a launch of its own.
     """
+    if flags is not None and factors is not None:
+        raise ValueError("flags are set by the fused encoder only (factors=None)")
+    key &= 0xFFFFFFFF
+    word = key - (key >> 31 << 32)  # the key as a signed int32, as the kernel takes it
+    n = x.numel()
+    if n == 0:
+        return _qsgd_codes(x, bits, bucket, word, scales, factors, out, flags, header)
+    # Its launch follows from these and the stream key, which the kernel leaves
+    # unspecialised: the call replays whole, the key given (_launch.replay)
+    frame = None if header is None else header[0]
+    given = (x, out, scales, factors, flags, frame)
+    inputs = tuple(t for t in given if t is not None)
+    plan = (qsgd_codes, n, x.dtype, x.device, bits, bucket, tuple(t is None for t in given),
+            tuple(t.data_ptr() % 16 for t in inputs), None if header is None else header[1],
+            TUNING["qsgd_codes_fused"], TUNING["qsgd_codes"])
+    got = replay(plan, inputs, {"key": word})
+    if got is not MISSED:
+        return got
+    with planned(plan, inputs, ("key",)) as recording:
+        got = _qsgd_codes(x, bits, bucket, word, scales, factors, out, flags, header)
+        recording.returns(got)
+    return got
+
+
+def _qsgd_codes(x: torch.Tensor, bits: int, bucket: int, word: int, scales: torch.Tensor,
+                factors: torch.Tensor | None, out: torch.Tensor | None,
+                flags: torch.Tensor | None, header: tuple[torch.Tensor, bytes] | None
+                ) -> torch.Tensor:
+    # qsgd_codes with the stream key as the kernel takes it (`word`)
     n = x.numel()
     nbytes = (n * bits + 7) // 8
     if out is None:
@@ -852,14 +881,11 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     row = bucket if fused else 1024
     rows = max(1, tile // row)  # a tile of a power of two <= 2**15 elements (_tile_random16)
     nrows = -(-n // row)
-    key &= 0xFFFFFFFF
     grid = _grid(nrows, rows)
-    if flags is not None and not fused:
-        raise ValueError("flags are set by the fused encoder only (factors=None)")
     head0, head1 = _head_words(b"" if header is None else header[1])
     launch(_qsgd_codes_kernel, grid, x, out, scales, scales if fused else factors,
            scales if flags is None else flags, out if header is None else header[0], head0,
-           head1, n, nbytes, scales.numel(), bucket, key - (key >> 31 << 32),
+           head1, n, nbytes, scales.numel(), bucket, word,
            S=(1 << (bits - 1)) - 1, BITS=bits, ROW=row, ROWS=rows, FUSED=fused,
            SHIFT=_shift(bucket), SMALL=grid[0] * rows * row < 2**31, FLAGS=flags is not None,
            HEAD=0 if header is None else len(header[1]), enable_fp_fusion=False, **opts)

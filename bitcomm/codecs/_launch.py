@@ -90,9 +90,10 @@ _ALLOCATIONS = frozenset([torch.ops.aten.empty.memory_format, torch.ops.aten.emp
 class _Call:
     # A call recorded whole: the device index its launches went to, the device of its
     # inputs, its allocations (shape, dtype) in order, each launch as (the compiled kernel's
-    # launcher, grid, function, metadata, its parameters' values with None for each
-    # pointer, the pointers as (parameter, source, byte offset)), where a source is an
-    # input's index or len(inputs) plus an allocation's, and its result (_described).
+    # launcher, grid, function, metadata, its parameters' values with None for each pointer
+    # and scalar, the pointers as (parameter, source, byte offset), the scalars as
+    # (parameter, name)), where a source is an input's index or len(inputs) plus an
+    # allocation's, and its result (_described).
     __slots__ = ("device", "where", "made", "steps", "result")
 
     def __init__(self, device: int, where: torch.device, made: list, steps: list, result):
@@ -124,20 +125,21 @@ class _Plan:
     # the device they were launched on (taken from the first launch: making a plan asks the
     # driver nothing), the stream a replay launches on (asked for at its first launch), how
     # many it has taken, and the plan it is nested in.
-    # With `inputs` (a call to record whole), also the watch of its torch ops, each
-    # launch's step of a _Call (None once one cannot be), and its result's description.
+    # With `inputs` (a call to record whole), also the names of its scalars, the watch of
+    # its torch ops, each launch's step of a _Call (None once one cannot be), and its
+    # result's description.
     __slots__ = ("key", "steps", "at", "recorded", "replay", "broken", "device", "stream",
-                 "outer", "inputs", "watch", "whole", "result")
+                 "outer", "inputs", "scalars", "watch", "whole", "result")
 
     def __init__(self, key: tuple, entry: tuple[int, list] | None,
-                 inputs: tuple[torch.Tensor, ...] | None = None):
+                 inputs: tuple[torch.Tensor, ...] | None = None, scalars: tuple[str, ...] = ()):
         self.key, self.outer = key, None
         self.recorded = self.replay = entry is not None
         self.device, self.steps = entry if self.recorded else (None, [])
         self.at = 0
         self.broken = False
         self.stream = None
-        self.inputs = inputs
+        self.inputs, self.scalars = inputs, scalars
         self.watch = None if inputs is None else _Watch()
         self.whole: list | None = [] if inputs is not None else None
         self.result = None
@@ -190,7 +192,8 @@ class _Unplanned:
 _UNPLANNED = _Unplanned()
 
 
-def planned(key: tuple, inputs: tuple[torch.Tensor, ...] | None = None):
+def planned(key: tuple, inputs: tuple[torch.Tensor, ...] | None = None,
+            scalars: tuple[str, ...] = ()):
     """Return a context in which this thread's launches follow the plan recorded under ``key``.
 
     For a caller whose launches are fixed by a few of its inputs (a top-k's by the vector's
@@ -211,16 +214,19 @@ def planned(key: tuple, inputs: tuple[torch.Tensor, ...] | None = None):
     ``returns(result)`` says what the call returns. It is recorded where its torch ops were
     only allocations and views (no kernel of torch's, no read of the device), every tensor a
     launch took lay in an input or in one of those allocations, and ``result`` does too (or
-    is None, or a tuple of those).
+    is None, or a tuple of those). ``scalars``: names of kernel parameters whose values a
+    replay is given (``replay``'s ``scalars``), each one the kernel leaves unspecialised
+    (``do_not_specialize``: any value takes the compiled kernel), else the call is not
+    recorded whole; every other argument's value is taken as the key fixes it.
     """
     if not (_DIRECT and PLANS):
         return _UNPLANNED
     entry = _PLANS.get(key)
     # a call is watched while its launches are first recorded, not at every replay
-    return _Plan(key, entry, inputs if entry is None and key not in _CALLS else None)
+    return _Plan(key, entry, inputs if entry is None and key not in _CALLS else None, scalars)
 
 
-def replay(key: tuple, inputs: tuple[torch.Tensor, ...]):
+def replay(key: tuple, inputs: tuple[torch.Tensor, ...], scalars: dict | None = None):
     """Make the call recorded whole under ``key`` again on ``inputs``; else return MISSED.
 
     Its allocations are made again (the shapes and dtypes recorded), and each launch of the
@@ -231,6 +237,7 @@ def replay(key: tuple, inputs: tuple[torch.Tensor, ...]):
     ``key`` must hold whatever fixes the call's launches beyond the inputs' addresses
     (sizes, dtypes, the inputs' 16-byte alignment, settings), as for :func:`planned`. Not
     with Triton's launch hooks set (a profiler's, which read the tensors): MISSED.
+    ``scalars``: the values of the parameters named in :func:`planned`'s ``scalars``, by name.
     """
     call = _CALLS.get(key) if PLANS else None
     if call is None or _hooks() != (None, None):
@@ -242,10 +249,12 @@ def replay(key: tuple, inputs: tuple[torch.Tensor, ...]):
     stream = active.get_current_stream(device)
     made = [torch.empty(shape, dtype=dtype, device=call.where) for shape, dtype in call.made]
     bases = [t.data_ptr() for t in inputs] + [t.data_ptr() for t in made]
-    for run, grid, function, metadata, values, pointers in call.steps:
+    for run, grid, function, metadata, values, pointers, named in call.steps:
         full = list(values)
         for at, source, offset in pointers:
             full[at] = bases[source] + offset
+        for at, name in named:
+            full[at] = scalars[name]
         run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *full)
     return _rebuilt(call.result, inputs, made)
 
@@ -374,9 +383,9 @@ def _record(plan: _Plan, known: tuple | None, kwargs: dict, device: int,
     plan.steps.append((*known, dict(kwargs)))
     if plan.whole is None:
         return
-    compiled, tail, _ = known
+    compiled, tail, kernel = known
     sources = plan.inputs + tuple(plan.watch.made)
-    values, pointers = list(args + tail), []
+    values, pointers, named = list(args + tail), [], []
     for at, value in enumerate(values):
         if isinstance(value, torch.Tensor):
             place = _located(value, sources)
@@ -385,9 +394,15 @@ def _record(plan: _Plan, known: tuple | None, kwargs: dict, device: int,
                 return
             pointers.append((at, *place))
             values[at] = None
+        elif at < len(args) and kernel.params[at].name in plan.scalars:
+            if not kernel.params[at].do_not_specialize:  # its value may pick another kernel
+                plan.whole = None
+                return
+            named.append((at, kernel.params[at].name))
+            values[at] = None
     grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     plan.whole.append((compiled.run, grid, compiled.function, compiled.packed_metadata,
-                       tuple(values), tuple(pointers)))
+                       tuple(values), tuple(pointers), tuple(named)))
 
 
 def _run(compiled, grid: tuple[int, ...], full: tuple, stream: int) -> None:
