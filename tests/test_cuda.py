@@ -479,29 +479,37 @@ def test_a_top_k_frame_is_written_by_its_selection_on_the_gpu_as_on_the_cpu():
         sparse.encode_top(x.cuda(), 5000)
 
 
-def test_a_top_k_made_again_from_its_record_gives_the_cpus_frames(monkeypatch):
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernels launched through the codecs' launch wrapper (a whole-call replay makes
+    none), with nothing recorded by the tests before: the same lengths recur."""
+    from bitcomm.codecs import _kernels, _launch
+
+    if not _launch._DIRECT:
+        pytest.skip("launches go through Triton's own path here (BITCOMM_DIRECT_LAUNCH=0, or a "
+                    "Triton release outside _launch.VERIFIED)")
+    made = []
+    real = _kernels.launch
+
+    def counting(kernel, grid, *args, **kwargs):
+        made.append(kernel)
+        real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", counting)
+    monkeypatch.setattr(_launch, "_CALLS", {})
+    monkeypatch.setattr(_launch, "_PLANS", {})
+    return made
+
+
+def test_a_top_k_made_again_from_its_record_gives_the_cpus_frames(launches):
     """From its second call on new vectors of one length, a sampled top-k is made again from
     the launches its first call recorded (_launch.replay: no Python of the selection's, the
     launcher given the new addresses): the CPU's frames, indices and census on each of four
     new vectors, for sparse.encode_top checked and not, RedSync's frame and top_indices with
     census, 16-byte aligned and not; none of the later calls goes through the selection's
     launches."""
-    from bitcomm.codecs import _kernels, _launch
+    from bitcomm.codecs import _kernels
 
-    if not _launch._DIRECT:
-        pytest.skip("launches go through Triton's own path here (BITCOMM_DIRECT_LAUNCH=0, or a "
-                    "Triton release outside _launch.VERIFIED)")
-    launches = []
-    real = _kernels.launch
-
-    def counting(kernel, grid, *args, **kwargs):
-        launches.append(kernel)
-        real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(_kernels, "launch", counting)
-    # nothing recorded by the tests before (the same lengths and k)
-    monkeypatch.setattr(_launch, "_CALLS", {})
-    monkeypatch.setattr(_launch, "_PLANS", {})
     g = torch.Generator().manual_seed(23)
     n, k = 1_000_003, 10_000
     assert _kernels._sampling(n, k) is not None  # the premise: a sampled bound
@@ -528,25 +536,10 @@ def test_a_top_k_made_again_from_its_record_gives_the_cpus_frames(monkeypatch):
                 assert (launches == []) == (i > 0), (shift, i, name, len(launches))
 
 
-def test_a_qsgd_encode_made_again_from_its_record_gives_the_cpus_frames(monkeypatch):
+def test_a_qsgd_encode_made_again_from_its_record_gives_the_cpus_frames(launches):
     """qsgd's encoding kernel call is recorded whole with its stream key as a scalar
     (_launch.replay): four new vectors, each with another seed, give the CPU's frames for
     2, 4 and 8 bits, and only each layout's first call goes through the launch wrapper."""
-    from bitcomm.codecs import _kernels, _launch
-
-    if not _launch._DIRECT:
-        pytest.skip("launches go through Triton's own path here (BITCOMM_DIRECT_LAUNCH=0, or a "
-                    "Triton release outside _launch.VERIFIED)")
-    launches = []
-    real = _kernels.launch
-
-    def counting(kernel, grid, *args, **kwargs):
-        launches.append(kernel)
-        real(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(_kernels, "launch", counting)
-    monkeypatch.setattr(_launch, "_CALLS", {})
-    monkeypatch.setattr(_launch, "_PLANS", {})
     g = torch.Generator().manual_seed(29)
     for width in (2, 4, 8):
         for i in range(4):
