@@ -846,9 +846,10 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     frame = None if header is None else header[0]
     given = (x, out, scales, factors, flags, frame)
     inputs = tuple(t for t in given if t is not None)
-    plan = (qsgd_codes, n, x.dtype, x.device, bits, bucket, tuple(t is None for t in given),
-            tuple(t.data_ptr() % 16 for t in inputs), None if header is None else header[1],
-            TUNING["qsgd_codes_fused"], TUNING["qsgd_codes"])
+    plan = (qsgd_codes, n, x.dtype, x.device, bits, bucket, scales.numel(),
+            tuple(t is None for t in given), tuple(t.data_ptr() % 16 for t in inputs),
+            None if header is None else header[1], TUNING["qsgd_codes_fused"],
+            TUNING["qsgd_codes"])
     got = replay(plan, inputs, {"key": word})
     if got is not MISSED:
         return got
