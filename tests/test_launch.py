@@ -262,15 +262,17 @@ for a, b in zip(runs[0], by_key[0]):
 assert -16 in runs[0]  # the key as the kernel takes it (a signed int32)
 assert got.data_ptr() == want.data_ptr() == codes.data_ptr() + 14  # the codes given
 torch.empty = empty
-# not whole: a path with torch's own kernels (the two-digit path zeroes its work buffer),
-# and a call whose launch takes a tensor from outside its inputs and allocations
+# not whole: a path with torch's own kernels (the two-digit path zeroes its work buffer);
+# a call whose launch takes a tensor from outside its inputs and allocations; one given a
+# scalar the kernel specialises (sign pack's n: its value could pick another kernel), or
+# a scalar no launch takes (a replay would keep the recorded value)
 for _ in range(2):
     _kernels.top_indices(torch.randn(70000, generator=g), 700)
 assert not [key for key in _launch._CALLS if key[:2] == (_kernels.top_indices, 70000)]
-# a scalar the kernel specialises (sign pack's n), since its value could pick another kernel
 outside = torch.empty(2, dtype=torch.uint8)
 for zero, far, scalars, whole in ((True, False, (), False), (False, True, (), False),
-                                  (False, False, ("n",), False), (False, False, (), True)):
+                                  (False, False, ("n",), False), (False, False, ("nope",), False),
+                                  (False, False, (), True)):
     _launch._CALLS.pop(("whole",), None)
     _launch._PLANS.pop(("whole",), None)
     with _launch.planned(("whole",), (x,), scalars) as plan:

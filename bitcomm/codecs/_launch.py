@@ -156,8 +156,10 @@ class _Plan:
         _LOCAL.plan = self.outer
         if self.watch is not None:
             self.watch.__exit__(kind, value, tb)
+            # every scalar a replay is given must be one a launch takes
+            taken = {name for step in self.whole or () for _, name in step[6]}
             if (kind is None and not self.broken and not self.watch.other and self.whole
-                    and self.result is not None):
+                    and self.result is not None and taken == set(self.scalars)):
                 if len(_CALLS) >= LIMIT:
                     _CALLS.clear()
                 where = self.inputs[0].device
@@ -216,9 +218,10 @@ def planned(key: tuple, inputs: tuple[torch.Tensor, ...] | None = None,
     only allocations and views (no kernel of torch's, no read of the device), every tensor a
     launch took lay in an input or in one of those allocations, and ``result`` does too (or
     is None, or a tuple of those). ``scalars``: names of kernel parameters whose values a
-    replay is given (``replay``'s ``scalars``), each one the kernel leaves unspecialised
-    (``do_not_specialize``: any value takes the compiled kernel), else the call is not
-    recorded whole; every other argument's value is taken as the key fixes it.
+    replay is given (``replay``'s ``scalars``), each one a launch takes as a positional
+    argument and the kernel leaves unspecialised (``do_not_specialize``: any value takes the
+    compiled kernel), else the call is not recorded whole; every other argument's value is
+    taken as the key fixes it.
     """
     if not (_DIRECT and PLANS):
         return _UNPLANNED
