@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from bitcomm.codecs import _bracket, _frame
-from bitcomm.codecs._launch import MISSED, launch, planned, replay
+from bitcomm.codecs._launch import MISSED, launch, planned, replay, replays
 
 __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign_unpack",
            "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_decode",
@@ -839,7 +839,7 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     key &= 0xFFFFFFFF
     word = key - (key >> 31 << 32)  # the key as a signed int32, as the kernel takes it
     n = x.numel()
-    if n == 0:
+    if n == 0 or not replays():
         return _qsgd_codes(x, bits, bucket, word, scales, factors, out, flags, header)
     # Its launch follows from these and the stream key, which the kernel leaves
     # unspecialised: the call replays whole, the key given (_launch.replay)
@@ -2554,6 +2554,8 @@ def _top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
     n = x.numel()
     if n <= SMALL_TOP:
         return _small_top(x, k, side, census, entries)
+    if not replays():
+        return _top_indices(x, k, side, census, entries)
     # Its launches follow from these alone (no host read; fresh buffers and views of them at
     # fixed offsets; a frame's alignment and header), so the ones recorded under them replay
     # (_launch.planned); from a sampled bound, whose torch ops are only the scratch's

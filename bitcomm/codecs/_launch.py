@@ -41,6 +41,7 @@ its stream key given: ``bitcomm bench host``).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -55,7 +56,7 @@ try:  # triton 3.4 and newer; the direct launch is taken only under VERIFIED rel
 except ImportError:
     knobs = HookChain = None
 
-__all__ = ["launch", "planned", "replay", "MISSED", "VERIFIED", "LIMIT", "PLANS"]
+__all__ = ["launch", "planned", "replay", "replays", "MISSED", "VERIFIED", "LIMIT", "PLANS"]
 
 VERIFIED = ("3.6.", "3.9.")
 """Triton releases whose argument specialisation ``tests/test_launch.py`` checked against this
@@ -195,6 +196,14 @@ class _Unplanned:
 _UNPLANNED = _Unplanned()
 
 
+def replays() -> bool:
+    """Return whether launches and calls recorded under a key replay here (:func:`planned`).
+
+    Where they do not, a caller need not build its key.
+    """
+    return _DIRECT and PLANS
+
+
 def planned(key: tuple, inputs: tuple[torch.Tensor, ...] | None = None,
             scalars: tuple[str, ...] = ()):
     """Return a context in which this thread's launches follow the plan recorded under ``key``.
@@ -223,7 +232,7 @@ def planned(key: tuple, inputs: tuple[torch.Tensor, ...] | None = None,
     compiled kernel), else the call is not recorded whole; every other argument's value is
     taken as the key fixes it.
     """
-    if not (_DIRECT and PLANS):
+    if not replays():
         return _UNPLANNED
     entry = _PLANS.get(key)
     # a call is watched while its launches are first recorded, not at every replay
@@ -314,10 +323,7 @@ def _rebuilt(described, inputs: tuple[torch.Tensor, ...], made: list[torch.Tenso
     _, _, offset, dtype, shape = described
     flat = t if t.dim() == 1 else t.view(-1)
     flat = flat if t.dtype == dtype else flat.view(dtype)
-    numel = 1
-    for size in shape:
-        numel *= size
-    return flat[offset : offset + numel].view(shape)
+    return flat[offset : offset + math.prod(shape)].view(shape)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
