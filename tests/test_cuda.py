@@ -482,7 +482,8 @@ def test_a_top_k_frame_is_written_by_its_selection_on_the_gpu_as_on_the_cpu():
 @pytest.fixture
 def launches(monkeypatch):
     """The kernels launched through the codecs' launch wrapper (a whole-call replay makes
-    none), with nothing recorded by the tests before: the same lengths recur."""
+    none), with nothing recorded by the tests before (calls, plans, qsgd's frame layouts):
+    the same lengths recur."""
     from bitcomm.codecs import _kernels, _launch
 
     if not _launch._DIRECT:
@@ -498,6 +499,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(_kernels, "launch", counting)
     monkeypatch.setattr(_launch, "_CALLS", {})
     monkeypatch.setattr(_launch, "_PLANS", {})
+    monkeypatch.setattr(qsgd, "_SEEN", qsgd._Layouts())
     return made
 
 
@@ -536,19 +538,26 @@ def test_a_top_k_made_again_from_its_record_gives_the_cpus_frames(launches):
                 assert (launches == []) == (i > 0), (shift, i, name, len(launches))
 
 
-def test_a_qsgd_encode_made_again_from_its_record_gives_the_cpus_frames(launches):
-    """qsgd's encoding kernel call is recorded whole with its stream key as a scalar
-    (_launch.replay): four new vectors, each with another seed, give the CPU's frames for
-    2, 4 and 8 bits, and only each layout's first call goes through the launch wrapper."""
+def test_a_qsgd_call_made_again_from_its_record_gives_the_cpus_frames_and_values(launches):
+    """qsgd's encoding kernel call is recorded whole with its stream key as a scalar, its
+    decoding kernel call with its frame's header (_launch.replay): five new vectors, each
+    with another seed, give the CPU's frames for 2, 4 and 8 bits, the frames decode on the
+    GPU to the CPU's values, and only each layout's first two calls go through the launch
+    wrapper (the first decode reads its header first; the next, given n, compares it in the
+    kernel: another launch)."""
     g = torch.Generator().manual_seed(29)
+    n = 100_003
     for width in (2, 4, 8):
-        for i in range(4):
-            x = torch.randn(100_003, generator=g)
+        for i in range(5):
+            x = torch.randn(n, generator=g)
             launches.clear()
             got = qsgd.encode(x.cuda(), width, seed=1000 * width + i)
-            assert torch.equal(got.cpu(), qsgd.encode(x, width, seed=1000 * width + i)), \
-                (width, i)
-            assert (launches == []) == (i > 0), (width, i, len(launches))
+            want = qsgd.encode(x, width, seed=1000 * width + i)
+            assert torch.equal(got.cpu(), want), (width, i)
+            values, used = qsgd.decode(got, n=n)
+            assert used == want.numel() and values.is_cuda, (width, i)
+            assert torch.equal(values.cpu(), qsgd.decode(want, n=n)[0]), (width, i)
+            assert (launches == []) == (i > 1), (width, i, len(launches))
 
 
 def test_the_torch_transport_moves_host_buffers_without_extra_waits():

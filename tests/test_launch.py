@@ -185,13 +185,28 @@ def counted(kernel, grid, *args, **kwargs):
     _launch.launch(kernel, grid, *args, **kwargs)
 
 
+def same_launches(runs, by_key, ours, theirs, name):
+    # the replay's launches are of the kernels the launches by key take, and pass what they
+    # pass, each pointer an int at the place in `ours` where their tensor lies in `theirs`
+    assert [kernel for kernel, _ in runs] == [kernel for kernel, _ in by_key], name
+    for (_, r), (_, w) in zip(runs, by_key):
+        assert r[:6] == w[:6] and r[6:9] == (None, None, None) and len(r) == len(w), name
+        for a, b in zip(r[9:], w[9:]):  # where a launch by key passes a tensor, an int
+            if isinstance(b, torch.Tensor):
+                assert type(a) is int, (name, a)
+                assert place(a, ours) == place(b.data_ptr(), theirs), name
+            else:
+                assert type(a) is type(b) and a == b, (name, a, b)
+
+
 def made(call):
-    # its result, launches, allocations and launches through _kernels.launch
+    # its result, launches (compiled kernel, arguments), allocations and launches through
+    # _kernels.launch
     allocated.clear()
     launched.clear()
     wrapped.clear()
     got = call()
-    return got, [args for _, args in launched], list(allocated), len(wrapped)
+    return got, list(launched), list(allocated), len(wrapped)
 
 
 torch.empty = logged
@@ -223,15 +238,7 @@ for name, call in cases.items():
     assert len(mine) == len(theirs) and len(_launch._CALLS) == before, (name, mine, theirs)
     frame = f[: 17 + 8 * k] if name == "frame" else f[: 21 + 4 * k]
     sources = lambda owned: (v, frame, *owned)  # noqa: E731
-    assert len(runs) == len(by_key), name
-    for r, w in zip(runs, by_key):
-        assert r[:6] == w[:6] and r[6:9] == (None, None, None) and len(r) == len(w), name
-        for a, b in zip(r[9:], w[9:]):  # where a launch by key passes a tensor, an int
-            if isinstance(b, torch.Tensor):
-                assert type(a) is int, (name, a)
-                assert place(a, sources(mine)) == place(b.data_ptr(), sources(theirs)), name
-            else:
-                assert type(a) is type(b) and a == b, (name, a, b)
+    same_launches(runs, by_key, sources(mine), sources(theirs), name)
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
     kinds = lambda ts: [None if t is None else (t.dtype, t.shape) for t in ts]  # noqa: E731
@@ -253,14 +260,28 @@ _launch.PLANS = False
 want, by_key, theirs, through = made(lambda: qsgd_call(v, 2**32 - 16))
 _launch.PLANS = True
 assert len(runs) == len(by_key) == 1 and mine == theirs == [] and through == 1
-sources = (v, codes, scales, flag)
-for a, b in zip(runs[0], by_key[0]):
-    if isinstance(b, torch.Tensor):
-        assert type(a) is int and place(a, sources) == place(b.data_ptr(), sources)
-    elif not isinstance(b, (HookChain, tuple)) and b is not None:
-        assert type(a) is type(b) and a == b, (a, b)
-assert -16 in runs[0]  # the key as the kernel takes it (a signed int32)
+same_launches(runs, by_key, (v, codes, scales, flag), (v, codes, scales, flag), "qsgd")
+assert -16 in runs[0][1]  # the key as the kernel takes it (a signed int32)
 assert got.data_ptr() == want.data_ptr() == codes.data_ptr() + 14  # the codes given
+# qsgd's decoder is recorded whole, with the header it compares and without, and for a
+# bfloat16 result (its kernel takes the values as int16), each its own kernels: its full
+# tiles and its edge tile are two launches; the values it returns are its allocation
+n = 50001
+for dtype, header in ((torch.float32, None), (torch.float32, b"h" * 14),
+                      (torch.bfloat16, None), (torch.bfloat16, b"h" * 14)):
+    size = qsgd.encoded_size(n, 4, 512)
+    decode_call = lambda f: _kernels.qsgd_decode(  # noqa: E731
+        f, 14, n, 4, 512, dtype, flag, header)
+    decode_call(empty(size, dtype=torch.uint8))  # recorded
+    f = empty(size, dtype=torch.uint8)
+    got, runs, mine, through = made(lambda: decode_call(f))
+    _launch.PLANS = False
+    want, by_key, theirs, through_by_key = made(lambda: decode_call(f))
+    _launch.PLANS = True
+    assert len(runs) == 2 and through == 0 and through_by_key == 2, (dtype, runs)
+    assert len(mine) == len(theirs) == 1, dtype
+    same_launches(runs, by_key, (f, flag, *mine), (f, flag, *theirs), dtype)
+    assert got is mine[0] and want is theirs[0], dtype
 torch.empty = empty
 # not whole: a path with torch's own kernels (the two-digit path zeroes its work buffer);
 # a call whose launch takes a tensor from outside its inputs and allocations; one given a

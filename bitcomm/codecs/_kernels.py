@@ -1028,6 +1028,28 @@ def qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
                            None if header is None else _frame.host_bytes(header, frame.device),
                            flags)
         return qsgd_values(frame[head + 4 * nb :], n, bits, bucket, steps.view(-1), dtype)
+    if n == 0 or not replays():
+        return _qsgd_decode(frame, head, n, bits, bucket, dtype, flags, header, shift)
+    # One allocation and one or two launches, fixed by these: the call replays whole
+    # (_launch.replay), the header's words part of the key
+    inputs = (frame, flags)
+    plan = (qsgd_decode, n, dtype, frame.device, head, bits, bucket, header,
+            frame.data_ptr() % 16, flags.data_ptr() % 16, TUNING["qsgd_decode"])
+    got = replay(plan, inputs)
+    if got is not MISSED:
+        return got
+    with planned(plan, inputs) as recording:
+        got = _qsgd_decode(frame, head, n, bits, bucket, dtype, flags, header, shift)
+        recording.returns(got)
+    return got
+
+
+def _qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
+                 dtype: torch.dtype, flags: torch.Tensor, header: bytes | None, shift: int
+                 ) -> torch.Tensor:
+    # qsgd_decode's one pass, its bucket a power of two (log2: shift) of whole code bytes
+    per_byte = 8 // bits
+    nb = -(-n // bucket)
     out = torch.empty(n, dtype=dtype, device=frame.device)
     if n:
         block, opts = _config("qsgd_decode")  # code bytes a tile

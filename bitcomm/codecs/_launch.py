@@ -36,7 +36,7 @@ the launches recorded under a key of those, and a call that made only allocation
 launches is recorded whole, for :func:`replay` to make again from the new inputs' addresses
 and the values of any scalars the kernels leave unspecialised (a top-k from a sampled bound:
 nine launches in 12-14 us of a 2-core VM's host, 70-76 without the replays; qsgd's encoder,
-its stream key given: ``bitcomm bench host``).
+its stream key given, and its decoder: ``bitcomm bench host``).
 """
 
 from __future__ import annotations
@@ -303,7 +303,11 @@ def _described(result, sources: tuple[torch.Tensor, ...]):
     if place is None or place[1] % result.element_size():
         return None
     source, offset = place
-    if sources[source].numel() * sources[source].element_size() % result.element_size():
+    whole = sources[source]
+    if (offset == 0 and whole.dtype == result.dtype and whole.shape == result.shape
+            and whole.is_contiguous()):
+        return ("source", source)  # the source itself, as a view or as the op's own result
+    if whole.numel() * whole.element_size() % result.element_size():
         return None
     return ("view", source, offset // result.element_size(), result.dtype,
             tuple(result.shape))
