@@ -171,6 +171,7 @@ def rows_of(bufs: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(bufs)
 
 
+@functools.cache  # an import statement a call costs a codec call's host half a microsecond
 def kernels():
     """Return :mod:`bitcomm.codecs._kernels`, imported on first use (it imports triton)."""
     from bitcomm.codecs import _kernels

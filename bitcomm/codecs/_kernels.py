@@ -16,11 +16,11 @@ launch never waits for the device.
   (split by ``_radix_unpack_kernel``, one code per lane).
 * :func:`qsgd_codes` / :func:`qsgd_decode`: the whole qsgd encoder (bucket max, the counter
   hash of :mod:`bitcomm.codecs._rng`, fixed-point stochastic rounding, packing, the header) in
-  one pass when the bucket is a power of two up to :data:`MAX_FUSED_BUCKET`; otherwise with
-  per-bucket factors computed by torch. The decoder multiplies each level by its bucket's
-  step, computed in the same pass for a power-of-two bucket (else by :func:`qsgd_steps`, then
-  :func:`qsgd_values`); :func:`qsgd_mean` decodes many frames at once and writes only their
-  mean.
+  one pass when the bucket is a power of two up to :data:`MAX_FUSED_BUCKET` (into a frame
+  of its own: :func:`qsgd_frame`); otherwise with per-bucket factors computed by torch. The
+  decoder multiplies each level by its bucket's step, computed in the same pass for a
+  power-of-two bucket (else by :func:`qsgd_steps`, then :func:`qsgd_values`);
+  :func:`qsgd_mean` decodes many frames at once and writes only their mean.
 * :func:`sparse_scatter`: a sparse frame's entries written into their dense vector, its rules
   checked in the same pass; :func:`sparse_frame`: a frame written from its entries (or from a
   vector at its indices), the header, indices and values or a float64 mean in one pass over
@@ -72,13 +72,13 @@ import torch
 import triton
 import triton.language as tl
 
-from bitcomm.codecs import _bracket, _frame
+from bitcomm.codecs import _bracket, _frame, _rng
 from bitcomm.codecs._launch import MISSED, launch, planned, replay, replays
 
 __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign_unpack",
-           "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_decode",
-           "qsgd_steps", "qsgd_values", "qsgd_mean", "score_stats", "count_above", "Runs",
-           "kth_largest", "top_indices", "indices_above", "sidco_stage", "SIDCO_KINDS",
+           "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_frame",
+           "qsgd_decode", "qsgd_steps", "qsgd_values", "qsgd_mean", "score_stats", "count_above",
+           "Runs", "kth_largest", "top_indices", "indices_above", "sidco_stage", "SIDCO_KINDS",
            "MAX_FUSED_BUCKET", "DIGIT", "SLACK", "sparse_scatter", "SPARSE_VALUES",
            "sparse_frame", "SPARSE_ENCODES", "SMALL_TOP"]
 
@@ -836,34 +836,53 @@ def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.
     """
     if flags is not None and factors is not None:
         raise ValueError("flags are set by the fused encoder only (factors=None)")
-    key &= 0xFFFFFFFF
-    word = key - (key >> 31 << 32)  # the key as a signed int32, as the kernel takes it
+    return _qsgd_codes(x, bits, bucket, _rng._signed32(key), scales, factors, out, flags,
+                       header)
+
+
+def qsgd_frame(x: torch.Tensor, bits: int, bucket: int, key: int, header: bytes,
+               flags: torch.Tensor) -> torch.Tensor:
+    """Return the qsgd frame of ``x``: ``header``, each bucket's max as its scale, the codes.
+
+    The fused pass of :func:`qsgd_codes` (a power-of-two ``bucket`` of 8 to
+    :data:`MAX_FUSED_BUCKET`) writes all three into a new frame whose codes start 16-byte
+    aligned; ``flags`` (one int32, zero) is set where a scale is not finite.
+    """
+    word = _rng._signed32(key)  # as the kernel takes it
     n = x.numel()
     if n == 0 or not replays():
-        return _qsgd_codes(x, bits, bucket, word, scales, factors, out, flags, header)
-    # Its launch follows from these and the stream key, which the kernel leaves
-    # unspecialised: the call replays whole, the key given (_launch.replay)
-    frame = None if header is None else header[0]
-    given = (x, out, scales, factors, flags, frame)
-    inputs = tuple(t for t in given if t is not None)
-    plan = (qsgd_codes, n, x.dtype, x.device, bits, bucket, scales.numel(),
-            tuple(t is None for t in given), tuple(t.data_ptr() % 16 for t in inputs),
-            None if header is None else header[1], TUNING["qsgd_codes_fused"],
-            TUNING["qsgd_codes"])
+        return _qsgd_frame(x, bits, bucket, word, header, flags)
+    # An allocation, its views and one launch, fixed by these and the stream key (which the
+    # kernel leaves unspecialised): the call replays whole, the key given
+    inputs = (x, flags)
+    plan = (qsgd_frame, n, x.dtype, x.device, bits, bucket, header, x.data_ptr() % 16,
+            flags.data_ptr() % 16, TUNING["qsgd_codes_fused"])
     got = replay(plan, inputs, {"key": word})
     if got is not MISSED:
         return got
     with planned(plan, inputs, ("key",)) as recording:
-        got = _qsgd_codes(x, bits, bucket, word, scales, factors, out, flags, header)
+        got = _qsgd_frame(x, bits, bucket, word, header, flags)
         recording.returns(got)
     return got
+
+
+def _qsgd_frame(x: torch.Tensor, bits: int, bucket: int, word: int, header: bytes,
+                flags: torch.Tensor) -> torch.Tensor:
+    # qsgd_frame with the stream key as the kernel takes it (`word`): the scales lie behind
+    # the header, where the aligned codes start they end, so they are 4-byte aligned too
+    n = x.numel()
+    start = len(header) + 4 * (-(-n // bucket))
+    frame = _frame.empty_aligned_at(start + (n * bits + 7) // 8, start, x.device)
+    scales = frame[len(header) : start].view(torch.float32)
+    _qsgd_codes(x, bits, bucket, word, scales, None, frame[start:], flags, (frame, header))
+    return frame
 
 
 def _qsgd_codes(x: torch.Tensor, bits: int, bucket: int, word: int, scales: torch.Tensor,
                 factors: torch.Tensor | None, out: torch.Tensor | None,
                 flags: torch.Tensor | None, header: tuple[torch.Tensor, bytes] | None
                 ) -> torch.Tensor:
-    # qsgd_codes with the stream key as the kernel takes it (`word`)
+    # qsgd_codes with the stream key as the kernel takes it (`word`, a signed int32)
     n = x.numel()
     nbytes = (n * bits + 7) // 8
     if out is None:

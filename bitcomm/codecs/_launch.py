@@ -91,16 +91,19 @@ _ALLOCATIONS = frozenset([torch.ops.aten.empty.memory_format, torch.ops.aten.emp
 
 class _Call:
     # A call recorded whole: the device index its launches went to, the device of its
-    # inputs, its allocations (shape, dtype) in order, each launch as (the compiled kernel's
+    # inputs, its allocations (shape, dtype) in order and their addresses modulo 16 (a
+    # view at a recorded offset keeps its alignment only from an allocation aligned alike:
+    # a frame's aligned payload), each launch as (the compiled kernel's
     # launcher, grid, function, metadata, its parameters' values with None for each pointer
     # and scalar, the pointers as (parameter, source, byte offset), the scalars as
     # (parameter, name)), where a source is an input's index or len(inputs) plus an
     # allocation's, and its result (_described).
-    __slots__ = ("device", "where", "made", "steps", "result")
+    __slots__ = ("device", "where", "made", "aligned", "steps", "result")
 
-    def __init__(self, device: int, where: torch.device, made: list, steps: list, result):
-        self.device, self.where, self.made, self.steps, self.result = (device, where, made,
-                                                                      steps, result)
+    def __init__(self, device: int, where: torch.device, made: list, aligned: list,
+                 steps: list, result):
+        self.device, self.where, self.made, self.aligned = device, where, made, aligned
+        self.steps, self.result = steps, result
 
 
 class _Watch(TorchDispatchMode):
@@ -165,7 +168,9 @@ class _Plan:
                     _CALLS.clear()
                 where = self.inputs[0].device
                 made = [(tuple(t.shape), t.dtype) for t in self.watch.made]
-                _CALLS[self.key] = _Call(self.device, where, made, self.whole, self.result)
+                aligned = [t.data_ptr() % 16 for t in self.watch.made]
+                _CALLS[self.key] = _Call(self.device, where, made, aligned, self.whole,
+                                         self.result)
             self.watch = None  # its allocations go with it
         if self.recorded:
             if self.broken or self.at != len(self.steps):  # another sequence: record anew
@@ -247,6 +252,8 @@ def replay(key: tuple, inputs: tuple[torch.Tensor, ...], scalars: dict | None = 
     offsets into the inputs and the new allocations: no Python of the caller's, no tensor
     views, no key a launch, and addresses the launcher takes as they are (a tensor costs it
     a call of ``data_ptr`` and a query of the driver). The result is rebuilt where it lay.
+    MISSED too where a new allocation's address lies otherwise modulo 16 than its record's
+    (no allocator of torch's does that: views at the recorded offsets would be misaligned).
     ``key`` must hold whatever fixes the call's launches beyond the inputs' addresses
     (sizes, dtypes, the inputs' 16-byte alignment, settings), as for :func:`planned`. Not
     with Triton's launch hooks set (a profiler's, which read the tensors): MISSED.
@@ -261,7 +268,10 @@ def replay(key: tuple, inputs: tuple[torch.Tensor, ...], scalars: dict | None = 
         return MISSED
     stream = active.get_current_stream(device)
     made = [torch.empty(shape, dtype=dtype, device=call.where) for shape, dtype in call.made]
-    bases = [t.data_ptr() for t in inputs] + [t.data_ptr() for t in made]
+    owned = [t.data_ptr() for t in made]
+    if [at % 16 for at in owned] != call.aligned:  # CUDA's allocator aligns to 512 bytes
+        return MISSED
+    bases = [t.data_ptr() for t in inputs] + owned
     for run, grid, function, metadata, values, pointers, named in call.steps:
         full = list(values)
         for at, source, offset in pointers:
@@ -327,6 +337,8 @@ def _rebuilt(described, inputs: tuple[torch.Tensor, ...], made: list[torch.Tenso
     _, _, offset, dtype, shape = described
     flat = t if t.dim() == 1 else t.view(-1)
     flat = flat if t.dtype == dtype else flat.view(dtype)
+    if len(shape) == 1:  # a frame: one view, not two
+        return flat[offset : offset + shape[0]]
     return flat[offset : offset + math.prod(shape)].view(shape)
 
 

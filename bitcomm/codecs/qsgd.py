@@ -54,6 +54,7 @@ import contextlib
 import functools
 import struct
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -121,16 +122,18 @@ def _scales_into(out: torch.Tensor, v: torch.Tensor, bucket: int, kind: str) -> 
             out[lo:hi] = torch.linalg.vector_norm(block.to(torch.float64), dim=1)
 
 
-def _check_scales(scales: torch.Tensor, bucket: int, n: int, kind: str,
-                  flag: torch.Tensor | None = None) -> None:
-    # `flag`: set by the encoding kernel when a scale is not finite (else tested here).
+def _check_scales(scales: torch.Tensor | Callable[[], torch.Tensor], bucket: int, n: int,
+                  kind: str, flag: torch.Tensor | None = None) -> None:
+    # `flag`: set by the encoding kernel when a scale is not finite (else tested here); with
+    # it, `scales` may be a function giving them, wanted only to name a bad one.
     if flag is None and _frame.use_numpy(scales) and np.isfinite(scales.numpy()).all():
         return  # numpy's test of a few scales costs a microsecond, torch's three ops ~30
 
     def explain() -> None:
-        i = int(torch.nonzero(~torch.isfinite(scales))[0, 0])
+        found = scales() if callable(scales) else scales
+        i = int(torch.nonzero(~torch.isfinite(found))[0, 0])
         raise ValueError(f"expected finite values, got a non-finite {kind} scale "
-                         f"{float(scales[i].item())} in bucket {i} (elements {i * bucket}.."
+                         f"{float(found[i].item())} in bucket {i} (elements {i * bucket}.."
                          f"{min(n, (i + 1) * bucket) - 1})")
 
     # A flag: inside _frame.deferred (a collective) it is read with the call's other checks.
@@ -209,16 +212,23 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
     if path == "triton":
         # The kernel writes the codes into the frame itself: a copy of them would add up to
         # half the traffic of reading x (8-bit codes) to a pass that is memory bound. The
-        # frame is placed so that its codes start 16-byte aligned (the header is 14 bytes).
+        # frame is placed so that its codes start 16-byte aligned (the header is 14 bytes),
+        # and the kernel writes the header too: no copy from the host, no launch of its own.
         start = HEADER.size + 4 * (-(-n // bucket))
+        kernels = _frame.kernels()
+        if (scale == "max" and 8 <= bucket <= kernels.MAX_FUSED_BUCKET
+                and bucket & (bucket - 1) == 0):  # one pass: the scales with the codes
+            flag = _frame.clean_flag(v.device)
+            frame = kernels.qsgd_frame(v.contiguous(), bits, bucket, key, header, flag)
+            _check_scales(lambda: frame[HEADER.size : start].view(torch.float32), bucket, n,
+                          scale, flag)
+            return frame
         frame = _frame.empty_aligned_at(encoded_size(n, bits, bucket), start, v.device)
         # The scales end where the aligned codes start, so they are 4-byte aligned too: they
         # are written into the frame where they lie, not copied there.
         scales = frame[HEADER.size : start].view(torch.float32)
-        # the kernel writes the header too: no copy from the host, no launch of its own
-        flag = _encode_triton(v, bits, bucket, scale, key, scales, frame[start:],
-                              (frame, header))
-        _check_scales(scales, bucket, n, scale, flag)
+        _encode_triton(v, bits, bucket, scale, key, scales, frame[start:], (frame, header))
+        _check_scales(scales, bucket, n, scale)
         return frame
     if path == "numpy" and _has_numba():
         scales, codes = _encode_cpu(v, bits, bucket, scale, key)
@@ -269,24 +279,15 @@ def _encode_cpu(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int
 
 def _encode_triton(v: torch.Tensor, bits: int, bucket: int, scale: str, key: int,
                    scales: torch.Tensor, out: torch.Tensor, header: tuple[torch.Tensor, bytes]
-                   ) -> torch.Tensor | None:
-    # One kernel pass over x (bitcomm.codecs._kernels); it computes what _encode_torch computes,
-    # writing the scales to ``scales``, the codes to ``out`` (ceil(n * bits / 8) bytes) and
-    # the header (`header`: the frame and its bytes).
-    # Returns the kernel's flag of a non-finite scale where it took the scales itself (None:
-    # the scales came from torch, to be checked by _check_scales).
-    kernels = _frame.kernels()
+                   ) -> None:
+    # The scales by torch, then one kernel pass over x (bitcomm.codecs._kernels) for the
+    # codes, written to ``out`` (ceil(n * bits / 8) bytes), and the header (`header`: the
+    # frame and its bytes): what _encode_torch computes. The fused pass (the bucket max in
+    # it) is qsgd_frame's.
     x = v.contiguous()
-    if (scale == "max" and 8 <= bucket <= kernels.MAX_FUSED_BUCKET
-            and bucket & (bucket - 1) == 0):
-        flag = _frame.clean_flag(v.device)  # read by encode's _check_scales
-        kernels.qsgd_codes(x, bits, bucket, key, scales, None, out=out, flags=flag,
-                           header=header)
-        return flag
     _scales_into(scales, x.to(torch.float32), bucket, scale)
     factors = _factors(scales, (1 << (bits - 1)) - 1)
-    kernels.qsgd_codes(x, bits, bucket, key, scales, factors, out=out, header=header)
-    return None
+    _frame.kernels().qsgd_codes(x, bits, bucket, key, scales, factors, out=out, header=header)
 
 
 def _factors(scales: torch.Tensor, s: int) -> torch.Tensor:
@@ -428,17 +429,24 @@ class _Layouts:
     """Lengths remembered; past it the memory starts again."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[torch.device, int], tuple[int, int, int, int]] = {}
+        # (device, n): (the header's fields, its bytes, the frame's length)
+        self._last: dict[tuple[torch.device, int], tuple[tuple[int, int, int, int], bytes,
+                                                         int]] = {}
 
-    def get(self, device: torch.device, n: int) -> tuple[int, int, int, int] | None:
-        """Return the last header ``(n, bits, scale code, bucket)`` of ``n`` on ``device``."""
+    def get(self, device: torch.device, n: int
+            ) -> tuple[tuple[int, int, int, int], bytes, int] | None:
+        """Return the last header of ``n`` on ``device``, its bytes and frame length, or None.
+
+        The header as ``(n, bits, scale code, bucket)``; the length as :func:`encoded_size`.
+        """
         return self._last.get((device, n))
 
     def remember(self, device: torch.device, header: tuple[int, int, int, int]) -> None:
         """Remember a header that decoded on ``device`` (its n > 0)."""
         if len(self._last) >= self.LIMIT:
             self._last.clear()
-        self._last[(device, header[0])] = header
+        n, bits, _, bucket = header
+        self._last[(device, n)] = (header, HEADER.pack(*header), encoded_size(n, bits, bucket))
 
 
 _SEEN = _Layouts()
@@ -454,16 +462,17 @@ def _speculated(buf: torch.Tensor, n: int, dtype: torch.dtype
     then decodes it the ordinary way, which names any error; a frame that only differs pays
     one pass more.
     """
-    header = _SEEN.get(buf.device, n)
-    if header is None:
+    device = buf.device
+    seen = _SEEN.get(device, n)
+    if seen is None:
         return None
-    _, bits, _, bucket = header
-    end = encoded_size(n, bits, bucket)
-    if buf.numel() < end:
+    (_, bits, _, bucket), packed, end = seen
+    size = buf.numel()
+    if size < end:
         return None
-    flag = _frame.clean_flag(buf.device)
-    values = _frame.kernels().qsgd_decode(buf[:end], HEADER.size, n, bits, bucket, dtype, flag,
-                                          header=HEADER.pack(*header))
+    flag = _frame.clean_flag(device)
+    values = _frame.kernels().qsgd_decode(buf if size == end else buf[:end], HEADER.size, n,
+                                          bits, bucket, dtype, flag, header=packed)
     if _frame.read_flag(flag):  # the one host read
         return None
     return values, end
