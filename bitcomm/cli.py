@@ -157,6 +157,53 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
         sys.exit(1)
 
 
+@bench.command("tally")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Directory for tally.json, .csv and .md.")
+def bench_tally(runs: tuple[str, ...], out_dir: str) -> None:
+    """Tally runs of ``bench codecs`` against their targets.
+
+    For each codec operation and size: how many runs met its target and its lowest, median
+    and highest ratio; then every row that missed in some run, run by run, and which runs met
+    every target. RUNS: the runs' codecs.json or codecs-cuda.json, or the folders holding
+    them (such as tools/gpu-check.sh's codecs-run1, codecs-run2, ...).
+    """
+    from bitcomm.bench import codecs as bench_mod
+
+    files = [_codecs_result(Path(p)) for p in runs]
+    saved = []
+    for f in files:
+        try:
+            data = json.loads(f.read_text())
+            saved.append((data["config"], data["rows"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise click.UsageError(f"{f}: not a result of bench codecs ({e})") from None
+    try:
+        tallies = bench_mod.tally([rows for _, rows in saved])
+    except (ValueError, KeyError) as e:
+        raise click.UsageError(f"these runs cannot be tallied together: {e}") from None
+    configs = [config for config, _ in saved]
+    names = [str(f.parent if f.parent.name else f) for f in files]
+    command = "bitcomm bench tally " + " ".join(runs)
+    table = bench_mod.tally_markdown(tallies, configs, names, command)
+    click.echo(table, nl=False)
+    config = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": [str(f) for f in files],
+              "times": [c.get("time") for c in configs]}
+    _save(Path(out_dir), "tally", config, [t.as_dict() for t in tallies], markdown=table)
+
+
+def _codecs_result(path: Path) -> Path:
+    # a run's saved codecs[-cuda].json: the file itself, or the one in its folder
+    if path.is_file():
+        return path
+    found = sorted(path.glob("codecs*.json"))
+    if len(found) != 1:
+        raise click.UsageError(f"{path}: expected one codecs.json or codecs-cuda.json there, "
+                               f"found {', '.join(f.name for f in found) or 'none'}")
+    return found[0]
+
+
 @bench.command("kernels")
 @click.option("--n", "n", type=Size(), default="64M", show_default=True,
               help="Vector length the launches are specialised for.")

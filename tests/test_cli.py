@@ -517,3 +517,86 @@ def test_the_wheel_carries_the_topologies_and_experiments(tmp_path):
                 "train-digits", "train-digits-wide", "sparcml", "sparcml-fast", "oktopk",
                 "oktopk-balance"):
         assert f"bitcomm/configs/experiments/{exp}.yaml" in names
+
+
+def _codecs_run(folder: Path, time: str, rows: list[tuple]) -> Path:
+    # a saved run of bench codecs: rows as (codec, op, n, anchor, ratio, target, gbps)
+    folder.mkdir(parents=True)
+    keys = ("codec", "op", "n", "anchor", "ratio", "target", "gbps")
+    (folder / "codecs-cuda.json").write_text(json.dumps({
+        "config": {"time": time, "machine": "x86_64", "cpus": 16, "torch": "2.11",
+                   "threads": 16, "gpu": "NVIDIA_H200", "path": "triton"},
+        "rows": [dict(zip(keys, r, strict=True)) for r in rows]}))
+    return folder
+
+
+def test_bench_tally_counts_the_runs_that_met_each_target_and_names_the_misses(tmp_path):
+    """Three runs: the tally gives each row's runs met and spread, the rows that missed in
+    some run run by run (a ratio saved as null, NaN, is a miss), and which runs met every
+    target; its files hold the same."""
+    anchor = ("anchor", "sum", 64, "", None, None, 3000.0)
+    runs = [
+        _codecs_run(tmp_path / "codecs-run1", "t1", [
+            anchor, ("qsgd-4", "encode", 64, "sum", 0.6, 0.5, 10.0),
+            ("sign-scaled", "encode", 64, "sum", 0.3, None, 9.0),
+            ("topk-1%", "encode", 64, "sum", 0.25, 0.2, 8.0)]),
+        _codecs_run(tmp_path / "codecs-run2", "t2", [
+            ("anchor", "sum", 64, "", None, None, 3100.0),
+            ("qsgd-4", "encode", 64, "sum", 0.4, 0.5, 10.0),
+            ("sign-scaled", "encode", 64, "sum", 0.1, None, 9.0)]),  # no top-k row
+        _codecs_run(tmp_path / "codecs-run3", "t3", [
+            ("anchor", "sum", 64, "", None, None, 3200.0),
+            ("qsgd-4", "encode", 64, "sum", 0.7, 0.5, 10.0),
+            ("sign-scaled", "encode", 64, "sum", 0.2, None, 9.0),
+            ("topk-1%", "encode", 64, "sum", None, 0.2, 8.0)]),
+    ]
+    out = tmp_path / "tally"
+    result = CliRunner().invoke(main, ["bench", "tally", *map(str, runs), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    md = (out / "tally.md").read_text()
+    assert result.output.startswith(md) and "# wrote " in result.output
+    lines = md.splitlines()
+    assert lines[0] == "- Date: t1"
+    assert lines[3:6] == [f"- Run {i}: {runs[i - 1]} (t{i})" for i in (1, 2, 3)]
+    assert "| anchor | sum |  | 64 |  | 3000.0 / 3100.0 / 3200.0 GB/s |  |" in lines
+    assert "| qsgd-4 | encode | sum | 64 | 2 of 3 | 0.40 / 0.60 / 0.70 | >= 0.50 |" in lines
+    assert "| sign-scaled | encode | sum | 64 |  | 0.10 / 0.20 / 0.30 |  |" in lines
+    assert "| topk-1% | encode | sum | 64 | 1 of 2 | 0.25 / 0.25 / 0.25 | >= 0.20 |" in lines
+    misses = lines[lines.index("The rows that missed their target in a run (misses in "
+                               "bold):") + 2:]
+    assert misses[:4] == ["| codec | op | size | run 1 | run 2 | run 3 | target |",
+                          "|---|---|---|---|---|---|---|",
+                          "| qsgd-4 | encode | 64 | 0.60 | **0.40** | 0.70 | >= 0.50 |",
+                          "| topk-1% | encode | 64 | 0.25 | - | **nan** | >= 0.20 |"]
+    assert lines[-1] == "Runs that met every target: 1 (1 of 3)."
+    saved = {(r["codec"], r["op"]): r for r in json.loads((out / "tally.json").read_text())
+             ["rows"]}
+    assert saved[("qsgd-4", "encode")]["values"] == [0.6, 0.4, 0.7]
+    assert (saved[("topk-1%", "encode")]["values"], saved[("topk-1%", "encode")]["present"],
+            saved[("topk-1%", "encode")]["met"]) == ([0.25, None, None], [True, False, True], 1)
+    # the runs that met every target alone
+    result = CliRunner().invoke(main, ["bench", "tally", str(runs[0]), str(runs[0]),
+                                       "--out", str(out)])
+    assert "\nEvery target met in every run (2 of 2).\n# wrote " in result.output
+
+
+def test_bench_tally_refuses_what_it_cannot_tally(tmp_path):
+    """A folder without one result, a file that is not one, and runs that give one row other
+    anchors or targets are usage errors that name the problem."""
+    good = _codecs_run(tmp_path / "a", "t1", [("qsgd-4", "encode", 64, "sum", 0.6, 0.5, 1.0)])
+    other = _codecs_run(tmp_path / "b", "t2", [
+        ("qsgd-4", "encode", 64, "packbits", 0.6, 0.1, 1.0)])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    cases = {
+        (str(tmp_path / "empty"),): "expected one codecs.json or codecs-cuda.json there, "
+                                    "found none",
+        (str(tmp_path / "junk.json"),): "not a result of bench codecs",
+        (str(good), str(other)): "runs 1 and 2 differ on qsgd-4 encode at 64: anchor 'sum' "
+                                 "against 'packbits'",
+    }
+    for args, message in cases.items():
+        result = CliRunner().invoke(main, ["bench", "tally", *args, "--out",
+                                           str(tmp_path / "out")])
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+    assert not (tmp_path / "out").exists()

@@ -165,6 +165,7 @@ def test_gpu_check_runs_the_codecs_benchmark_as_often_as_told_each_into_its_fold
         "codecs-run1", "codecs-run2", "codecs-run3"]
     log = (tmp_path / "out" / "gpu-check.log").read_text()
     assert all(f"## codecs {i}: ok" in log for i in (1, 2, 3))
+    assert "bench tally" not in calls.read_text()  # no run left a result to tally
     calls.unlink()
     r = _run(str(tmp_path / "out2"), "codecs", env=env)  # twice unless told
     assert r.returncode == 0, r.stdout + r.stderr
@@ -172,6 +173,25 @@ def test_gpu_check_runs_the_codecs_benchmark_as_often_as_told_each_into_its_fold
     for bad in ("0", "two", "-1"):
         r = _run(str(tmp_path / "out3"), "codecs", env={**env, "GPU_CHECK_CODECS_RUNS": bad})
         assert r.returncode == 2 and "GPU_CHECK_CODECS_RUNS" in r.stderr, bad
+
+
+def test_gpu_check_tallies_the_codecs_runs_that_left_a_result(tmp_path):
+    """After the codecs runs, `bench tally` over the runs whose folder holds a result (a run
+    cut off or failed leaves none), into the results."""
+    fake, calls = tmp_path / "python", tmp_path / "calls"
+    # a stand-in that records its command and, for the second run alone, leaves a result
+    fake.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\n'
+                    'case "$*" in *"bench codecs"*codecs-run2) out="${*##* }"; '
+                    'mkdir -p "$out"; echo {} > "$out/codecs-cuda.json";; esac\nexit 0\n')
+    fake.chmod(0o755)
+    r = _run(str(tmp_path / "out"), "codecs", env={
+        "GPU_CHECK_PYTHON": str(fake), "GPU_CHECK_WHEELS": str(tmp_path / "none"),
+        "TRITON_CACHE_DIR": str(tmp_path / "cache"), "GPU_CHECK_CODECS_RUNS": "3"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    [tally] = [line for line in calls.read_text().splitlines() if "bench tally" in line]
+    folders = tally.split("bench tally ")[1].split(" --out ")
+    assert [Path(f).name for f in folders[0].split()] == ["codecs-run2"], tally
+    assert "## codecs tally: ok" in (tmp_path / "out" / "gpu-check.log").read_text()
 
 
 def test_gpu_check_logs_the_gpus_clocks_beside_the_results_and_stops_the_logger(tmp_path):

@@ -27,7 +27,8 @@
 #   GPU_CHECK_CODECS_RUNS  how many times the codecs step runs its benchmark (default 2), each
 #                      run's files in codecs-run1/, codecs-run2/, ...: a target is judged on
 #                      every run, and at 64M elements a host-bound call's ratio moves from
-#                      run to run with the host's speed.
+#                      run to run with the host's speed. `bench tally` then counts, row by
+#                      row, the runs that met each target (tally.md).
 #   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). The
 #                      triton-cache.tgz.part-* files there (the ones an earlier run left in
 #                      OUT), or one whole triton-cache.tgz, are unpacked into Triton's cache
@@ -188,10 +189,17 @@ for s in "${steps[@]}"; do
         tests) step tests 420 "$py" -m pytest "${workers[@]}" -v -rfEs -p no:cacheprovider \
             --junitxml="$work/test_cuda.xml" tests/test_cuda.py ;;
         codecs)
+            done_runs=()
             for ((run = 1; run <= nruns; run++)); do
                 step "codecs $run" 90 "${cli[@]}" bench codecs --device cuda \
                     --sizes 64M,256M --repeat 10 --out "$work/codecs-run$run"
-            done ;;
+                [ -e "$work/codecs-run$run/codecs-cuda.json" ] \
+                    && done_runs+=("$work/codecs-run$run")
+            done
+            # every target against every finished run: runs met, spread, misses (tally.md)
+            if [ ${#done_runs[@]} -gt 0 ]; then
+                step "codecs tally" 30 "${cli[@]}" bench tally "${done_runs[@]}" --out "$work"
+            fi ;;
         collectives) step collectives 120 "${cli[@]}" bench collectives --device cuda \
             --ranks 8 --sizes 64M --repeat 10 --link-gbps 100 --out "$work" ;;
         select) step select 120 "${cli[@]}" bench select --device cuda --sizes 25600K \

@@ -33,7 +33,7 @@ from bitcomm.bench import heading
 from bitcomm.codecs import _frame, counts, qsgd, redsync, sign, sparse
 
 __all__ = ["Row", "run", "markdown", "vector", "DEFAULT_SIZES", "TARGETS", "GPU_TARGETS",
-           "time_call"]
+           "time_call", "Tally", "tally", "tally_markdown", "verdict"]
 
 DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
 
@@ -347,3 +347,138 @@ def markdown(rows: list[Row], config: dict, command: str) -> str:
         vs = "" if codec == "anchor" else first.anchor
         out.append(f"| {codec} | {op} | {vs} | " + " | ".join(cells) + f" | {target} |")
     return "\n".join(out) + "\n"
+
+
+@dataclasses.dataclass
+class Tally:
+    """One codec operation at one size over several runs of this benchmark (:func:`tally`)."""
+
+    codec: str
+    op: str
+    n: int
+    anchor: str
+    target: float
+    values: list[float | None]
+    """Each run's ratio (an anchor's row: its GB/s); None where the run has no such row, NaN
+    where it has one without a ratio (which misses any target)."""
+
+    @property
+    def runs(self) -> int:
+        """Return how many runs have the row."""
+        return sum(v is not None for v in self.values)
+
+    @property
+    def met(self) -> int:
+        """Return how many runs met the target (0 without one)."""
+        return sum(v is not None and v >= self.target for v in self.values)
+
+    def missed(self, run: int) -> bool:
+        """Say whether run ``run`` (from 0) has the row and missed the target."""
+        value = self.values[run]
+        return self.target == self.target and value is not None and not value >= self.target
+
+    def as_dict(self) -> dict:
+        """Return the tally as a JSON-friendly dict, with ``runs`` and ``met``.
+
+        ``values`` hold None for NaN too (strict JSON); ``present`` says which runs have the
+        row.
+        """
+        return dataclasses.asdict(self) | {
+            "values": [None if v is None or v != v else v for v in self.values],
+            "present": [v is not None for v in self.values], "runs": self.runs,
+            "met": self.met}
+
+
+def tally(runs: list[list[dict]]) -> list[Tally]:
+    """Tally the rows of several runs (each a list of :meth:`Row.as_dict`, as saved).
+
+    One :class:`Tally` per codec operation and size, in the order the runs first give them.
+    A target is judged in every run, and at 64M elements on a GPU a call that waits for its
+    host moves from run to run with the host's speed, so a verdict needs several runs.
+    Raises ``ValueError`` where two runs give one row other anchors or targets (runs of other
+    devices, or of other code).
+    """
+    found: dict[tuple[str, str, int], Tally] = {}
+    for i, rows in enumerate(runs):
+        for row in rows:
+            key = (row["codec"], row["op"], row["n"])
+            target = _number(row.get("target"))
+            t = found.get(key)
+            if t is None:
+                t = found[key] = Tally(*key, row.get("anchor") or "", target,
+                                       [None] * len(runs))
+            elif t.anchor != (row.get("anchor") or "") or not _same(t.target, target):
+                raise ValueError(f"runs 1 and {i + 1} differ on {key[0]} {key[1]} at "
+                                 f"{human(key[2])}: anchor {t.anchor!r} against "
+                                 f"{row.get('anchor')!r}, target {t.target} against {target}")
+            value = row["gbps"] if row["codec"] == "anchor" else row.get("ratio")
+            t.values[i] = _number(value)
+    return list(found.values())
+
+
+def _number(value: float | None) -> float:
+    # a saved float (None where it was NaN) as a float
+    return float("nan") if value is None else float(value)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (a != a and b != b)
+
+
+def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
+                   command: str) -> str:
+    """Return the tallies as the docs quote them: each row's runs met and spread, the misses.
+
+    ``configs``: each run's saved config (its ``time`` and machine); ``names``: what each run
+    is called (its folder). The first table gives each codec operation at each size: how many
+    runs met its target, and its lowest, median and highest ratio (an anchor's GB/s); the
+    second every row that missed in some run, run by run, the misses in bold; then which runs
+    met every target.
+    """
+    out = heading(configs[0], command)[:-1]
+    out += [f"- Run {i + 1}: {name} ({c.get('time', '?')})"
+            for i, (name, c) in enumerate(zip(names, configs, strict=True))]
+    machines = {heading(c, "")[1] for c in configs}
+    if len(machines) > 1:
+        out.append("- The runs' machines differ: " + "; ".join(sorted(machines)))
+    out += ["", "| codec | op | vs | size | runs met | min / median / max | target |",
+            "|---|---|---|---|---|---|---|"]
+    for t in tallies:
+        seen = [v for v in t.values if v is not None and v == v]
+        spread = " / ".join(_cell(v, t.codec) for v in (min(seen), statistics.median(seen),
+                                                         max(seen))) if seen else "-"
+        if t.codec == "anchor":
+            spread += " GB/s"
+        has_target = t.target == t.target
+        met = f"{t.met} of {t.runs}" if has_target else ""
+        target = f">= {t.target:.2f}" if has_target else ""
+        out.append(f"| {t.codec} | {t.op} | {t.anchor if t.codec != 'anchor' else ''} | "
+                   f"{human(t.n)} | {met} | {spread} | {target} |")
+    nruns = len(configs)
+    missing = [t for t in tallies if any(t.missed(r) for r in range(nruns))]
+    out.append("")
+    if missing:
+        out += ["The rows that missed their target in a run (misses in bold):", "",
+                "| codec | op | size | " + " | ".join(f"run {r + 1}" for r in range(nruns))
+                + " | target |", "|---|---|---|" + "---|" * nruns + "---|"]
+        for t in missing:
+            cells = ["-" if v is None else f"**{_cell(v, t.codec)}**" if t.missed(r)
+                     else _cell(v, t.codec) for r, v in enumerate(t.values)]
+            out.append(f"| {t.codec} | {t.op} | {human(t.n)} | " + " | ".join(cells)
+                       + f" | >= {t.target:.2f} |")
+        out.append("")
+    out.append(verdict(tallies, nruns))
+    return "\n".join(out) + "\n"
+
+
+def verdict(tallies: list[Tally], nruns: int) -> str:
+    """Return one line: every target met in every run, or which runs met every target."""
+    clean = [r + 1 for r in range(nruns) if not any(t.missed(r) for t in tallies)]
+    if len(clean) == nruns:
+        return f"Every target met in every run ({nruns} of {nruns})."
+    return (f"Runs that met every target: {', '.join(map(str, clean)) or 'none'} "
+            f"({len(clean)} of {nruns}).")
+
+
+def _cell(value: float, codec: str) -> str:
+    return f"{value:.1f}" if codec == "anchor" else f"{value:.2f}"
