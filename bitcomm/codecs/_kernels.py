@@ -981,7 +981,7 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
 
 
 @triton.jit(do_not_specialize=HEAD_WORDS)
-def _qsgd_decode_kernel(frame_ptr, out_ptr, flags_ptr, n, nbytes, nb, codes_at, pad, head0,
+def _qsgd_decode_kernel(frame_ptr, codes_ptr, out_ptr, flags_ptr, n, nbytes, nb, pad, head0,
                         head1, first, BITS: tl.constexpr, LOG_BUCKET: tl.constexpr,
                         HEAD: tl.constexpr, HEADER: tl.constexpr, ROWS: tl.constexpr,
                         BYTES: tl.constexpr, SMALL: tl.constexpr, BF16: tl.constexpr,
@@ -992,7 +992,10 @@ def _qsgd_decode_kernel(frame_ptr, out_ptr, flags_ptr, n, nbytes, nb, codes_at, 
     # bytes (they lie 4-byte unaligned behind the HEAD-byte header), divided once and flagged
     # if not finite or below 0. The one EDGE program also checks the padding bits (`pad`) of
     # the last code byte; with HEADER the first tile's program flags a header other than
-    # head0's and head1's bytes. The values are _qsgd_decoded's, to the bit.
+    # head0's and head1's bytes. The values are _qsgd_decoded's, to the bit. The codes come
+    # by a pointer of their own (codes_ptr, into the frame): an encoder's frame starts them
+    # 16-byte aligned, which Triton then knows and loads them 16 bytes at a time, where
+    # through frame_ptr plus an offset it loads each byte alone.
     PER: tl.constexpr = 8 // BITS
     S: tl.constexpr = (1 << (BITS - 1)) - 1
     tile = (first + tl.program_id(0)).to(tl.int64)
@@ -1014,7 +1017,7 @@ def _qsgd_decode_kernel(frame_ptr, out_ptr, flags_ptr, n, nbytes, nb, codes_at, 
         ob = ob.to(tl.int32)
     j = tl.arange(0, PER)
     idx = ob[:, :, None] * PER + j[None, None, :]
-    byte = _load(frame_ptr + codes_at + ob, ob < nbytes, 0, EDGE).to(tl.int32)
+    byte = _load(codes_ptr + ob, ob < nbytes, 0, EDGE).to(tl.int32)
     code = (byte[:, :, None] >> (8 - BITS * (j + 1))[None, None, :]) & ((1 << BITS) - 1)
     val = (code & S).to(tl.float32) * step[:, None, None]
     val = tl.where((code >> (BITS - 1)) != 0, _neg(val), val)
@@ -1024,7 +1027,7 @@ def _qsgd_decode_kernel(frame_ptr, out_ptr, flags_ptr, n, nbytes, nb, codes_at, 
         val = val.to(out_ptr.dtype.element_ty)
     _store(out_ptr + idx, val, idx < n, EDGE)
     if EDGE:
-        tl.store(flags_ptr, 1, mask=(tl.load(frame_ptr + codes_at + nbytes - 1) & pad) != 0)
+        tl.store(flags_ptr, 1, mask=(tl.load(codes_ptr + nbytes - 1) & pad) != 0)
 
 
 def qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
@@ -1079,9 +1082,9 @@ def _qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
         tiles = _grid(nbytes, block)[0]
         used = (n * bits) % 8
         bf16 = dtype == torch.bfloat16
-        launch_tiles(_qsgd_decode_kernel, tiles, n // per, frame,
+        launch_tiles(_qsgd_decode_kernel, tiles, n // per, frame, frame[head + 4 * nb :],
                      out.view(torch.int16) if bf16 else out, flags, n, nbytes, nb,
-                     head + 4 * nb, (1 << (8 - used)) - 1 if used else 0,
+                     (1 << (8 - used)) - 1 if used else 0,
                      *_head_words(header or b""), BITS=bits, LOG_BUCKET=shift, HEAD=head,
                      HEADER=header is not None, ROWS=rows, BYTES=block // rows,
                      SMALL=tiles * per < 2**31, BF16=bf16, enable_fp_fusion=False, **opts)
