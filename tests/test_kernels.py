@@ -465,6 +465,45 @@ def test_qsgd_decode_is_one_pass_and_one_read():
                    "_qsgd_values_kernel", "_local_scalar_dense"], ops
 
 
+@pytest.mark.parametrize("nbits", [2, 8])
+def test_qsgd_decode_reads_aligned_scales_as_words_and_others_by_the_byte(nbits, monkeypatch):
+    """A frame laid out as the encoder allocates it (codes 16-byte aligned, so its scales
+    4-byte aligned) is decoded reading each scale as one int32; the same frame one byte off
+    (as a transport may place it) byte by byte. Both give numpy's values to the bit, and a
+    NaN scale raises its error from either."""
+    from bitcomm.codecs import _frame, _kernels
+
+    n, bucket = 5000, 512
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    frame = qsgd.encode(x, nbits, bucket, seed=1)
+    start = qsgd.HEADER.size + 4 * -(-n // bucket)
+    aligned = _frame.empty_aligned_at(frame.numel(), start, "cpu")
+    aligned.copy_(frame)
+    off = torch.empty(frame.numel() + 16, dtype=torch.uint8)
+    shifted = off[(aligned.data_ptr() - off.data_ptr() + 1) % 16 :][: frame.numel()]
+    shifted.copy_(frame)
+    words = []
+    launch = _kernels.launch
+
+    def seen(kernel, grid, *args, **kwargs):
+        words.append(kwargs.get("WORDS"))
+        launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", seen)
+    want = _qsgd_decoded_by_numpy(frame, n, nbits, bucket).view(np.int32)
+    for buf, as_words in ((aligned, True), (shifted, False)):
+        words.clear()
+        with forced("triton"):
+            got = qsgd.decode(buf, n=n)[0]
+        assert words == [as_words, as_words], (as_words, words)  # full tiles and the edge
+        assert np.array_equal(got.numpy().view(np.int32), want), as_words
+        bad = _frame.empty_aligned_at(frame.numel(), start, "cpu") if as_words else shifted
+        bad.copy_(frame)
+        bad[14 + 4 * 3 + 3] = 0xFF  # bucket 3's scale becomes a NaN
+        with forced("triton"), pytest.raises(ValueError, match="finite scale >= 0 in bucket 3"):
+            qsgd.decode(bad, n=n)
+
+
 def _outcome(fn):
     # A decode's values as int32 bits (with the bytes it consumed), or its error's message.
     try:

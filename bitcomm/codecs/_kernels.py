@@ -981,21 +981,22 @@ def qsgd_values(codes: torch.Tensor, n: int, bits: int, bucket: int, steps: torc
 
 
 @triton.jit(do_not_specialize=HEAD_WORDS)
-def _qsgd_decode_kernel(frame_ptr, codes_ptr, out_ptr, flags_ptr, n, nbytes, nb, pad, head0,
-                        head1, first, BITS: tl.constexpr, LOG_BUCKET: tl.constexpr,
-                        HEAD: tl.constexpr, HEADER: tl.constexpr, ROWS: tl.constexpr,
-                        BYTES: tl.constexpr, SMALL: tl.constexpr, BF16: tl.constexpr,
-                        EDGE: tl.constexpr):
+def _qsgd_decode_kernel(frame_ptr, scales_ptr, codes_ptr, out_ptr, flags_ptr, n, nbytes, nb,
+                        pad, head0, head1, first, BITS: tl.constexpr, LOG_BUCKET: tl.constexpr,
+                        HEAD: tl.constexpr, HEADER: tl.constexpr, WORDS: tl.constexpr,
+                        ROWS: tl.constexpr, BYTES: tl.constexpr, SMALL: tl.constexpr,
+                        BF16: tl.constexpr, EDGE: tl.constexpr):
     # One frame's values with its steps and its rules in the same pass. A program's ROWS *
     # BYTES code bytes are ROWS whole buckets of 2**LOG_BUCKET elements (BYTES bytes each) or,
-    # with ROWS 1, part of one: its steps are ROWS scales, each put together from its four
-    # bytes (they lie 4-byte unaligned behind the HEAD-byte header), divided once and flagged
-    # if not finite or below 0. The one EDGE program also checks the padding bits (`pad`) of
-    # the last code byte; with HEADER the first tile's program flags a header other than
-    # head0's and head1's bytes. The values are _qsgd_decoded's, to the bit. The codes come
-    # by a pointer of their own (codes_ptr, into the frame): an encoder's frame starts them
-    # 16-byte aligned, which Triton then knows and loads them 16 bytes at a time, where
-    # through frame_ptr plus an offset it loads each byte alone.
+    # with ROWS 1, part of one: its steps are ROWS scales, divided once and flagged if not
+    # finite or below 0. With WORDS the scales lie 4-byte aligned (scales_ptr is int32: an
+    # encoder's frame, whose aligned codes they end at) and each is one load; otherwise each
+    # is put together from its four bytes. The one EDGE program also checks the padding bits
+    # (`pad`) of the last code byte; with HEADER the first tile's program flags a header
+    # other than head0's and head1's bytes. The values are _qsgd_decoded's, to the bit. The
+    # codes come by a pointer of their own (codes_ptr, into the frame): an encoder's frame
+    # starts them 16-byte aligned, which Triton then knows and loads them 16 bytes at a
+    # time, where through frame_ptr plus an offset it loads each byte alone.
     PER: tl.constexpr = 8 // BITS
     S: tl.constexpr = (1 << (BITS - 1)) - 1
     tile = (first + tl.program_id(0)).to(tl.int64)
@@ -1005,7 +1006,10 @@ def _qsgd_decode_kernel(frame_ptr, codes_ptr, out_ptr, flags_ptr, n, nbytes, nb,
     row = tl.arange(0, ROWS)
     b = ((tile * (ROWS * BYTES * PER)) >> LOG_BUCKET) + row
     live = b < nb
-    bits = _le_bytes(frame_ptr + HEAD + 4 * b, live, 4, EDGE)
+    if WORDS:
+        bits = _load(scales_ptr + b, live, 0, EDGE)
+    else:
+        bits = _le_bytes(scales_ptr + 4 * b, live, 4, EDGE)
     scale = bits.to(tl.float32, bitcast=True)
     _flag(flags_ptr, live & (((bits & 0x7F800000) == 0x7F800000) | (scale < 0)))
     if S == 1:  # 2 bits: scale / 1 is the scale itself
@@ -1082,11 +1086,14 @@ def _qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
         tiles = _grid(nbytes, block)[0]
         used = (n * bits) % 8
         bf16 = dtype == torch.bfloat16
-        launch_tiles(_qsgd_decode_kernel, tiles, n // per, frame, frame[head + 4 * nb :],
+        scales = frame[head : head + 4 * nb]
+        words = scales.data_ptr() % 4 == 0 and scales.storage_offset() % 4 == 0
+        launch_tiles(_qsgd_decode_kernel, tiles, n // per, frame,
+                     scales.view(torch.int32) if words else scales, frame[head + 4 * nb :],
                      out.view(torch.int16) if bf16 else out, flags, n, nbytes, nb,
                      (1 << (8 - used)) - 1 if used else 0,
                      *_head_words(header or b""), BITS=bits, LOG_BUCKET=shift, HEAD=head,
-                     HEADER=header is not None, ROWS=rows, BYTES=block // rows,
+                     HEADER=header is not None, WORDS=words, ROWS=rows, BYTES=block // rows,
                      SMALL=tiles * per < 2**31, BF16=bf16, enable_fp_fusion=False, **opts)
     return out
 
