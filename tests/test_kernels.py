@@ -670,45 +670,54 @@ def test_qsgd_encode_across_stream_blocks():
 
 
 def test_qsgd_stream_past_two_to_the_32():
-    """The kernel's hash of a tile equals _rng's stream, in either half of a 2**16-element
-    block, where the hash index's high word changes (2**31 and 2**32 elements on) and far
-    beyond, for tiles of the sizes the encoder takes (a power of two up to 2**15)."""
-    starts = [0, 1 << 15, (1 << 32) - (1 << 16), (1 << 32) - (1 << 15), 1 << 32,
-              (1 << 33) - (1 << 15), (5 << 32) + (3 << 16) + (1 << 15), 1 << 62]
+    """The kernel's hash of a tile in the first half of a 2**16-element block gives _rng's
+    stream there and, from the same hashes, at its partner 2**15 elements on, where the hash
+    index's high word changes (2**31 and 2**32 elements on) and far beyond, for tiles of the
+    sizes the encoder takes (a power of two up to 2**15)."""
+    starts = [0, (1 << 32) - (1 << 16), 1 << 32, (1 << 33) - (1 << 16),
+              (5 << 32) + (3 << 16), 1 << 62]
     for tile in (2048, 1 << 15):
         for start in starts:
             for base in (start, start + (1 << 15) - tile):  # a half's first and last tiles
                 for key in (0, 12345, -7, 2**31 - 1):
-                    out = torch.empty(tile, dtype=torch.int32)
+                    out = torch.empty(2, tile, dtype=torch.int32)
                     signed = (key & 0xFFFFFFFF) - ((key & 0x80000000) << 1)  # key as int32
                     # the base as an int64 tensor: triton types an int argument in
                     # [2**31, 2**32) as uint32
                     _stream_kernel[(1,)](out, torch.tensor([base]), signed, TILE=tile)
-                    assert torch.equal(out, _rng.random16(key, base, tile)), (tile, base, key)
+                    assert torch.equal(out[0], _rng.random16(key, base, tile)), (tile, base)
+                    assert torch.equal(out[1], _rng.random16(key, base + (1 << 15), tile)), \
+                        (tile, base, key)
 
 
 def test_qsgd_encoder_tiles_suit_the_stream():
     """Every tile the encoder launches is a power of two of at most 2**15 elements, which its
-    hash of a tile takes (a tile in one half of a 2**16-element block)."""
+    hash takes (a tile in the first half of a 2**16-element block, and its partner 2**15 on),
+    and its programs' tiles cover the vector: each tile start below n once."""
     from bitcomm.bench.kernels import _recorded
 
-    x = torch.empty(1 << 20, device="meta")
-    for bucket in [1 << k for k in range(3, _kernels.MAX_FUSED_BUCKET.bit_length())] + [1000]:
-        fused = bucket & (bucket - 1) == 0
-        with _recorded() as calls:
-            _kernels.qsgd_codes(x, 4, bucket, 1, torch.empty(-(-x.numel() // bucket),
-                                                             device="meta"),
-                                None if fused else torch.empty(1024, device="meta"))
-        (_, grid, _, kwargs), = calls
-        size = kwargs["ROWS"] * kwargs["ROW"]
-        assert size & (size - 1) == 0 and size <= 1 << 15, (bucket, size)
-        assert grid[0] * size >= x.numel() > (grid[0] - 1) * size, bucket
+    for n in (1 << 20, (1 << 20) + 5000, (1 << 20) + 40000, 100):
+        x = torch.empty(n, device="meta")
+        for bucket in [1 << k for k in range(3, _kernels.MAX_FUSED_BUCKET.bit_length())] + [1000]:
+            fused = bucket & (bucket - 1) == 0
+            with _recorded() as calls:
+                _kernels.qsgd_codes(x, 4, bucket, 1, torch.empty(-(-n // bucket), device="meta"),
+                                    None if fused else torch.empty(1024, device="meta"))
+            (_, grid, _, kwargs), = calls
+            size = kwargs["ROWS"] * kwargs["ROW"]
+            assert size & (size - 1) == 0 and size <= 1 << 15, (bucket, size)
+            half = (1 << 15) // size
+            firsts = [(p // half) * (1 << 16) + (p % half) * size for p in range(grid[0])]
+            tiles = [t for f in firsts for t in (f, f + (1 << 15)) if t < n]
+            assert max(firsts) < n and sorted(tiles) == list(range(0, n, size)), (n, bucket)
 
 
 @triton.jit
 def _stream_kernel(out_ptr, base_ptr, key, TILE: tl.constexpr):
     i = tl.arange(0, TILE)
-    tl.store(out_ptr + i, _kernels._tile_random16(tl.load(base_ptr), i, key))
+    low, high = _kernels._pair_random16(tl.load(base_ptr), i, key)
+    tl.store(out_ptr + i, low)
+    tl.store(out_ptr + TILE + i, high)
 
 
 @pytest.mark.parametrize("nbits", qsgd.BITS)

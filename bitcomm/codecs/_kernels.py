@@ -100,10 +100,15 @@ TUNING: dict[str, tuple[int, int]] = {
     "radix_pack": (128, 4),
     "planes_unpack": (128, 4),
     "radix_unpack": (512, 4),
-    "qsgd_codes": (2048, 4),
+    # elements; a program codes a tile and its partner 2**15 elements on from one hash each
+    # (_pair_random16): at 4 warps the tiles' values took 64-119 registers (sm_90; triton
+    # 3.6: 72-149), at 8 40-64
+    "qsgd_codes": (2048, 8),
     # elements a warp; a bucket's max is a reduction: inside one warp, buckets of up to 512
-    # compiled to 35.5 instructions an element at 4 bits, 43.5 with 2048 elements on 4 warps
-    # (a reduction across warps through shared memory), at 55-58 registers both (sm_90)
+    # compiled to 26.2 instructions an element at 4 bits (64 registers), 33.8 with 2048
+    # elements on 4 warps (a reduction across warps through shared memory; 92) (sm_90). A
+    # larger bucket takes a warp a 512 elements, up to 8 (a bucket of 4096: 78 registers;
+    # on 4 warps 128, triton 3.6: 168)
     "qsgd_codes_fused": (512, 1),
     "qsgd_values": (1024, 4),
     # code bytes: a thread computes the step of every bucket of its program's tile (four byte
@@ -733,16 +738,17 @@ def planes_unpack(buf: torch.Tensor, n: int, width: int, dtype: torch.dtype, *, 
 
 
 @triton.jit
-def _tile_random16(base, local, key):
-    # The stream values (bitcomm.codecs._rng) of elements base + local, for a tile that starts
-    # at a multiple of its power-of-two size of at most 2**15 elements. The stream hashes index
-    # j = block * 2**15 + (p mod 2**15) of element p in its 2**16-element block, and takes the
-    # low 16 bits of the full hash in the block's first half, the high 16 in its second. Such
-    # a tile lies in one half of one block, and its j run on from one scalar without crossing
-    # a multiple of 2**31: the half, the key's mixing with j's high bits and the first j are
-    # one program's scalars, and an element pays for the hash alone (lowbias32 without its
-    # last xorshift, whose effect is folded into taking the halves). key: the 32-bit key as a
-    # signed int32; base: int64; local: int32 offsets below the tile's size.
+def _pair_random16(base, local, key):
+    # The stream values (bitcomm.codecs._rng) of elements base + local and 2**15 elements on,
+    # for a tile that starts at a multiple of its power-of-two size of at most 2**15 elements
+    # in the first half of a 2**16-element block. The stream hashes index j = block * 2**15 +
+    # (p mod 2**15) of element p in its block, and takes the low 16 bits of the full hash in
+    # the block's first half, the high 16 in its second: the tile and its partner 2**15 on
+    # share each hash, which one pass of the tile's j gives both (lowbias32 without its last
+    # xorshift, whose effect is folded into taking the halves). Their j run on from one
+    # scalar without crossing a multiple of 2**31: the key's mixing with j's high bits and
+    # the first j are the program's scalars. key: the 32-bit key as a signed int32; base:
+    # int64; local: int32 offsets below the tile's size.
     j0 = (base >> 16) * 32768 + (base & 0x7FFF)
     kp = ((key ^ ((j0 >> 31) * 0x27D4EB2F)) & 0xFFFFFFFF).to(tl.uint32)
     h = ((j0 & 0x7FFFFFFF).to(tl.int32) + local).to(tl.uint32) ^ kp
@@ -751,11 +757,7 @@ def _tile_random16(base, local, key):
     h ^= h >> 15
     h = h * tl.cast(0x846CA68B, tl.uint32)
     high = h >> 16
-    if (base >> 15) & 1:
-        r = high
-    else:
-        r = (h ^ high) & 0xFFFF
-    return r.to(tl.int32)
+    return ((h ^ high) & 0xFFFF).to(tl.int32), high.to(tl.int32)
 
 
 def _shift(bucket: int) -> int:
@@ -769,21 +771,46 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, head_
                        BITS: tl.constexpr, ROW: tl.constexpr, ROWS: tl.constexpr,
                        FUSED: tl.constexpr, SHIFT: tl.constexpr, SMALL: tl.constexpr,
                        FLAGS: tl.constexpr, HEAD: tl.constexpr):
-    # A program's tile: ROWS rows of ROW elements from `base`, addressed by int32 offsets from
-    # it (the tile's size is a power of two of at most 2**15, as _tile_random16 needs). With
-    # HEAD, program 0 also writes the frame's header (_store_head).
-    PER: tl.constexpr = 8 // BITS
-    C: tl.constexpr = ROW // PER
+    # A program's two tiles of ROWS rows of ROW elements (a power of two of at most 2**15):
+    # one in the first half of a 2**16-element block of the stream, its partner 2**15
+    # elements on, whose stream values come from the same hashes (_pair_random16): each
+    # hash serves two elements. A block's tiles are its first half's, paired; a last block
+    # of at most 2**15 elements has programs for its tiles alone, whose partners lie past n
+    # (masked). With HEAD, program 0 also writes the frame's header (_store_head).
     TILE: tl.constexpr = ROWS * ROW
+    HALF: tl.constexpr = 32768 // TILE  # tiles in a block's half: programs a block
     pid = tl.program_id(0).to(tl.int64)
     if HEAD > 0:
         if pid == 0:
             _store_head(head_ptr, head0, head1, HEAD)
-    base = pid * TILE
+    base = (pid // HALF) * 65536 + (pid % HALF) * TILE
+    PER: tl.constexpr = 8 // BITS
+    C: tl.constexpr = ROW // PER
     rl = tl.arange(0, ROWS)
     c = tl.arange(0, C)
     j = tl.arange(0, PER)
     local = (rl[:, None, None] * C + c[None, :, None]) * PER + j[None, None, :]
+    low, high = _pair_random16(base, local, key)
+    _qsgd_half(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nbytes, nbuckets,
+               bucket, base, local, low, S, BITS, ROW, ROWS, FUSED, SHIFT, SMALL, FLAGS)
+    _qsgd_half(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nbytes, nbuckets,
+               bucket, base + 32768, local, high, S, BITS, ROW, ROWS, FUSED, SHIFT, SMALL,
+               FLAGS)
+
+
+@triton.jit
+def _qsgd_half(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nbytes, nbuckets, bucket,
+               base, local, random, S: tl.constexpr, BITS: tl.constexpr, ROW: tl.constexpr,
+               ROWS: tl.constexpr, FUSED: tl.constexpr, SHIFT: tl.constexpr,
+               SMALL: tl.constexpr, FLAGS: tl.constexpr):
+    # The codes of the tile of ROWS rows of ROW elements from `base` (int64), its elements
+    # addressed by int32 offsets `local`, its stream values `random`; past n, nothing.
+    PER: tl.constexpr = 8 // BITS
+    C: tl.constexpr = ROW // PER
+    TILE: tl.constexpr = ROWS * ROW
+    rl = tl.arange(0, ROWS)
+    c = tl.arange(0, C)
+    j = tl.arange(0, PER)
     live = local < tl.minimum(n - base, TILE).to(tl.int32)
     x = tl.load(x_ptr + base + local, mask=live, other=0.0).to(tl.float32)
     a = tl.abs(x)
@@ -791,7 +818,7 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, head_
         # A row is one bucket: its scale is its max |x|, NaN if it holds a NaN (as aminmax).
         # One integer reduction finds both: the bits of a float >= 0 order as the float, and
         # every NaN's bits (sign cleared by abs) lie above those of inf.
-        r = pid * ROWS + rl
+        r = base // ROW + rl
         top = tl.max(tl.max(a.to(tl.int32, bitcast=True), axis=2), axis=1)
         scale = tl.where(top > 0x7F800000, float("nan"), top.to(tl.float32, bitcast=True))
         tl.store(scales_ptr + r, scale, mask=r < nbuckets)
@@ -809,7 +836,7 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, head_
         b = idx >> SHIFT if SHIFT >= 0 else idx // bucket
         f = tl.load(factors_ptr + b, mask=live, other=0.0)
     t = (a * f + 0.5).to(tl.int32)  # two roundings: the launch turns off fused multiply-add
-    level = tl.minimum((t + _tile_random16(base, local, key)) >> 16, S)
+    level = tl.minimum((t + random) >> 16, S)
     sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
     # Elements past n load as 0.0: level 0 and sign 0, so their code is 0 without a mask.
     code = (sign << (BITS - 1)) | level
@@ -817,7 +844,7 @@ def _qsgd_codes_kernel(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, head_
     first = base // PER  # the tile's first code byte
     ob = rl[:, None] * C + c[None, :]
     tl.store(out_ptr + first + ob, byte.to(tl.uint8),
-             mask=ob < tl.minimum(nbytes - first, TILE // PER).to(tl.int32))
+             mask=ob < tl.maximum(tl.minimum(nbytes - first, TILE // PER), 0).to(tl.int32))
 
 
 def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.Tensor,
@@ -893,21 +920,25 @@ def _qsgd_codes(x: torch.Tensor, bits: int, bucket: int, word: int, scales: torc
                    HEAD=len(header[1]), num_warps=1)
         return out
     fused = factors is None
-    if fused:  # a bucket a row; the buckets of one warp's elements, or one bucket on 2-4 warps
+    if fused:  # a bucket a row; the buckets of one warp's elements, or one bucket on 2-8 warps
         per, warps = TUNING["qsgd_codes_fused"]
-        tile, opts = max(per, bucket), {"num_warps": min(4 * warps, max(warps, bucket // per))}
+        tile, opts = max(per, bucket), {"num_warps": min(8 * warps, max(warps, bucket // per))}
     else:
         tile, opts = _config("qsgd_codes")
     row = bucket if fused else 1024
-    rows = max(1, tile // row)  # a tile of a power of two <= 2**15 elements (_tile_random16)
-    nrows = -(-n // row)
-    grid = _grid(nrows, rows)
+    rows = max(1, tile // row)  # a tile of a power of two <= 2**15 elements (_pair_random16)
+    size = rows * row
+    # a program a tile of each block's first half (and its partner in the second), and in a
+    # last block of at most 2**15 elements one a tile there
+    blocks, rest = divmod(n, 65536)
+    half = 32768 // size
+    grid = (blocks * half + min(half, -(-rest // size)),)
     head0, head1 = _head_words(b"" if header is None else header[1])
     launch(_qsgd_codes_kernel, grid, x, out, scales, scales if fused else factors,
            scales if flags is None else flags, out if header is None else header[0], head0,
            head1, n, nbytes, scales.numel(), bucket, word,
            S=(1 << (bits - 1)) - 1, BITS=bits, ROW=row, ROWS=rows, FUSED=fused,
-           SHIFT=_shift(bucket), SMALL=grid[0] * rows * row < 2**31, FLAGS=flags is not None,
+           SHIFT=_shift(bucket), SMALL=n + 65536 < 2**31, FLAGS=flags is not None,
            HEAD=0 if header is None else len(header[1]), enable_fp_fusion=False, **opts)
     return out
 
