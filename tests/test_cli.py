@@ -539,7 +539,7 @@ def test_bench_tally_counts_the_runs_that_met_each_target_and_names_the_misses(t
         _codecs_run(tmp_path / "codecs-run1", "t1", [
             anchor, ("qsgd-4", "encode", 64, "sum", 0.6, 0.5, 10.0),
             ("sign-scaled", "encode", 64, "sum", 0.3, None, 9.0),
-            ("topk-1%", "encode", 64, "sum", 0.25, 0.2, 8.0)]),
+            ("topk-1%", "encode", 64, "sum", 0.197, 0.2, 8.0)]),
         _codecs_run(tmp_path / "codecs-run2", "t2", [
             ("anchor", "sum", 64, "", None, None, 3100.0),
             ("qsgd-4", "encode", 64, "sum", 0.4, 0.5, 10.0),
@@ -561,21 +561,24 @@ def test_bench_tally_counts_the_runs_that_met_each_target_and_names_the_misses(t
     assert "| anchor | sum |  | 64 |  | 3000.0 / 3100.0 / 3200.0 GB/s |  |" in lines
     assert "| qsgd-4 | encode | sum | 64 | 2 of 3 | 0.40 / 0.60 / 0.70 | >= 0.50 |" in lines
     assert "| sign-scaled | encode | sum | 64 |  | 0.10 / 0.20 / 0.30 |  |" in lines
-    assert "| topk-1% | encode | sum | 64 | 1 of 2 | 0.25 / 0.25 / 0.25 | >= 0.20 |" in lines
+    # a miss that rounds to its target shows a third decimal
+    assert "| topk-1% | encode | sum | 64 | 0 of 2 | 0.197 / 0.197 / 0.197 | >= 0.20 |" in lines
     misses = lines[lines.index("The rows that missed their target in a run (misses in "
                                "bold):") + 2:]
     assert misses[:4] == ["| codec | op | size | run 1 | run 2 | run 3 | target |",
                           "|---|---|---|---|---|---|---|",
                           "| qsgd-4 | encode | 64 | 0.60 | **0.40** | 0.70 | >= 0.50 |",
-                          "| topk-1% | encode | 64 | 0.25 | - | **nan** | >= 0.20 |"]
-    assert lines[-1] == "Runs that met every target: 1 (1 of 3)."
+                          "| topk-1% | encode | 64 | **0.197** | - | **nan** | >= 0.20 |"]
+    assert lines[-1] == "Runs that met every target: none (0 of 3)."
     saved = {(r["codec"], r["op"]): r for r in json.loads((out / "tally.json").read_text())
              ["rows"]}
     assert saved[("qsgd-4", "encode")]["values"] == [0.6, 0.4, 0.7]
     assert (saved[("topk-1%", "encode")]["values"], saved[("topk-1%", "encode")]["present"],
-            saved[("topk-1%", "encode")]["met"]) == ([0.25, None, None], [True, False, True], 1)
-    # the runs that met every target alone
-    result = CliRunner().invoke(main, ["bench", "tally", str(runs[0]), str(runs[0]),
+            saved[("topk-1%", "encode")]["met"]) == ([0.197, None, None], [True, False, True], 0)
+    # a run that met every target, twice
+    clean = _codecs_run(tmp_path / "clean", "t4", [anchor, ("qsgd-4", "encode", 64, "sum", 0.5,
+                                                           0.5, 10.0)])
+    result = CliRunner().invoke(main, ["bench", "tally", str(clean), str(clean),
                                        "--out", str(out)])
     assert "\nEvery target met in every run (2 of 2).\n# wrote " in result.output
 

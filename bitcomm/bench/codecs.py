@@ -445,8 +445,9 @@ def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
             "|---|---|---|---|---|---|---|"]
     for t in tallies:
         seen = [v for v in t.values if v is not None and v == v]
-        spread = " / ".join(_cell(v, t.codec) for v in (min(seen), statistics.median(seen),
-                                                         max(seen))) if seen else "-"
+        spread = " / ".join(_cell(v, t.codec, t.target)
+                            for v in (min(seen), statistics.median(seen), max(seen))
+                            ) if seen else "-"
         if t.codec == "anchor":
             spread += " GB/s"
         has_target = t.target == t.target
@@ -462,8 +463,9 @@ def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
                 "| codec | op | size | " + " | ".join(f"run {r + 1}" for r in range(nruns))
                 + " | target |", "|---|---|---|" + "---|" * nruns + "---|"]
         for t in missing:
-            cells = ["-" if v is None else f"**{_cell(v, t.codec)}**" if t.missed(r)
-                     else _cell(v, t.codec) for r, v in enumerate(t.values)]
+            cells = ["-" if v is None else f"**{_cell(v, t.codec, t.target)}**"
+                     if t.missed(r) else _cell(v, t.codec, t.target)
+                     for r, v in enumerate(t.values)]
             out.append(f"| {t.codec} | {t.op} | {human(t.n)} | " + " | ".join(cells)
                        + f" | >= {t.target:.2f} |")
         out.append("")
@@ -480,5 +482,10 @@ def verdict(tallies: list[Tally], nruns: int) -> str:
             f"({len(clean)} of {nruns}).")
 
 
-def _cell(value: float, codec: str) -> str:
-    return f"{value:.1f}" if codec == "anchor" else f"{value:.2f}"
+def _cell(value: float, codec: str, target: float = float("nan")) -> str:
+    # a ratio to 2 decimals, or 3 where 2 would show it equal to a target it is not
+    if codec == "anchor":
+        return f"{value:.1f}"
+    if value != target and f"{value:.2f}" == f"{target:.2f}":
+        return f"{value:.3f}"
+    return f"{value:.2f}"
