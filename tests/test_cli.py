@@ -117,6 +117,47 @@ def test_a_codec_and_its_anchor_are_timed_in_alternation(monkeypatch):
     assert order == ["codec"] * 4
 
 
+def test_gpu_timing_records_each_end_event_as_the_call_returns(monkeypatch):
+    """On a GPU each call's end event is recorded on the stream looked up once before the
+    loop: nothing of the timer's (a stream lookup) lies between a call's return and its end
+    event, which for a call that waits for the device would be timed as the call's. CUDA's
+    calls are stand-ins here; the order of what the loop does is the test."""
+    from bitcomm.bench import codecs as bench_codecs
+
+    log, stream = [], object()
+
+    class Event:
+        def __init__(self, enable_timing):
+            log.append(("new",))
+
+        def record(self, on=None):
+            log.append(("record", on is stream))
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1.0
+
+    def lookup(device=None):
+        log.append(("lookup",))
+        return stream
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(1, dtype=torch.uint8))
+    monkeypatch.setattr(bench_codecs, "_flush_bytes", lambda device: 1)
+    monkeypatch.setattr(bench_codecs, "_GPU_WARM_SECONDS", 0.0)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lookup)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    bench_codecs._timings([lambda: log.append(("call",))], 3, "cuda")
+    assert log.count(("lookup",)) == 1 and log.index(("lookup",)) < log.index(("new",))
+    timed = [i for i, e in enumerate(log) if e == ("call",)][1:]  # after the warm-up
+    assert len(timed) >= 3
+    assert all(log[i + 1] == ("record", True) for i in timed), log  # the end event, at once
+    assert all(e == ("record", True) for e in log if e[0] == "record")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 @pytest.mark.parametrize("what", ["codecs", "collectives", "select"])
 def test_bench_device_cuda_without_a_gpu_is_a_usage_error(what, tmp_path):
