@@ -105,9 +105,9 @@ TUNING: dict[str, tuple[int, int]] = {
     # 3.6: 72-149), at 8 40-64
     "qsgd_codes": (2048, 8),
     # elements a warp; a bucket's max is a reduction: inside one warp, buckets of up to 512
-    # compiled to 26.2 instructions an element at 4 bits (64 registers), 33.8 with 2048
+    # compiled to 25.5 instructions an element at 4 bits (64 registers), 33.8 with 2048
     # elements on 4 warps (a reduction across warps through shared memory; 92) (sm_90). A
-    # larger bucket takes a warp a 512 elements, up to 8 (a bucket of 4096: 78 registers;
+    # larger bucket takes a warp a 512 elements, up to 8 (a bucket of 4096: 64 registers;
     # on 4 warps 128, triton 3.6: 168)
     "qsgd_codes_fused": (512, 1),
     "qsgd_values": (1024, 4),
@@ -812,7 +812,14 @@ def _qsgd_half(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nbytes, nb
     c = tl.arange(0, C)
     j = tl.arange(0, PER)
     live = local < tl.minimum(n - base, TILE).to(tl.int32)
-    x = tl.load(x_ptr + base + local, mask=live, other=0.0).to(tl.float32)
+    if FUSED:  # rows loaded flat, then split by code: at 4 bits [ROWS, C, 2] loads 8 bytes
+        # at a time, flat rows 16 (the split is a relabelling of registers)
+        flat = rl[:, None] * ROW + tl.arange(0, ROW)[None, :]
+        x = tl.load(x_ptr + base + flat, mask=flat < tl.minimum(n - base, TILE).to(tl.int32),
+                    other=0.0).to(tl.float32)
+        x = tl.reshape(x, (ROWS, C, PER))
+    else:
+        x = tl.load(x_ptr + base + local, mask=live, other=0.0).to(tl.float32)
     a = tl.abs(x)
     if FUSED:
         # A row is one bucket: its scale is its max |x|, NaN if it holds a NaN (as aminmax).
