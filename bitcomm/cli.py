@@ -181,7 +181,7 @@ def bench_tally(runs: tuple[str, ...], out_dir: str) -> None:
             raise click.UsageError(f"{f}: not a result of bench codecs ({e})") from None
     try:
         tallies = bench_mod.tally([rows for _, rows in saved])
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # rows of other runs, or not rows
         raise click.UsageError(f"these runs cannot be tallied together: {e}") from None
     configs = [config for config, _ in saved]
     names = [str(f.parent if f.parent.name else f) for f in files]

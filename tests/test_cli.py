@@ -632,7 +632,9 @@ def test_bench_tally_refuses_what_it_cannot_tally(tmp_path):
         ("qsgd-4", "encode", 64, "packbits", 0.6, 0.1, 1.0)])
     (tmp_path / "empty").mkdir()
     (tmp_path / "junk.json").write_text("[1, 2]")
+    (tmp_path / "odd.json").write_text('{"config": {}, "rows": {"codec": 1}}')
     cases = {
+        (str(tmp_path / "odd.json"),): "these runs cannot be tallied together",
         (str(tmp_path / "empty"),): "expected one codecs.json or codecs-cuda.json there, "
                                     "found none",
         (str(tmp_path / "junk.json"),): "not a result of bench codecs",
