@@ -133,7 +133,7 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
     def meta(size: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device="meta")
 
-    def qsgd_frame(bits: int, bucket: int) -> torch.Tensor:
+    def encoded_frame(bits: int, bucket: int) -> torch.Tensor:
         # a frame laid out as qsgd.encode allocates it: its codes 16-byte aligned
         start = qsgd.HEADER.size + 4 * -(-n // bucket)
         return _frame.empty_aligned_at(qsgd.encoded_size(n, bits, bucket), start, "meta")
@@ -186,12 +186,12 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
             # one pass for a power-of-two bucket; else the steps kernel, then the values'
             out.append((f"qsgd-{bits} decode, bucket {bucket}", n,
                         lambda b=bits, bk=bucket: k.qsgd_decode(
-                            qsgd_frame(b, bk), qsgd.HEADER.size, n, b, bk, torch.float32,
+                            encoded_frame(b, bk), qsgd.HEADER.size, n, b, bk, torch.float32,
                             meta(1, torch.int32))))
         # a decode with n given, of a layout decoded before: the header checked in the pass
         out.append((f"qsgd-{bits} decode, known header", n,
                     lambda b=bits, bk=qsgd.DEFAULT_BUCKET: k.qsgd_decode(
-                        qsgd_frame(b, bk), qsgd.HEADER.size, n, b, bk, torch.float32,
+                        encoded_frame(b, bk), qsgd.HEADER.size, n, b, bk, torch.float32,
                         meta(1, torch.int32), header=qsgd.HEADER.pack(n, b, 0, bk))))
         steps_ = meta(-(-n // qsgd.DEFAULT_BUCKET), torch.float32)
         # qsgd_allgather's mean of 8 ranks' frames, keeping this rank's values, after their

@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from bitcomm.codecs import _bracket, _frame, _rng
-from bitcomm.codecs._launch import MISSED, launch, planned, replay, replays
+from bitcomm.codecs._launch import launch, replayed, replays
 
 __all__ = ["launch", "launch_tiles", "nonfinite", "momentum", "sign_pack", "sign_unpack",
            "partial_sums", "planes_pack", "planes_unpack", "qsgd_codes", "qsgd_frame",
@@ -851,7 +851,7 @@ def _qsgd_half(x_ptr, out_ptr, scales_ptr, factors_ptr, flags_ptr, n, nbytes, nb
     first = base // PER  # the tile's first code byte
     ob = rl[:, None] * C + c[None, :]
     tl.store(out_ptr + first + ob, byte.to(tl.uint8),
-             mask=ob < tl.maximum(tl.minimum(nbytes - first, TILE // PER), 0).to(tl.int32))
+             mask=ob < tl.minimum(nbytes - first, TILE // PER).to(tl.int32))
 
 
 def qsgd_codes(x: torch.Tensor, bits: int, bucket: int, key: int, scales: torch.Tensor,
@@ -891,13 +891,8 @@ def qsgd_frame(x: torch.Tensor, bits: int, bucket: int, key: int, header: bytes,
     inputs = (x, flags)
     plan = (qsgd_frame, n, x.dtype, x.device, bits, bucket, header, x.data_ptr() % 16,
             flags.data_ptr() % 16, TUNING["qsgd_codes_fused"])
-    got = replay(plan, inputs, {"key": word})
-    if got is not MISSED:
-        return got
-    with planned(plan, inputs, ("key",)) as recording:
-        got = _qsgd_frame(x, bits, bucket, word, header, flags)
-        recording.returns(got)
-    return got
+    return replayed(plan, inputs, lambda: _qsgd_frame(x, bits, bucket, word, header, flags),
+                    {"key": word})
 
 
 def _qsgd_frame(x: torch.Tensor, bits: int, bucket: int, word: int, header: bytes,
@@ -1099,13 +1094,9 @@ def qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
     inputs = (frame, flags)
     plan = (qsgd_decode, n, dtype, frame.device, head, bits, bucket, header,
             frame.data_ptr() % 16, flags.data_ptr() % 16, TUNING["qsgd_decode"])
-    got = replay(plan, inputs)
-    if got is not MISSED:
-        return got
-    with planned(plan, inputs) as recording:
-        got = _qsgd_decode(frame, head, n, bits, bucket, dtype, flags, header, shift)
-        recording.returns(got)
-    return got
+    return replayed(plan, inputs,
+                    lambda: _qsgd_decode(frame, head, n, bits, bucket, dtype, flags, header,
+                                         shift))
 
 
 def _qsgd_decode(frame: torch.Tensor, head: int, n: int, bits: int, bucket: int,
@@ -2654,13 +2645,8 @@ def _top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
             LOCAL_ROOM, CANDIDATE_TILES, COUNT_PROGRAMS, SLACK, TUNING["key_digits"],
             TUNING["top_write"], _bracket.SAMPLE, _bracket.MIN_N, _bracket.HASH)
     inputs = (x,) if entries is None else (x, entries[0])
-    got = replay(plan, inputs)
-    if got is not MISSED:
-        return got
-    with planned(plan, inputs if _sampling(n, k) is not None else None) as recording:
-        got = _top_indices(x, k, side, census, entries)
-        recording.returns(got)
-    return got
+    return replayed(plan, inputs, lambda: _top_indices(x, k, side, census, entries),
+                    whole=_sampling(n, k) is not None)
 
 
 def _written_to(x: torch.Tensor, k: int, entries: tuple | None,

@@ -56,7 +56,8 @@ try:  # triton 3.4 and newer; the direct launch is taken only under VERIFIED rel
 except ImportError:
     knobs = HookChain = None
 
-__all__ = ["launch", "planned", "replay", "replays", "MISSED", "VERIFIED", "LIMIT", "PLANS"]
+__all__ = ["launch", "planned", "replay", "replayed", "replays", "MISSED", "VERIFIED", "LIMIT",
+           "PLANS"]
 
 VERIFIED = ("3.6.", "3.9.")
 """Triton releases whose argument specialisation ``tests/test_launch.py`` checked against this
@@ -91,13 +92,13 @@ _ALLOCATIONS = frozenset([torch.ops.aten.empty.memory_format, torch.ops.aten.emp
 
 class _Call:
     # A call recorded whole: the device index its launches went to, the device of its
-    # inputs, its allocations (shape, dtype) in order and their addresses modulo 16 (a
-    # view at a recorded offset keeps its alignment only from an allocation aligned alike:
-    # a frame's aligned payload), each launch as (the compiled kernel's
-    # launcher, grid, function, metadata, its parameters' values with None for each pointer
-    # and scalar, the pointers as (parameter, source, byte offset), the scalars as
-    # (parameter, name)), where a source is an input's index or len(inputs) plus an
-    # allocation's, and its result (_described).
+    # inputs, its allocations (shape, dtype) in order and their addresses modulo 16 (a view
+    # at a recorded offset keeps its alignment only from an allocation aligned alike: a
+    # frame's aligned payload), each launch as (the compiled kernel's launcher, grid,
+    # function, metadata, its parameters' values with None for each pointer and scalar, the
+    # pointers as (parameter, source, byte offset), the scalars as (parameter, name)), where
+    # a source is an input's index or len(inputs) plus an allocation's, and its result
+    # (_described).
     __slots__ = ("device", "where", "made", "aligned", "steps", "result")
 
     def __init__(self, device: int, where: torch.device, made: list, aligned: list,
@@ -280,6 +281,23 @@ def replay(key: tuple, inputs: tuple[torch.Tensor, ...], scalars: dict | None = 
             full[at] = scalars[name]
         run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *full)
     return _rebuilt(call.result, inputs, made)
+
+
+def replayed(key: tuple, inputs: tuple[torch.Tensor, ...], call, scalars: dict | None = None,
+             whole: bool = True):
+    """Return ``call()``'s result, made again by :func:`replay` where one was recorded whole.
+
+    Otherwise ``call()`` runs under :func:`planned` for the next call under ``key``, and with
+    ``whole`` is recorded whole where it qualifies. ``scalars``: the values a replay is
+    given, by parameter name, as for :func:`replay`.
+    """
+    got = replay(key, inputs, scalars)
+    if got is not MISSED:
+        return got
+    with planned(key, inputs if whole else None, tuple(scalars or ())) as recording:
+        got = call()
+        recording.returns(got)
+    return got
 
 
 def _located(t: torch.Tensor, sources: tuple[torch.Tensor, ...]) -> tuple[int, int] | None:
