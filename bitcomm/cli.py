@@ -120,9 +120,10 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
     click.echo("# GB/s of fp32 input (4 bytes/element, GB = 1e9); ratio = anchor time / time")
     gpu = device != "cpu"
     if gpu:  # on the CPU the host's time is the time
-        click.echo("# time = the device's (CUDA events); host = until the call returned")
+        click.echo("# time = the device's (CUDA events); host = until the call returned; "
+                   "probe = the host's time for a fixed piece of work, between the calls")
     header = (f"{'size':>6} {'codec':<16} {'op':<7} {'time(ms)':>10} "
-              + (f"{'host(ms)':>9} " if gpu else "")
+              + (f"{'host(ms)':>9} {'probe(us)':>9} " if gpu else "")
               + f"{'GB/s':>8} {'wire_bytes':>12} {'#wrong':>6} {'ratio':>7} {'vs':<11} "
               f"{'target':>7}")
     click.echo(header)
@@ -133,7 +134,8 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
         flag = ""
         if not math.isnan(row.target):
             flag = " ok" if row.ratio >= row.target else " MISS"
-        host = f"{row.host_seconds * 1e3:>9.3f} " if gpu else ""
+        host = (f"{row.host_seconds * 1e3:>9.3f} {row.host_probe_seconds * 1e6:>9.0f} " if gpu
+                else "")
         click.echo(f"{_human(row.n):>6} {row.codec:<16} {row.op:<7} {row.seconds * 1e3:>10.2f} "
                    f"{host}{row.gbps:>8.3f} {row.wire_bytes:>12} {row.wrong:>6} {ratio:>7} "
                    f"{row.anchor:<11} {target:>7}{flag}")

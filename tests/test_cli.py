@@ -1,5 +1,8 @@
+import io
 import json
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,6 +49,11 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
     data = json.loads((tmp_path / "codecs.json").read_text(), parse_constant=pytest.fail)
     rows = data["rows"]
     assert by_key(rows, "anchor", "packbits")["ratio"] is None
+    # each row with the host's state while it was measured: the probe's median, and (Linux)
+    # the thread's preemptions and moves between CPUs meanwhile
+    assert all(r["host_probe_seconds"] > 0 for r in rows)
+    assert all(isinstance(r["preempted"], int) and r["preempted"] >= 0 for r in rows)
+    assert all(isinstance(r["migrated"], int) and r["migrated"] >= 0 for r in rows)
     assert (tmp_path / "codecs.csv").read_text().count("\n") == len(rows) + 1
     codecs = {(r["codec"], r["op"]) for r in rows}
     for name in ("sign", "sign-scaled", "counts-w1", "counts-w4", "counts-radix-m2", "qsgd-2",
@@ -96,8 +104,6 @@ def test_a_codec_and_its_anchor_are_timed_in_alternation(monkeypatch):
     """The machine slows down threefold after four calls: medians of calls taken one after the
     other would give the anchor the fast calls and the codec the slow ones (a ratio of 1/6);
     alternating, each pair sees the same speed and the ratio is the true 1/2."""
-    from types import SimpleNamespace
-
     from bitcomm.bench import codecs as bench_codecs
 
     clock, order = [0.0], []
@@ -115,6 +121,60 @@ def test_a_codec_and_its_anchor_are_timed_in_alternation(monkeypatch):
     order.clear()
     assert bench_codecs.time_call(costing("codec", 2.0), 3) == 2.0
     assert order == ["codec"] * 4
+
+
+def test_the_host_probe_runs_between_the_rounds_outside_the_timed_calls(monkeypatch):
+    """A row's host probe runs once after each round of its alternating calls (not after the
+    warm-ups), and its time is in no call's: with a clock that a probe moves by 100, the
+    calls' medians stay theirs and the row's probe is the probes' median."""
+    from bitcomm.bench import codecs as bench_codecs
+
+    clock, order = [0.0], []
+
+    def costing(name, units):
+        def fn():
+            order.append(name)
+            clock[0] += units
+        return fn
+
+    def probe():
+        order.append("probe")
+        clock[0] += 100.0
+        return 100.0 + len(order)
+
+    monkeypatch.setattr(bench_codecs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bench_codecs, "host_probe", probe)
+    [(t, host), (anchor, _)], state = bench_codecs._measured(
+        [costing("codec", 2.0), costing("anchor", 1.0)], 3, torch.device("cpu"))
+    assert order == ["codec", "anchor"] + ["codec", "anchor", "probe"] * 3
+    assert (t, host, anchor) == (2.0, 2.0, 1.0)
+    assert state["host_probe_seconds"] == 108.0  # the median of 105, 108, 111
+
+
+def test_the_scheduler_counts_see_a_move_to_another_cpu(monkeypatch):
+    """The rows' `migrated` and `preempted` come from Linux's counts for the benchmark's
+    thread: a move of the thread to another CPU shows in the first; a system whose files lack
+    the fields gives None, not a guess."""
+    from bitcomm.bench import codecs as bench_codecs
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2 or bench_codecs._sched_counts() is None:
+        pytest.skip("needs Linux's scheduler statistics and two CPUs to move between")
+    allowed = set(cpus)
+    try:
+        before = bench_codecs._sched_counts()
+        for cpu in cpus[:2] * 2:  # each a move: the thread leaves the CPU it is on
+            os.sched_setaffinity(0, {cpu})
+        after = bench_codecs._sched_counts()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert after[1] - before[1] >= 3 and after[0] >= before[0]
+
+    def lacking(name, *args, **kwargs):
+        return io.StringIO("voluntary_ctxt_switches: 3\n")
+
+    monkeypatch.setattr(bench_codecs, "open", lacking, raising=False)
+    assert bench_codecs._sched_counts() is None
 
 
 def test_gpu_timing_records_each_end_event_as_the_call_returns(monkeypatch):
@@ -273,9 +333,6 @@ def test_bench_volume_keeps_oktopk_within_its_bound_while_the_allgather_grows(tm
 
 @pytest.mark.parametrize("load", [0.0, 64.0])
 def test_bench_codecs_warns_about_load_when_it_misses(load, tmp_path, monkeypatch):
-    import json
-    import os
-
     from bitcomm.bench import codecs as bench_codecs
 
     # an unreachable target: every sign encode row is a MISS
@@ -561,13 +618,14 @@ def test_the_wheel_carries_the_topologies_and_experiments(tmp_path):
 
 
 def _codecs_run(folder: Path, time: str, rows: list[tuple]) -> Path:
-    # a saved run of bench codecs: rows as (codec, op, n, anchor, ratio, target, gbps)
+    # a saved run of bench codecs: rows as (codec, op, n, anchor, ratio, target, gbps), and
+    # optionally host_probe_seconds
     folder.mkdir(parents=True)
-    keys = ("codec", "op", "n", "anchor", "ratio", "target", "gbps")
+    keys = ("codec", "op", "n", "anchor", "ratio", "target", "gbps", "host_probe_seconds")
     (folder / "codecs-cuda.json").write_text(json.dumps({
         "config": {"time": time, "machine": "x86_64", "cpus": 16, "torch": "2.11",
                    "threads": 16, "gpu": "NVIDIA_H200", "path": "triton"},
-        "rows": [dict(zip(keys, r, strict=True)) for r in rows]}))
+        "rows": [dict(zip(keys, r, strict=False)) for r in rows]}))
     return folder
 
 
@@ -622,6 +680,41 @@ def test_bench_tally_counts_the_runs_that_met_each_target_and_names_the_misses(t
     result = CliRunner().invoke(main, ["bench", "tally", str(clean), str(clean),
                                        "--out", str(out)])
     assert "\nEvery target met in every run (2 of 2).\n# wrote " in result.output
+
+
+def test_bench_tally_shows_the_host_probe_of_the_rows_that_missed(tmp_path):
+    """Runs that saved each row's host probe: the tally adds, under the misses, each missed
+    row's probe run by run (a miss's in bold) and each run's median over all its rows, so that
+    a miss measured on a slow host shows as one; the JSON keeps every row's probes."""
+    runs = [
+        _codecs_run(tmp_path / "r1", "t1", [
+            ("anchor", "sum", 64, "", None, None, 3000.0, 100e-6),
+            ("qsgd-4", "encode", 64, "sum", 0.6, 0.5, 10.0, 120e-6),
+            ("sign", "encode", 64, "sum", 1.0, 0.8, 10.0, 110e-6)]),
+        _codecs_run(tmp_path / "r2", "t2", [
+            ("anchor", "sum", 64, "", None, None, 3000.0, 240e-6),
+            ("qsgd-4", "encode", 64, "sum", 0.4, 0.5, 10.0, 310e-6),
+            ("sign", "encode", 64, "sum", 1.0, 0.8, 10.0, 260e-6)]),
+    ]
+    out = tmp_path / "tally"
+    result = CliRunner().invoke(main, ["bench", "tally", *map(str, runs), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    lines = (out / "tally.md").read_text().splitlines()
+    at = lines.index("The host probe of those rows, us (`host_probe`: a fixed piece of host "
+                     "work timed between the row's calls; a miss's in bold):")
+    assert lines[at + 2:at + 7] == ["| codec | op | size | run 1 | run 2 |",
+                                    "|---|---|---|---|---|",
+                                    "| qsgd-4 | encode | 64 | 120 | **310** |",
+                                    "| every row | median | | 110 | 260 |", ""]
+    assert lines[-1] == "Runs that met every target: 1 (1 of 2)."
+    saved = {(r["codec"], r["op"]): r for r in json.loads((out / "tally.json").read_text())
+             ["rows"]}
+    assert saved[("sign", "encode")]["probes"] == [110e-6, 260e-6]
+    # runs saved without probes (as the docs' H200 runs were) tally as before: no such table
+    bare = [_codecs_run(tmp_path / f"b{i}", "t", [("qsgd-4", "encode", 64, "sum", r, 0.5, 1.0)])
+            for i, r in enumerate((0.4, 0.6))]
+    result = CliRunner().invoke(main, ["bench", "tally", *map(str, bare), "--out", str(out)])
+    assert result.exit_code == 0 and "host probe" not in result.output, result.output
 
 
 def test_bench_tally_refuses_what_it_cannot_tally(tmp_path):

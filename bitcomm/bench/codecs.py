@@ -16,6 +16,13 @@ the anchor rows themselves are timed alone.
 
 Each codec's output is also checked (``wrong`` counts mismatching elements against a reference),
 and a benchmark that finds a wrong result makes the CLI exit non-zero.
+
+Each row also records the host's state while it was measured: the median of
+:func:`host_probe` (a fixed piece of host work, timed between the row's calls) and, on Linux,
+how often the benchmark's thread was preempted and moved between CPUs. On a GPU a call whose
+host work outlasts the work queued before it is timed with its host, and a lent machine's host
+has run the same Python at less than half its usual speed for seconds at a time; these say
+whether a row that missed its target was measured on such a host.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from bitcomm.bench import heading
 from bitcomm.codecs import _frame, counts, qsgd, redsync, sign, sparse
 
 __all__ = ["Row", "run", "markdown", "vector", "DEFAULT_SIZES", "TARGETS", "GPU_TARGETS",
-           "time_call", "Tally", "tally", "tally_markdown", "verdict"]
+           "time_call", "host_probe", "Tally", "tally", "tally_markdown", "verdict"]
 
 DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
 
@@ -92,6 +99,16 @@ class Row:
     the host as long as the device took is bound by its host, not by its kernels; a call that
     reads the device (a flag, a header) waits for it, and the wait is in both times.
     """
+    host_probe_seconds: float = float("nan")
+    """The median of :func:`host_probe`, timed between this row's calls: the host's speed while
+    the row was measured (the same work took 2.5 times as long on a slow host as on a fast one
+    only if its host probe did too)."""
+    preempted: int | None = None
+    """How often the benchmark's thread was preempted (involuntary context switches) while the
+    row was measured; None where the system does not say (not Linux)."""
+    migrated: int | None = None
+    """How often the benchmark's thread moved to another CPU while the row was measured (each
+    move leaves its caches behind); None where the system does not say."""
 
     def as_dict(self) -> dict:
         """Return the row as a JSON-friendly dict."""
@@ -151,10 +168,74 @@ def _flush_bytes(device: torch.device) -> int:
     return max(256 << 20, 4 * int(l2))
 
 
-def _timings(fns: list[Callable[[], object]], repeat: int, device: torch.device | str
-             ) -> list[tuple[float, float]]:
+_PROBE_ROUNDS = 64
+
+
+def host_probe() -> float:
+    """Return the seconds the host takes for a fixed piece of work: a gauge of its speed.
+
+    The work is what a codec call's host work is made of, without a device: Python calls and
+    torch's dispatch of small CPU tensor ops (an allocation, a slice, a view), 64 times over
+    (some 150 us on a 2-core VM). Timed between a benchmark's calls, it tells a slow row
+    measured on a slow host from a slow row on a fast one.
+    """
+    base = torch.empty(4 * _PROBE_ROUNDS + 8, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    for i in range(_PROBE_ROUNDS):
+        _probed(torch.empty(16, dtype=torch.uint8), base[4 * i : 4 * i + 8].view(torch.int32), i)
+    return time.perf_counter() - t0
+
+
+def _probed(made: torch.Tensor, view: torch.Tensor, i: int) -> tuple:
+    # a call with the attribute reads and the small tuple a codec's Python makes
+    return (made.numel(), view.dtype, i % 16 == 0)
+
+
+def _sched_counts() -> tuple[int, int] | None:
+    """Return this thread's involuntary context switches and CPU migrations so far.
+
+    From Linux's ``/proc/thread-self/status`` and ``/proc/thread-self/sched``; None where
+    either cannot be read or lacks its field (another system, a kernel without scheduler
+    statistics).
+    """
+    try:
+        with open("/proc/thread-self/status") as f:
+            status = f.read()
+        with open("/proc/thread-self/sched") as f:
+            sched = f.read()
+    except OSError:
+        return None
+    switches = migrations = None
+    for line in status.splitlines():
+        if line.startswith("nonvoluntary_ctxt_switches:"):
+            switches = int(line.split(":")[1])
+    for line in sched.splitlines():
+        if line.startswith("se.nr_migrations"):
+            migrations = int(line.split(":")[1])
+    if switches is None or migrations is None:
+        return None
+    return switches, migrations
+
+
+def _measured(fns: list[Callable[[], object]], repeat: int, device: torch.device
+              ) -> tuple[list[tuple[float, float]], dict]:
+    # _timings of fns, and the Row fields of the host's state meanwhile (host_probe_seconds,
+    # preempted, migrated)
+    before = _sched_counts()
+    probes: list[float] = []
+    timings = _timings(fns, repeat, device, probes)
+    after = _sched_counts()
+    state = {"host_probe_seconds": statistics.median(probes)}
+    if before is not None and after is not None:
+        state |= {"preempted": after[0] - before[0], "migrated": after[1] - before[1]}
+    return timings, state
+
+
+def _timings(fns: list[Callable[[], object]], repeat: int, device: torch.device | str,
+             probes: list[float] | None = None) -> list[tuple[float, float]]:
     # Each function's median time a call and its host's median time a call (Row.host_seconds),
-    # the functions' calls alternating.
+    # the functions' calls alternating. `probes`: a list to add a host_probe() to after each
+    # round of calls, outside the timed calls (on a GPU: with the device idle).
     device = torch.device(device)
     for fn in fns:
         fn()  # warm-up: first-touch page faults, kernel compilation and lazy initialisation
@@ -194,6 +275,8 @@ def _timings(fns: list[Callable[[], object]], repeat: int, device: torch.device 
                 fn()
                 spent.append(time.perf_counter() - t0)
                 host.append(spent[-1])
+        if probes is not None:
+            probes.append(host_probe())
     return [(statistics.median(spent), statistics.median(host))
             for spent, host in zip(times, hosts, strict=True)]
 
@@ -301,8 +384,8 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
         x = vector(n, seed, device)
         anchors = _anchors(x)
         for name, fn in anchors.items():  # each alone, for its own GB/s
-            [(t, host)] = _timings([fn], repeat, device)
-            emit(Row("anchor", name, n, t, 4 * n / t / 1e9, 0, 0, host_seconds=host))
+            [(t, host)], state = _measured([fn], repeat, device)
+            emit(Row("anchor", name, n, t, 4 * n / t / 1e9, 0, 0, host_seconds=host, **state))
         for codec, enc, dec, check in _cases(x, n, seed):
             if codec == "sign":
                 anchors["sign.encode"] = enc  # what the CPU's counts encoders are held to
@@ -316,10 +399,10 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
                 for name in names:
                     anchor, minimum, why = targets.get(
                         (name, op), ("sum" if gpu else _CPU_ANCHOR[op], float("nan"), ""))
-                    (t, host), (against, _) = _timings([fn, anchors[anchor]], repeat,
-                                                        device)
+                    [(t, host), (against, _)], state = _measured([fn, anchors[anchor]],
+                                                                 repeat, device)
                     emit(Row(name, op, n, t, 4 * n / t / 1e9, int(frame.numel()), wrong,
-                             anchor, against / t, minimum, why, against, host))
+                             anchor, against / t, minimum, why, against, host, **state))
     return rows
 
 
@@ -366,6 +449,9 @@ class Tally:
     values: list[float | None]
     """Each run's ratio (an anchor's row: its GB/s); None where the run has no such row, NaN
     where it has one without a ratio (which misses any target)."""
+    probes: list[float | None] = dataclasses.field(default_factory=list)
+    """Each run's :attr:`Row.host_probe_seconds` of the row; None where the run has no such row
+    or its row has no probe (a run saved before rows had one)."""
 
     @property
     def runs(self) -> int:
@@ -390,6 +476,7 @@ class Tally:
         """
         return dataclasses.asdict(self) | {
             "values": [None if v is None or v != v else v for v in self.values],
+            "probes": [None if v is None or v != v else v for v in self.probes],
             "present": [v is not None for v in self.values], "runs": self.runs,
             "met": self.met}
 
@@ -411,13 +498,15 @@ def tally(runs: list[list[dict]]) -> list[Tally]:
             t = found.get(key)
             if t is None:
                 t = found[key] = Tally(*key, row.get("anchor") or "", target,
-                                       [None] * len(runs))
+                                       [None] * len(runs), [None] * len(runs))
             elif t.anchor != (row.get("anchor") or "") or not _same(t.target, target):
                 raise ValueError(f"runs 1 and {i + 1} differ on {key[0]} {key[1]} at "
                                  f"{human(key[2])}: anchor {t.anchor!r} against "
                                  f"{row.get('anchor')!r}, target {t.target} against {target}")
             value = row["gbps"] if row["codec"] == "anchor" else row.get("ratio")
             t.values[i] = _number(value)
+            probe = row.get("host_probe_seconds")
+            t.probes[i] = None if probe is None else float(probe)
     return list(found.values())
 
 
@@ -437,8 +526,9 @@ def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
     ``configs``: each run's saved config (its ``time`` and machine); ``names``: what each run
     is called (its folder). The first table gives each codec operation at each size: how many
     runs met its target, and its lowest, median and highest ratio (an anchor's GB/s); the
-    second every row that missed in some run, run by run, the misses in bold; then which runs
-    met every target.
+    second every row that missed in some run, run by run, the misses in bold, and where the
+    runs saved a host probe (:attr:`Row.host_probe_seconds`) a third the probe of those rows,
+    with each run's median over all its rows; then which runs met every target.
     """
     out = heading(configs[0], command)[:-1]
     out += [f"- Run {i + 1}: {name} ({c.get('time', '?')})"
@@ -474,8 +564,33 @@ def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
             out.append(f"| {t.codec} | {t.op} | {human(t.n)} | " + " | ".join(cells)
                        + f" | >= {t.target:.2f} |")
         out.append("")
+        if any(p is not None for t in tallies for p in t.probes):
+            out += _probe_table(missing, tallies, nruns)
     out.append(verdict(tallies, nruns))
     return "\n".join(out) + "\n"
+
+
+def _probe_table(missing: list[Tally], tallies: list[Tally], nruns: int) -> list[str]:
+    # The host probe (us) of each row that missed somewhere, run by run (a miss's in bold),
+    # and each run's median over all its rows: whether the misses came with a slow host.
+    def cell(value: float | None, bold: bool = False) -> str:
+        if value is None or value != value:
+            return "-"
+        return f"**{value * 1e6:.0f}**" if bold else f"{value * 1e6:.0f}"
+
+    runs = " | ".join(f"run {r + 1}" for r in range(nruns))
+    out = ["The host probe of those rows, us (`host_probe`: a fixed piece of host work timed "
+           "between the row's calls; a miss's in bold):", "",
+           f"| codec | op | size | {runs} |", "|---|---|---|" + "---|" * nruns]
+    for t in missing:
+        out.append(f"| {t.codec} | {t.op} | {human(t.n)} | " + " | ".join(
+            cell(p, t.missed(r)) for r, p in enumerate(t.probes)) + " |")
+    medians = []
+    for r in range(nruns):
+        seen = [t.probes[r] for t in tallies if t.probes[r] is not None]
+        medians.append(statistics.median(seen) if seen else None)
+    out += ["| every row | median | | " + " | ".join(cell(m) for m in medians) + " |", ""]
+    return out
 
 
 def verdict(tallies: list[Tally], nruns: int) -> str:
