@@ -121,7 +121,7 @@ def bench_codecs(sizes: tuple[int, ...], repeat: int, seed: int, device: str,
     gpu = device != "cpu"
     if gpu:  # on the CPU the host's time is the time
         click.echo("# time = the device's (CUDA events); host = until the call returned; "
-                   "probe = the host's time for a fixed piece of work, between the calls")
+                   "probe = the host's time for a fixed piece of work, around the calls")
     header = (f"{'size':>6} {'codec':<16} {'op':<7} {'time(ms)':>10} "
               + (f"{'host(ms)':>9} {'probe(us)':>9} " if gpu else "")
               + f"{'GB/s':>8} {'wire_bytes':>12} {'#wrong':>6} {'ratio':>7} {'vs':<11} "

@@ -123,13 +123,13 @@ def test_a_codec_and_its_anchor_are_timed_in_alternation(monkeypatch):
     assert order == ["codec"] * 4
 
 
-def test_the_host_probe_runs_between_the_rounds_outside_the_timed_calls(monkeypatch):
-    """A row's host probe runs once after each round of its alternating calls (not after the
-    warm-ups), and its time is in no call's: with a clock that a probe moves by 100, the
-    calls' medians stay theirs and the row's probe is the probes' median."""
+def test_the_host_probe_runs_just_before_and_after_a_rows_calls(monkeypatch):
+    """A row's host probe runs three times before its calls (warm-ups included) and three
+    times after, never among them: with a clock that a probe moves by 100, the calls' medians
+    stay theirs, and the row's probe is the probes' median."""
     from bitcomm.bench import codecs as bench_codecs
 
-    clock, order = [0.0], []
+    clock, order, probed = [0.0], [], []
 
     def costing(name, units):
         def fn():
@@ -140,15 +140,16 @@ def test_the_host_probe_runs_between_the_rounds_outside_the_timed_calls(monkeypa
     def probe():
         order.append("probe")
         clock[0] += 100.0
-        return 100.0 + len(order)
+        probed.append(100.0 + len(probed))
+        return probed[-1]
 
     monkeypatch.setattr(bench_codecs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(bench_codecs, "host_probe", probe)
     [(t, host), (anchor, _)], state = bench_codecs._measured(
         [costing("codec", 2.0), costing("anchor", 1.0)], 3, torch.device("cpu"))
-    assert order == ["codec", "anchor"] + ["codec", "anchor", "probe"] * 3
+    assert order == ["probe"] * 3 + ["codec", "anchor"] * 4 + ["probe"] * 3
     assert (t, host, anchor) == (2.0, 2.0, 1.0)
-    assert state["host_probe_seconds"] == 108.0  # the median of 105, 108, 111
+    assert state["host_probe_seconds"] == 102.5  # the median of 100 to 105
 
 
 def test_the_scheduler_counts_see_a_move_to_another_cpu(monkeypatch):

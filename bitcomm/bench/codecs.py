@@ -18,7 +18,8 @@ Each codec's output is also checked (``wrong`` counts mismatching elements again
 and a benchmark that finds a wrong result makes the CLI exit non-zero.
 
 Each row also records the host's state while it was measured: the median of
-:func:`host_probe` (a fixed piece of host work, timed between the row's calls) and, on Linux,
+:func:`host_probe` (a fixed piece of host work, timed just before and after the row's calls)
+and, on Linux,
 how often the benchmark's thread was preempted and moved between CPUs. On a GPU a call whose
 host work outlasts the work queued before it is timed with its host, and a lent machine's host
 has run the same Python at less than half its usual speed for seconds at a time; these say
@@ -100,9 +101,8 @@ class Row:
     reads the device (a flag, a header) waits for it, and the wait is in both times.
     """
     host_probe_seconds: float = float("nan")
-    """The median of :func:`host_probe`, timed between this row's calls: the host's speed while
-    the row was measured (the same work took 2.5 times as long on a slow host as on a fast one
-    only if its host probe did too)."""
+    """The median of :func:`host_probe`, timed three times just before this row's calls and
+    three times just after: the host's speed while the row was measured."""
     preempted: int | None = None
     """How often the benchmark's thread was preempted (involuntary context switches) while the
     row was measured; None where the system does not say (not Linux)."""
@@ -176,7 +176,7 @@ def host_probe() -> float:
 
     The work is what a codec call's host work is made of, without a device: Python calls and
     torch's dispatch of small CPU tensor ops (an allocation, a slice, a view), 64 times over
-    (some 150 us on a 2-core VM). Timed between a benchmark's calls, it tells a slow row
+    (some 150 us on a 2-core VM). Timed around a benchmark row's calls, it tells a slow row
     measured on a slow host from a slow row on a fast one.
     """
     base = torch.empty(4 * _PROBE_ROUNDS + 8, dtype=torch.uint8)
@@ -217,25 +217,29 @@ def _sched_counts() -> tuple[int, int] | None:
     return switches, migrations
 
 
+_PROBES = 3
+
+
 def _measured(fns: list[Callable[[], object]], repeat: int, device: torch.device
               ) -> tuple[list[tuple[float, float]], dict]:
-    # _timings of fns, and the Row fields of the host's state meanwhile (host_probe_seconds,
-    # preempted, migrated)
+    # _timings of fns, and the Row fields of the host's state meanwhile: host_probe_seconds
+    # (the median of _PROBES probes just before the calls and _PROBES just after: none among
+    # them, so that the timed loop is the one rows were always timed by), preempted, migrated
+    probes = [host_probe() for _ in range(_PROBES)]
     before = _sched_counts()
-    probes: list[float] = []
-    timings = _timings(fns, repeat, device, probes)
+    timings = _timings(fns, repeat, device)
     after = _sched_counts()
+    probes += [host_probe() for _ in range(_PROBES)]
     state = {"host_probe_seconds": statistics.median(probes)}
     if before is not None and after is not None:
         state |= {"preempted": after[0] - before[0], "migrated": after[1] - before[1]}
     return timings, state
 
 
-def _timings(fns: list[Callable[[], object]], repeat: int, device: torch.device | str,
-             probes: list[float] | None = None) -> list[tuple[float, float]]:
+def _timings(fns: list[Callable[[], object]], repeat: int, device: torch.device | str
+             ) -> list[tuple[float, float]]:
     # Each function's median time a call and its host's median time a call (Row.host_seconds),
-    # the functions' calls alternating. `probes`: a list to add a host_probe() to after each
-    # round of calls, outside the timed calls (on a GPU: with the device idle).
+    # the functions' calls alternating.
     device = torch.device(device)
     for fn in fns:
         fn()  # warm-up: first-touch page faults, kernel compilation and lazy initialisation
@@ -275,8 +279,6 @@ def _timings(fns: list[Callable[[], object]], repeat: int, device: torch.device 
                 fn()
                 spent.append(time.perf_counter() - t0)
                 host.append(spent[-1])
-        if probes is not None:
-            probes.append(host_probe())
     return [(statistics.median(spent), statistics.median(host))
             for spent, host in zip(times, hosts, strict=True)]
 
