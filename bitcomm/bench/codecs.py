@@ -19,11 +19,10 @@ and a benchmark that finds a wrong result makes the CLI exit non-zero.
 
 Each row also records the host's state while it was measured: the median of
 :func:`host_probe` (a fixed piece of host work, timed just before and after the row's calls)
-and, on Linux,
-how often the benchmark's thread was preempted and moved between CPUs. On a GPU a call whose
-host work outlasts the work queued before it is timed with its host, and a lent machine's host
-has run the same Python at less than half its usual speed for seconds at a time; these say
-whether a row that missed its target was measured on such a host.
+and, on Linux, how often the benchmark's thread was preempted and moved between CPUs. On a
+GPU a call whose host work outlasts the work queued before it is timed with its host, and a
+lent machine's host has run the same Python at less than half its usual speed for seconds at
+a time; these say whether a row that missed its target was measured on such a host.
 """
 
 from __future__ import annotations
