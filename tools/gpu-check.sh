@@ -28,7 +28,8 @@
 #                      run's files in codecs-run1/, codecs-run2/, ...: a target is judged on
 #                      every run, and at 64M elements a host-bound call's ratio moves from
 #                      run to run with the host's speed. `bench tally` then counts, row by
-#                      row, the runs that met each target (tally.md).
+#                      row, the runs that met each target (tally.md), and gives the host probe
+#                      (the host's speed) of each row that missed.
 #   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). The
 #                      triton-cache.tgz.part-* files there (the ones an earlier run left in
 #                      OUT), or one whole triton-cache.tgz, are unpacked into Triton's cache
