@@ -326,7 +326,7 @@ def bench_host(sizes: tuple[int, ...], calls: int, rounds: int, seed: int,
               show_default=True, help="Directory for profile[-cuda].json and .csv.")
 @click.option("--set", "sets", multiple=True, metavar="NAME=INT",
               help="Set a selection constant for the run (CANDIDATE_TILES, SMALL_TOP, SLACK, "
-                   "COUNT_PROGRAMS, LOCAL_ROOM); repeatable.")
+                   "COUNT_PROGRAMS, LOCAL_ROOM, COUNT_STAGES); repeatable.")
 def bench_profile(sizes: tuple[int, ...], names: str | None, calls: int, seed: int,
                   device: str, top: int, host_functions: int, out_dir: str,
                   sets: tuple[str, ...]) -> None:

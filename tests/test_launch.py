@@ -146,6 +146,17 @@ for device, replays, recorded in ((0, False, 0), (0, True, 0), (1, False, None),
              if k[0] is _kernels.top_indices and k[1] == 2**18]
     assert plans == ([] if recorded is None else [recorded]), (device, plans)
 driver.active.device = 0
+# a setting that picks another compiled kernel (COUNT_STAGES: the count pass's loads in
+# flight) is in the key of a call recorded whole: set, the next call launches that kernel,
+# not the recorded one; set back, the first again
+count_pass = {}
+for stages in (1, 1, 2, 2, 1):
+    _kernels.COUNT_STAGES = stages
+    launched.clear()
+    _kernels.top_indices(v, 2621)
+    count_pass.setdefault(stages, set()).add(launched[1][0])  # after sample_bound's launch
+_kernels.COUNT_STAGES = 1
+assert len(count_pass[1]) == len(count_pass[2]) == 1 and count_pass[1] != count_pass[2]
 
 # with a hook in a chain, a launch by key passes the chains and the metadata as Triton does
 _kernels.launch = checked

@@ -225,8 +225,9 @@ def test_gpu_check_logs_the_gpus_clocks_beside_the_results_and_stops_the_logger(
 
 def test_gpu_check_profiles_the_top_k_again_without_the_replays(tmp_path):
     """The profile step runs the profile, then the top-k's and RedSync's calls again with
-    BITCOMM_PLANS=0 into no-replays/: the replays' saving of the host's time, measured on
-    the lent machine itself."""
+    BITCOMM_PLANS=0 into no-replays/ (the replays' saving of the host's time, measured on
+    the lent machine itself) and with COUNT_STAGES=3 into count-stages3/ (their count pass
+    with three tiles' loads in flight, against the first run's)."""
     fake, calls = tmp_path / "python", tmp_path / "calls"
     fake.write_text(f'#!/bin/sh\necho "plans=${{BITCOMM_PLANS-}} $*" >> "{calls}"\nexit 0\n')
     fake.chmod(0o755)
@@ -235,9 +236,12 @@ def test_gpu_check_profiles_the_top_k_again_without_the_replays(tmp_path):
         "TRITON_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stdout + r.stderr
     runs = [line for line in calls.read_text().splitlines() if "bench profile" in line]
-    assert len(runs) == 2, runs
+    assert len(runs) == 3, runs
     assert runs[0].startswith("plans= ") and "--codecs" not in runs[0]
     assert runs[1].startswith("plans=0 ") and "--codecs topk-1%,redsync-1%" in runs[1]
     assert runs[1].endswith("/no-replays")
+    assert runs[2].startswith("plans= ") and "--codecs topk-1%,redsync-1%" in runs[2]
+    assert "--set COUNT_STAGES=3" in runs[2] and runs[2].endswith("/count-stages3")
     log = (tmp_path / "out" / "gpu-check.log").read_text()
     assert "## profile: ok" in log and "## profile without replays: ok" in log
+    assert "## profile, count pass pipelined: ok" in log

@@ -214,7 +214,12 @@ for s in "${steps[@]}"; do
             # (BITCOMM_PLANS=0): what the replays save of this machine's host time
             step "profile without replays" 60 env BITCOMM_PLANS=0 "${cli[@]}" bench profile \
                 --device cuda --sizes 64M --codecs topk-1%,redsync-1% --host-functions 6 \
-                --out "$work/no-replays" ;;
+                --out "$work/no-replays"
+            # their count pass with three tiles' loads in flight (COUNT_STAGES): against the
+            # first run's count_at_least rows
+            step "profile, count pass pipelined" 60 "${cli[@]}" bench profile --device cuda \
+                --sizes 64M --codecs topk-1%,redsync-1% --set COUNT_STAGES=3 \
+                --out "$work/count-stages3" ;;
         # rewrites its files after each row: a cut-off run keeps the settings it reached
         tune) step tune 300 "${cli[@]}" bench tune --n 64M --out "$work" ;;
     esac

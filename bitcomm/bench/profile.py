@@ -45,10 +45,11 @@ from bitcomm.bench.codecs import _cases, vector
 __all__ = ["Row", "run", "CALL", "HOST", "DEFAULT_SIZES", "SETTABLE", "check_settings"]
 
 SETTABLE = {"CANDIDATE_TILES": 1, "SMALL_TOP": 0, "SLACK": 1, "COUNT_PROGRAMS": 1,
-            "LOCAL_ROOM": 0}
+            "LOCAL_ROOM": 0, "COUNT_STAGES": 1}
 """Constants of :mod:`bitcomm.codecs._kernels` a run may set (``settings``), each to an int of
 at least the value given here: each changes how many programs or passes a selection takes,
-never its result (the tests run the kernels at these bounds), so a profile can compare them
+or how many tiles' loads one keeps in flight, never its result (the tests run the kernels at
+these bounds), so a profile can compare them
 on one GPU, where ``bench tune``'s whole-call times would not see device time that the host's
 launches hide."""
 

@@ -1677,6 +1677,22 @@ bytes a key (16 for float64 scores): 27 MB at 64M float32 scores and k = 1% (1.7
 room). To measure another value: ``bitcomm bench profile --device cuda --codecs topk-1% --set
 LOCAL_ROOM=N`` (the count_at_least and gather rows)."""
 
+COUNT_STAGES = 1
+"""Tiles whose loads a program of the count pass of a gathering above a floor (a sampled
+top-k's, :func:`indices_above`'s) keeps in flight: Triton's ``num_stages`` of its loop. At 1
+its loads go out a tile at a time, each waited for before the tile's work.
+
+The pass reads x once with little work a tile beside its loads: under triton 3.6 (the GPU
+image's), at sm_90, a tile of 1024 float32 takes its loop 252 instructions (31.5 an element)
+and 5 barriers, at 56 registers (RedSync's census: 256, 71), so about 9 programs an SM keep
+some 36 KB of loads in flight; on an H200 it read at 0.73 of ``torch.sum``'s speed (106 us at
+64M, the largest kernel of a top-k). From 2 on the loads go through shared memory
+(``cp.async``) that many tiles ahead, for more instructions (273 and 288 a tile at 2 and 3;
+the census's 276 and 300), 4 or 8 KB of shared memory a program and registers as before.
+Which wins is for a GPU to time: ``bitcomm bench profile --device cuda --sizes 64M --codecs
+topk-1%,redsync-1% --set COUNT_STAGES=3`` (the count_at_least rows), which
+``tools/gpu-check.sh``'s profile step runs."""
+
 CANDIDATE_TILES = 8
 """Tiles of the candidates' room a program of the digit passes takes after a sampled bound.
 
@@ -2378,7 +2394,7 @@ def _gather_at_least(x: torch.Tensor, floor: torch.Tensor, m: torch.Tensor,
                counts if census is None else census, kept, local,
                groups if grouped else counts, ng, n, SIDE=side, WIDE=wide, NAN=nan,
                STRICT=strict, CENSUS=census is not None, LOCAL=local > 0, PACK=pack,
-               GROUP=group, R=16 // x.element_size() if local else 1,
+               GROUP=group, R=16 // x.element_size() if local else 1, STAGES=COUNT_STAGES,
                BLOCK=block, **opts)
     launch(_gather_kernel, grid, x, floor, m, counts if grouped else counts.cumsum(0),
            idx if keys is None else keys, idx, floor if settled is None else settled, kept,
@@ -2642,7 +2658,8 @@ def _top(x: torch.Tensor, k: int, side: int, census: bool, entries: tuple | None
     # allocation and views, the whole call replays (_launch.replay)
     plan = (top_indices, n, x.dtype, x.device, k, side, census, x.data_ptr() % 16 == 0,
             None if entries is None else (entries[2], entries[0].data_ptr() % 16, entries[1]),
-            LOCAL_ROOM, CANDIDATE_TILES, COUNT_PROGRAMS, SLACK, TUNING["key_digits"],
+            LOCAL_ROOM, CANDIDATE_TILES, COUNT_PROGRAMS, SLACK, COUNT_STAGES,
+            TUNING["key_digits"],
             TUNING["top_write"], _bracket.SAMPLE, _bracket.MIN_N, _bracket.HASH)
     inputs = (x,) if entries is None else (x, entries[0])
     return replayed(plan, inputs, lambda: _top_indices(x, k, side, census, entries),
@@ -2760,7 +2777,7 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
                            ng, n, SIDE: tl.constexpr, WIDE: tl.constexpr, NAN: tl.constexpr,
                            STRICT: tl.constexpr, CENSUS: tl.constexpr, LOCAL: tl.constexpr,
                            PACK: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           STAGES: tl.constexpr, BLOCK: tl.constexpr):
     # How many keys of each program's run (as _gather_kernel runs) are at least floor_ptr's
     # (NaN as _counted says); with STRICT also how many are strictly above it, in the
     # second half of counts_ptr (a program each in both halves). With CENSUS each program
@@ -2791,7 +2808,7 @@ def _count_at_least_kernel(x_ptr, floor_ptr, counts_ptr, census_ptr, local_ptr, 
     base = tl.program_id(0).to(tl.int64) * cap
     behind = tl.num_programs(0).to(tl.int64) * cap
     at = tl.zeros([], dtype=tl.int32)  # keys kept so far (LOCAL)
-    for start in range(lo, hi, BLOCK):
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):  # COUNT_STAGES
         if CENSUS:  # x itself: -inf has the score 0 on the top side, so keys cannot tell
             i = _rows_of(start, BLOCK, R)
             live = i < n
