@@ -49,9 +49,8 @@ SETTABLE = {"CANDIDATE_TILES": 1, "SMALL_TOP": 0, "SLACK": 1, "COUNT_PROGRAMS": 
 """Constants of :mod:`bitcomm.codecs._kernels` a run may set (``settings``), each to an int of
 at least the value given here: each changes how many programs or passes a selection takes,
 or how many tiles' loads one keeps in flight, never its result (the tests run the kernels at
-these bounds), so a profile can compare them
-on one GPU, where ``bench tune``'s whole-call times would not see device time that the host's
-launches hide."""
+these bounds), so a profile can compare them on one GPU, where ``bench tune``'s whole-call
+times would not see device time that the host's launches hide."""
 
 DEFAULT_SIZES = (64 << 20,)
 CALL = "(call)"

@@ -1684,11 +1684,12 @@ its loads go out a tile at a time, each waited for before the tile's work.
 
 The pass reads x once with little work a tile beside its loads: under triton 3.6 (the GPU
 image's), at sm_90, a tile of 1024 float32 takes its loop 252 instructions (31.5 an element)
-and 5 barriers, at 56 registers (RedSync's census: 256, 71), so about 9 programs an SM keep
-some 36 KB of loads in flight; on an H200 it read at 0.73 of ``torch.sum``'s speed (106 us at
-64M, the largest kernel of a top-k). From 2 on the loads go through shared memory
-(``cp.async``) that many tiles ahead, for more instructions (273 and 288 a tile at 2 and 3;
-the census's 276 and 300), 4 or 8 KB of shared memory a program and registers as before.
+and 5 barriers, at 56 registers (RedSync's census: 256, 71): some 9 programs an SM by their
+registers, about 36 KB of loads in flight at once; on an H200 it read at 0.73 of
+``torch.sum``'s speed (106 us at 64M, the largest kernel of a top-k). From 2 on the loads go
+through shared memory (``cp.async``) that many tiles ahead, for more instructions (273 and
+288 a tile at 2 and 3; the census's 276 and 300), 4 or 8 KB of shared memory a program and
+registers as before.
 Which wins is for a GPU to time: ``bitcomm bench profile --device cuda --sizes 64M --codecs
 topk-1%,redsync-1% --set COUNT_STAGES=3`` (the count_at_least rows), which
 ``tools/gpu-check.sh``'s profile step runs."""
