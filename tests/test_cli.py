@@ -702,7 +702,7 @@ def test_bench_tally_shows_the_host_probe_of_the_rows_that_missed(tmp_path):
     assert result.exit_code == 0, result.output
     lines = (out / "tally.md").read_text().splitlines()
     at = lines.index("The host probe of those rows, us (`host_probe`: a fixed piece of host "
-                     "work timed between the row's calls; a miss's in bold):")
+                     "work timed around the row's calls; a miss's in bold):")
     assert lines[at + 2:at + 7] == ["| codec | op | size | run 1 | run 2 |",
                                     "|---|---|---|---|---|",
                                     "| qsgd-4 | encode | 64 | 120 | **310** |",

@@ -581,7 +581,7 @@ def _probe_table(missing: list[Tally], tallies: list[Tally], nruns: int) -> list
 
     runs = " | ".join(f"run {r + 1}" for r in range(nruns))
     out = ["The host probe of those rows, us (`host_probe`: a fixed piece of host work timed "
-           "between the row's calls; a miss's in bold):", "",
+           "around the row's calls; a miss's in bold):", "",
            f"| codec | op | size | {runs} |", "|---|---|---|" + "---|" * nruns]
     for t in missing:
         out.append(f"| {t.codec} | {t.op} | {human(t.n)} | " + " | ".join(

@@ -259,9 +259,9 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
             ("top-k 1% fp32, top side, census", n,
              lambda: k.top_indices(x, max(1, n // 100), 1, census=True)),
             # the same with its count pass's loads three tiles ahead (a setting to time)
-            ("top-k 1% fp32, top side, census, COUNT_STAGES=3", n, _with_setting(
-                "COUNT_STAGES", 3, lambda: k.top_indices(x, max(1, n // 100), 1,
-                                                         census=True))),
+            ("top-k 1% fp32, top side, census, COUNT_STAGES=3", n, lambda: _applied(
+                {"COUNT_STAGES": 3}, lambda: k.top_indices(x, max(1, n // 100), 1,
+                                                           census=True))),
             ("top-k 1% fp32, magnitude", n, lambda: k.top_indices(x, max(1, n // 100), 2)),
             # sparse.encode_top's: the writing pass writes the frame's entries (fp32 values),
             # unchecked and checked (the count pass finds NaN / inf)
@@ -312,23 +312,16 @@ def cases(n: int) -> list[tuple[str, int, Callable[[], object]]]:
     return out
 
 
-def _with_setting(name: str, value: int, call: Callable[[], object]) -> Callable[[], object]:
-    """Return ``call`` made with the kernels' module constant ``name`` set to ``value``.
+def _applied(settings: dict[str, int], call: Callable[[], object]) -> object:
+    """Return ``call()`` made under ``bench profile --set``'s ``settings``.
 
-    For a setting that ``bench profile --set`` times on a GPU: its kernels are compiled here
-    as that run launches them.
+    For a setting that a profile times on a GPU: its kernels are compiled here as that run
+    launches them.
     """
-    from bitcomm.codecs import _kernels
+    from bitcomm.bench.profile import applied
 
-    def made() -> object:
-        kept = getattr(_kernels, name)
-        setattr(_kernels, name, value)
-        try:
-            return call()
-        finally:
-            setattr(_kernels, name, kept)
-
-    return made
+    with applied(settings):
+        return call()
 
 
 _STRIDED = ("_count_above_kernel", "_key_digits_kernel", "_gather_kernel",

@@ -42,7 +42,8 @@ import torch
 
 from bitcomm.bench.codecs import _cases, vector
 
-__all__ = ["Row", "run", "CALL", "HOST", "DEFAULT_SIZES", "SETTABLE", "check_settings"]
+__all__ = ["Row", "run", "CALL", "HOST", "DEFAULT_SIZES", "SETTABLE", "check_settings",
+           "applied"]
 
 SETTABLE = {"CANDIDATE_TILES": 1, "SMALL_TOP": 0, "SLACK": 1, "COUNT_PROGRAMS": 1,
             "LOCAL_ROOM": 0, "COUNT_STAGES": 1}
@@ -185,7 +186,7 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, device: str | torch.device = "cpu"
         if unknown:
             raise ValueError(f"unknown codec(s) {unknown}; expected some of {known}")
     rows = []
-    with _set(settings):
+    with applied(settings):
         for row in _profiled(sizes, device, wanted, calls, seed, host_functions):
             rows.append(row)
             if progress is not None:
@@ -208,7 +209,11 @@ def check_settings(settings: dict[str, int] | None) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _set(settings: dict[str, int]) -> Iterator[None]:
+def applied(settings: dict[str, int]) -> Iterator[None]:
+    """Set :data:`SETTABLE` constants of :mod:`bitcomm.codecs._kernels` for the block.
+
+    Each back to its value at the end. ``settings`` as :func:`check_settings` returns them.
+    """
     if not settings:
         yield
         return
