@@ -167,7 +167,8 @@ def bench_tally(runs: tuple[str, ...], out_dir: str) -> None:
     """Tally runs of ``bench codecs`` against their targets.
 
     For each codec operation and size: how many runs met its target and its lowest, median
-    and highest ratio; then every row that missed in some run, run by run, and which runs met
+    and highest ratio; then every row that missed in some run, run by run (with its host probe
+    and its thread's preemptions and CPU moves where the runs saved them), and which runs met
     every target. RUNS: the runs' codecs.json or codecs-cuda.json, or the folders holding
     them (such as tools/gpu-check.sh's codecs-run1, codecs-run2, ...).
     """

@@ -620,9 +620,10 @@ def test_the_wheel_carries_the_topologies_and_experiments(tmp_path):
 
 def _codecs_run(folder: Path, time: str, rows: list[tuple]) -> Path:
     # a saved run of bench codecs: rows as (codec, op, n, anchor, ratio, target, gbps), and
-    # optionally host_probe_seconds
+    # optionally host_probe_seconds, preempted and migrated
     folder.mkdir(parents=True)
-    keys = ("codec", "op", "n", "anchor", "ratio", "target", "gbps", "host_probe_seconds")
+    keys = ("codec", "op", "n", "anchor", "ratio", "target", "gbps", "host_probe_seconds",
+            "preempted", "migrated")
     (folder / "codecs-cuda.json").write_text(json.dumps({
         "config": {"time": time, "machine": "x86_64", "cpus": 16, "torch": "2.11",
                    "threads": 16, "gpu": "NVIDIA_H200", "path": "triton"},
@@ -711,11 +712,44 @@ def test_bench_tally_shows_the_host_probe_of_the_rows_that_missed(tmp_path):
     saved = {(r["codec"], r["op"]): r for r in json.loads((out / "tally.json").read_text())
              ["rows"]}
     assert saved[("sign", "encode")]["probes"] == [110e-6, 260e-6]
+    assert "preempted" not in "\n".join(lines)  # these runs saved no scheduler counts
     # runs saved without probes (as the docs' H200 runs were) tally as before: no such table
     bare = [_codecs_run(tmp_path / f"b{i}", "t", [("qsgd-4", "encode", 64, "sum", r, 0.5, 1.0)])
             for i, r in enumerate((0.4, 0.6))]
     result = CliRunner().invoke(main, ["bench", "tally", *map(str, bare), "--out", str(out)])
     assert result.exit_code == 0 and "host probe" not in result.output, result.output
+
+
+def test_bench_tally_shows_the_scheduler_counts_of_the_rows_that_missed(tmp_path):
+    """Runs that saved each row's preemptions and moves between CPUs: the tally adds, under
+    the probes, each missed row's counts run by run (a miss's in bold) and each run's median,
+    so that a miss measured while the benchmark's thread was preempted or moved shows as one;
+    a row without counts (a system that gives none) shows a dash."""
+    runs = [
+        _codecs_run(tmp_path / "r1", "t1", [
+            ("counts-w1", "encode", 16, "sign.encode", 0.55, 1.0, 10.0, 192e-6, 36, 3),
+            ("sign", "encode", 16, "packbits", 1.0, 0.9, 10.0, 150e-6, 2, 0),
+            ("sign", "decode", 16, "unpackbits", 1.0, 0.9, 10.0, 150e-6, 0, 0)]),
+        _codecs_run(tmp_path / "r2", "t2", [
+            ("counts-w1", "encode", 16, "sign.encode", 2.9, 1.0, 10.0, 170e-6, 1, 0),
+            ("sign", "encode", 16, "packbits", 1.0, 0.9, 10.0, 150e-6, 0, 0),
+            ("sign", "decode", 16, "unpackbits", 0.8, 0.9, 10.0, 150e-6, None, None)]),
+    ]
+    out = tmp_path / "tally"
+    result = CliRunner().invoke(main, ["bench", "tally", *map(str, runs), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    lines = (out / "tally.md").read_text().splitlines()
+    at = lines.index("The benchmark thread's preemptions / moves between CPUs during those "
+                     "rows' calls (`preempted` / `migrated`; a miss's in bold):")
+    assert lines[at + 2:at + 8] == ["| codec | op | size | run 1 | run 2 |",
+                                    "|---|---|---|---|---|",
+                                    "| counts-w1 | encode | 16 | **36 / 3** | 1 / 0 |",
+                                    "| sign | decode | 16 | 0 / 0 | **- / -** |",
+                                    "| every row | median | | 2 / 0 | 0.5 / 0 |", ""]
+    saved = {(r["codec"], r["op"]): r for r in json.loads((out / "tally.json").read_text())
+             ["rows"]}
+    assert saved[("counts-w1", "encode")]["preempted"] == [36, 1]
+    assert saved[("sign", "decode")]["migrated"] == [0, None]
 
 
 def test_bench_tally_refuses_what_it_cannot_tally(tmp_path):

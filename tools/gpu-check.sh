@@ -29,7 +29,8 @@
 #                      every run, and at 64M elements a host-bound call's ratio moves from
 #                      run to run with the host's speed. `bench tally` then counts, row by
 #                      row, the runs that met each target (tally.md), and gives the host probe
-#                      (the host's speed) of each row that missed.
+#                      (the host's speed) and the scheduler's preemptions and CPU moves of
+#                      each row that missed.
 #   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). The
 #                      triton-cache.tgz.part-* files there (the ones an earlier run left in
 #                      OUT), or one whole triton-cache.tgz, are unpacked into Triton's cache

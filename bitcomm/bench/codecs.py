@@ -453,6 +453,10 @@ class Tally:
     probes: list[float | None] = dataclasses.field(default_factory=list)
     """Each run's :attr:`Row.host_probe_seconds` of the row; None where the run has no such row
     or its row has no probe (a run saved before rows had one)."""
+    preempted: list[int | None] = dataclasses.field(default_factory=list)
+    """Each run's :attr:`Row.preempted` of the row; None where the run or its system gave none."""
+    migrated: list[int | None] = dataclasses.field(default_factory=list)
+    """Each run's :attr:`Row.migrated` of the row; None where the run or its system gave none."""
 
     @property
     def runs(self) -> int:
@@ -499,7 +503,7 @@ def tally(runs: list[list[dict]]) -> list[Tally]:
             t = found.get(key)
             if t is None:
                 t = found[key] = Tally(*key, row.get("anchor") or "", target,
-                                       [None] * len(runs), [None] * len(runs))
+                                       *([None] * len(runs) for _ in range(4)))
             elif t.anchor != (row.get("anchor") or "") or not _same(t.target, target):
                 raise ValueError(f"runs 1 and {i + 1} differ on {key[0]} {key[1]} at "
                                  f"{human(key[2])}: anchor {t.anchor!r} against "
@@ -508,6 +512,9 @@ def tally(runs: list[list[dict]]) -> list[Tally]:
             t.values[i] = _number(value)
             probe = row.get("host_probe_seconds")
             t.probes[i] = None if probe is None else float(probe)
+            for name in ("preempted", "migrated"):
+                count = row.get(name)
+                getattr(t, name)[i] = None if count is None else int(count)
     return list(found.values())
 
 
@@ -529,7 +536,9 @@ def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
     runs met its target, and its lowest, median and highest ratio (an anchor's GB/s); the
     second every row that missed in some run, run by run, the misses in bold, and where the
     runs saved a host probe (:attr:`Row.host_probe_seconds`) a third the probe of those rows,
-    with each run's median over all its rows; then which runs met every target.
+    with each run's median over all its rows, and where they saved scheduler counts
+    (:attr:`Row.preempted`, :attr:`Row.migrated`) a fourth those rows' counts the same way;
+    then which runs met every target.
     """
     out = heading(configs[0], command)[:-1]
     out += [f"- Run {i + 1}: {name} ({c.get('time', '?')})"
@@ -567,6 +576,8 @@ def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
         out.append("")
         if any(p is not None for t in tallies for p in t.probes):
             out += _probe_table(missing, tallies, nruns)
+        if any(c is not None for t in tallies for c in t.preempted + t.migrated):
+            out += _sched_table(missing, tallies, nruns)
     out.append(verdict(tallies, nruns))
     return "\n".join(out) + "\n"
 
@@ -591,6 +602,33 @@ def _probe_table(missing: list[Tally], tallies: list[Tally], nruns: int) -> list
         seen = [t.probes[r] for t in tallies if t.probes[r] is not None]
         medians.append(statistics.median(seen) if seen else None)
     out += ["| every row | median | | " + " | ".join(cell(m) for m in medians) + " |", ""]
+    return out
+
+
+def _sched_table(missing: list[Tally], tallies: list[Tally], nruns: int) -> list[str]:
+    # The benchmark thread's preemptions / moves between CPUs during each row that missed
+    # somewhere, run by run (a miss's in bold), and each run's medians over all its rows:
+    # whether a miss came with the thread taken off its CPU or moved to another.
+    def count(value: float | None) -> str:
+        return "-" if value is None else f"{value:g}"
+
+    def median(values: list[int | None]) -> float | None:
+        seen = [v for v in values if v is not None]
+        return statistics.median(seen) if seen else None
+
+    runs = " | ".join(f"run {r + 1}" for r in range(nruns))
+    out = ["The benchmark thread's preemptions / moves between CPUs during those rows' calls "
+           "(`preempted` / `migrated`; a miss's in bold):", "",
+           f"| codec | op | size | {runs} |", "|---|---|---|" + "---|" * nruns]
+    for t in missing:
+        cells = []
+        for r in range(nruns):
+            cell = f"{count(t.preempted[r])} / {count(t.migrated[r])}"
+            cells.append(f"**{cell}**" if t.missed(r) else cell)
+        out.append(f"| {t.codec} | {t.op} | {human(t.n)} | " + " | ".join(cells) + " |")
+    medians = [f"{count(median([t.preempted[r] for t in tallies]))} / "
+               f"{count(median([t.migrated[r] for t in tallies]))}" for r in range(nruns)]
+    out += ["| every row | median | | " + " | ".join(medians) + " |", ""]
     return out
 
 
