@@ -790,3 +790,21 @@ def test_the_h200_runs_kept_in_the_docs_tally_as_the_docs_say(tmp_path):
     assert "runs 2-5, 8 and 10 met every target: 6 of 10" in " ".join(doc.split())
     assert ("| topk-1% | encode | 64M | 0.28 | 0.32 | 0.32 | 0.33 | 0.30 | **0.197** | 0.21 | "
             "0.33 | 0.33 | 0.33 | >= 0.20 |") in lines
+
+
+def test_the_cpu_runs_kept_in_the_docs_tally_as_the_docs_say(tmp_path):
+    """codecs-cpu.md's three runs of 2026-11-28 come from the saved runs beside it: their
+    tally gives the doc's misses, and the preempted row's host state."""
+    root = Path(__file__).resolve().parents[1] / "docs" / "results"
+    runs = sorted(str(p) for p in (root / "cpu-2026-11-28").glob("run*"))
+    assert len(runs) == 3
+    result = CliRunner().invoke(main, ["bench", "tally", *runs, "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    lines = (tmp_path / "tally.md").read_text().splitlines()
+    doc = (root / "codecs-cpu.md").read_text().splitlines()
+    for row in ("| counts-w1 | encode | 16M | **0.55** | 2.85 | 3.03 | >= 1.00 |",
+                "| sign | decode | 64M | **0.79** | **0.86** | **0.896** | >= 0.90 |"):
+        assert row in lines and row in doc
+    assert "| counts-w1 | encode | 16M | **36 / 3** | 0 / 0 | 1 / 0 |" in lines
+    assert "| preempted / migrated: counts-w1 encode 16M | **36 / 3** | 0 / 0 | 1 / 0 | |" in doc
+    assert lines[-1] == "Runs that met every target: none (0 of 3)."
