@@ -631,6 +631,13 @@ def _codecs_run(folder: Path, time: str, rows: list[tuple]) -> Path:
     return folder
 
 
+def _tally_lines(runs: list, out: Path) -> list[str]:
+    # bench tally of the runs into out; the lines of its tally.md
+    result = CliRunner().invoke(main, ["bench", "tally", *map(str, runs), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return (out / "tally.md").read_text().splitlines()
+
+
 def test_bench_tally_counts_the_runs_that_met_each_target_and_names_the_misses(tmp_path):
     """Three runs: the tally gives each row's runs met and spread, the rows that missed in
     some run run by run (a ratio saved as null, NaN, is a miss), and which runs met every
@@ -699,9 +706,7 @@ def test_bench_tally_shows_the_host_probe_of_the_rows_that_missed(tmp_path):
             ("sign", "encode", 64, "sum", 1.0, 0.8, 10.0, 260e-6)]),
     ]
     out = tmp_path / "tally"
-    result = CliRunner().invoke(main, ["bench", "tally", *map(str, runs), "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    lines = (out / "tally.md").read_text().splitlines()
+    lines = _tally_lines(runs, out)
     at = lines.index("The host probe of those rows, us (`host_probe`: a fixed piece of host "
                      "work timed around the row's calls; a miss's in bold):")
     assert lines[at + 2:at + 7] == ["| codec | op | size | run 1 | run 2 |",
@@ -736,9 +741,7 @@ def test_bench_tally_shows_the_scheduler_counts_of_the_rows_that_missed(tmp_path
             ("sign", "decode", 16, "unpackbits", 0.8, 0.9, 10.0, 150e-6, None, None)]),
     ]
     out = tmp_path / "tally"
-    result = CliRunner().invoke(main, ["bench", "tally", *map(str, runs), "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    lines = (out / "tally.md").read_text().splitlines()
+    lines = _tally_lines(runs, out)
     at = lines.index("The benchmark thread's preemptions / moves between CPUs during those "
                      "rows' calls (`preempted` / `migrated`; a miss's in bold):")
     assert lines[at + 2:at + 8] == ["| codec | op | size | run 1 | run 2 |",
@@ -782,9 +785,7 @@ def test_the_h200_runs_kept_in_the_docs_tally_as_the_docs_say(tmp_path):
     root = Path(__file__).resolve().parents[1] / "docs" / "results"
     runs = sorted(str(p) for p in (root / "h200-2026-11-28").glob("run*"))
     assert len(runs) == 10
-    result = CliRunner().invoke(main, ["bench", "tally", *runs, "--out", str(tmp_path)])
-    assert result.exit_code == 0, result.output
-    lines = (tmp_path / "tally.md").read_text().splitlines()
+    lines = _tally_lines(runs, tmp_path)
     assert lines[-1] == "Runs that met every target: 2, 3, 4, 5, 8, 10 (6 of 10)."
     doc = (root / "gpu-h200.md").read_text()
     assert "runs 2-5, 8 and 10 met every target: 6 of 10" in " ".join(doc.split())
@@ -798,9 +799,7 @@ def test_the_cpu_runs_kept_in_the_docs_tally_as_the_docs_say(tmp_path):
     root = Path(__file__).resolve().parents[1] / "docs" / "results"
     runs = sorted(str(p) for p in (root / "cpu-2026-11-28").glob("run*"))
     assert len(runs) == 3
-    result = CliRunner().invoke(main, ["bench", "tally", *runs, "--out", str(tmp_path)])
-    assert result.exit_code == 0, result.output
-    lines = (tmp_path / "tally.md").read_text().splitlines()
+    lines = _tally_lines(runs, tmp_path)
     doc = (root / "codecs-cpu.md").read_text().splitlines()
     for row in ("| counts-w1 | encode | 16M | **0.55** | 2.85 | 3.03 | >= 1.00 |",
                 "| sign | decode | 64M | **0.79** | **0.86** | **0.896** | >= 0.90 |"):
