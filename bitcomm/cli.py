@@ -547,6 +547,9 @@ def _machine(device: str = "cpu") -> dict:
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "machine": platform.machine(),
             "python": platform.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    allowed = _affinity()
+    if allowed is not None:
+        info["affinity"] = allowed
     if device == "cuda":
         from bitcomm.codecs import backend
 
@@ -557,6 +560,25 @@ def _machine(device: str = "cpu") -> dict:
 
             info["triton"] = triton.__version__
     return info
+
+
+def _affinity() -> str | None:
+    # The CPUs this process may run on where they are fewer than the machine's (taskset, a
+    # cgroup's cpuset), as Linux writes CPU lists ("2", "0-3,8"): a run pinned to a CPU is
+    # timed differently from one the scheduler moves, and its results should say so.
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no such call here (macOS, Windows)
+        return None
+    if len(cpus) >= (os.cpu_count() or 0):
+        return None
+    spans: list[list[int]] = []
+    for cpu in cpus:
+        if spans and spans[-1][1] == cpu - 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _announce(command: str, config: dict) -> None:

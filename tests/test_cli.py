@@ -152,6 +152,33 @@ def test_the_host_probe_runs_just_before_and_after_a_rows_calls(monkeypatch):
     assert state["host_probe_seconds"] == 102.5  # the median of 100 to 105
 
 
+def test_a_run_confined_to_some_cpus_says_which(monkeypatch):
+    """A benchmark run under taskset (or a cpuset) saves the CPUs it could run on, as Linux
+    writes CPU lists, and its table's heading says so; a run free to use every CPU saves
+    nothing of the kind."""
+    from bitcomm import cli
+    from bitcomm.bench import heading
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs os.sched_getaffinity (Linux)")
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) == (os.cpu_count() or 0):
+        assert "affinity" not in cli._machine()
+    if len(allowed) > 1:
+        cpu = max(allowed)
+        try:
+            os.sched_setaffinity(0, {cpu})
+            config = cli._machine()
+        finally:
+            os.sched_setaffinity(0, allowed)
+        assert config["affinity"] == str(cpu)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 0, 2, 1, 3, 10, 11})
+    config = cli._machine()
+    assert config["affinity"] == "0-3,8,10-11"
+    assert heading(config, "c")[1].endswith(" threads), run on CPUs 0-3,8,10-11 alone")
+
+
 def test_the_scheduler_counts_see_a_move_to_another_cpu(monkeypatch):
     """The rows' `migrated` and `preempted` come from Linux's counts for the benchmark's
     thread: a move of the thread to another CPU shows in the first; a system whose files lack
@@ -718,6 +745,7 @@ def test_bench_tally_shows_the_host_probe_of_the_rows_that_missed(tmp_path):
              ["rows"]}
     assert saved[("sign", "encode")]["probes"] == [110e-6, 260e-6]
     assert "preempted" not in "\n".join(lines)  # these runs saved no scheduler counts
+    assert lines[3:5] == [f"- Run 1: {runs[0]} (t1)", f"- Run 2: {runs[1]} (t2)"]
     # runs saved without probes (as the docs' H200 runs were) tally as before: no such table
     bare = [_codecs_run(tmp_path / f"b{i}", "t", [("qsgd-4", "encode", 64, "sum", r, 0.5, 1.0)])
             for i, r in enumerate((0.4, 0.6))]
@@ -740,8 +768,12 @@ def test_bench_tally_shows_the_scheduler_counts_of_the_rows_that_missed(tmp_path
             ("sign", "encode", 16, "packbits", 1.0, 0.9, 10.0, 150e-6, 0, 0),
             ("sign", "decode", 16, "unpackbits", 0.8, 0.9, 10.0, 150e-6, None, None)]),
     ]
+    config = json.loads((runs[1] / "codecs-cuda.json").read_text())
+    config["config"]["affinity"] = "3"  # a run pinned to CPU 3 (taskset -c 3) says so
+    (runs[1] / "codecs-cuda.json").write_text(json.dumps(config))
     out = tmp_path / "tally"
     lines = _tally_lines(runs, out)
+    assert lines[3:5] == [f"- Run 1: {runs[0]} (t1)", f"- Run 2: {runs[1]} (t2, on CPUs 3 alone)"]
     at = lines.index("The benchmark thread's preemptions / moves between CPUs during those "
                      "rows' calls (`preempted` / `migrated`; a miss's in bold):")
     assert lines[at + 2:at + 8] == ["| codec | op | size | run 1 | run 2 |",

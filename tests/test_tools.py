@@ -175,6 +175,35 @@ def test_gpu_check_runs_the_codecs_benchmark_as_often_as_told_each_into_its_fold
         assert r.returncode == 2 and "GPU_CHECK_CODECS_RUNS" in r.stderr, bad
 
 
+def test_gpu_check_pins_every_second_codecs_run_to_the_cpu_it_is_told(tmp_path):
+    """GPU_CHECK_CODECS_PIN=N: runs 2 and 4 run on CPU N alone, runs 1 and 3 on every CPU the
+    script may use, so that one call compares the two; a value that is not a CPU's number is
+    refused before anything runs."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to tell a pinned run from a free one")
+    fake, calls = tmp_path / "python", tmp_path / "calls"
+    # a stand-in that records its command and the CPUs it may run on
+    fake.write_text(f'#!/bin/sh\nc=$(grep Cpus_allowed_list /proc/$$/status)\n'
+                    f'echo "$* | ${{c##*:}}" >> "{calls}"\nexit 0\n')
+    fake.chmod(0o755)
+    env = {"GPU_CHECK_PYTHON": str(fake), "GPU_CHECK_WHEELS": str(tmp_path / "none"),
+           "TRITON_CACHE_DIR": str(tmp_path / "cache"), "GPU_CHECK_CODECS_RUNS": "4",
+           "GPU_CHECK_CODECS_PIN": str(allowed[-1])}
+    r = _run(str(tmp_path / "out"), "codecs", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cpus = [line.split("|")[1].strip() for line in calls.read_text().splitlines()
+            if "bench codecs" in line]
+    assert len(cpus) == 4
+    assert cpus[1] == cpus[3] == str(allowed[-1]) and cpus[0] == cpus[2] != cpus[1], cpus
+    log = (tmp_path / "out" / "gpu-check.log").read_text()
+    assert f"## codecs 2 (at most 90s): taskset -c {allowed[-1]} " in log
+    for bad in ("one", "-1", "2,3"):
+        r = _run(str(tmp_path / "bad"), "codecs", env={**env, "GPU_CHECK_CODECS_PIN": bad})
+        assert r.returncode == 2 and "GPU_CHECK_CODECS_PIN" in r.stderr, bad
+    assert not (tmp_path / "bad").exists()
+
+
 def test_gpu_check_tallies_the_codecs_runs_that_left_a_result(tmp_path):
     """After the codecs runs, `bench tally` over the runs whose folder holds a result (a run
     cut off or failed leaves none), into the results."""

@@ -31,6 +31,11 @@
 #                      row, the runs that met each target (tally.md), and gives the host probe
 #                      (the host's speed) and the scheduler's preemptions and CPU moves of
 #                      each row that missed.
+#   GPU_CHECK_CODECS_PIN  a CPU's number: the even-numbered codecs runs (2, 4, ...) run on
+#                      that CPU alone (taskset -c), the odd ones where the scheduler puts
+#                      them, so that one call tells whether a host-bound row misses less
+#                      when its thread is not moved between CPUs (each run's rows record
+#                      its moves; a pinned run's heading names its CPU).
 #   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). The
 #                      triton-cache.tgz.part-* files there (the ones an earlier run left in
 #                      OUT), or one whole triton-cache.tgz, are unpacked into Triton's cache
@@ -66,6 +71,11 @@ nruns=${GPU_CHECK_CODECS_RUNS:-2}
 case $nruns in
     '' | *[!0-9]* | 0) echo "GPU_CHECK_CODECS_RUNS: expected a whole number >= 1, got '$nruns'" >&2
         usage ;;
+esac
+
+pin=${GPU_CHECK_CODECS_PIN:-}
+case $pin in
+    *[!0-9]*) echo "GPU_CHECK_CODECS_PIN: expected a CPU's number, got '$pin'" >&2; usage ;;
 esac
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -192,8 +202,14 @@ for s in "${steps[@]}"; do
             --junitxml="$work/test_cuda.xml" tests/test_cuda.py ;;
         codecs)
             done_runs=()
+            if [ -n "$pin" ] && ! command -v taskset > /dev/null 2>&1; then
+                say "# GPU_CHECK_CODECS_PIN: taskset is not here, so no run is pinned"
+                pin=
+            fi
             for ((run = 1; run <= nruns; run++)); do
-                step "codecs $run" 90 "${cli[@]}" bench codecs --device cuda \
+                pinned=()
+                [ -n "$pin" ] && [ $((run % 2)) -eq 0 ] && pinned=(taskset -c "$pin")
+                step "codecs $run" 90 "${pinned[@]}" "${cli[@]}" bench codecs --device cuda \
                     --sizes 64M,256M --repeat 10 --out "$work/codecs-run$run"
                 [ -e "$work/codecs-run$run/codecs-cuda.json" ] \
                     && done_runs+=("$work/codecs-run$run")

@@ -541,7 +541,8 @@ def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
     then which runs met every target.
     """
     out = heading(configs[0], command)[:-1]
-    out += [f"- Run {i + 1}: {name} ({c.get('time', '?')})"
+    out += [f"- Run {i + 1}: {name} ({c.get('time', '?')}"
+            + (f", on CPUs {c['affinity']} alone" if "affinity" in c else "") + ")"
             for i, (name, c) in enumerate(zip(names, configs, strict=True))]
     machines = {heading(c, "")[1] for c in configs}
     if len(machines) > 1:
