@@ -176,13 +176,21 @@ def _unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float) -> torc
     _frame.check_padding(buf, n, _CODEC, "payload")
     if n == 0:
         return torch.empty(0, dtype=dtype, device=buf.device)
-    # A 256-row table of eight +-1 values turns each byte into eight outputs in one gather
-    # (measured 1.7x faster than np.unpackbits(b).astype(np.float32) * 2 - 1 on the CPU).
+    # A 256-row table of eight +-1 values turns each byte into eight outputs in one gather.
     lut = _LUT.get((buf.device, dtype))
     if lut is None:
         lut = torch.from_numpy(_NP_LUT).to(device=buf.device, dtype=dtype)
         _LUT[(buf.device, dtype)] = lut
-    out = lut.index_select(0, buf.to(torch.int32)).reshape(-1)[:n]
+    if dtype in _frame.NUMPY_FLOATS and _frame.use_numpy(buf):
+        # numpy's take into an array of huge pages (_frame.host_array): at 64M float32 the
+        # decode took 26 ms where torch's index_select took 65 ms (2-core VM). mode="clip"
+        # writes straight into `rows` (the default, "raise", goes through a buffer); a byte
+        # indexes the 256 rows, so nothing is ever clipped.
+        rows = _frame.host_array((buf.numel(), 8), dtype, buf)
+        np.take(lut.numpy(), buf.numpy(), axis=0, out=rows.numpy(), mode="clip")
+        out = rows.reshape(-1)[:n]
+    else:
+        out = lut.index_select(0, buf.to(torch.int32)).reshape(-1)[:n]
     return out if scale == 1.0 else out.mul_(scale)
 
 

@@ -682,7 +682,7 @@ def decode(frame: torch.Tensor, *, out: torch.Tensor | None = None,
     idx, val, n, end = _entries(buf, dtype if out is None else out.dtype, n,
                                 bounded=out is None, head=head)
     if out is None:
-        out = torch.zeros(n, dtype=dtype, device=val.device)
+        out = _frame.host_array(n, dtype, val, zeroed=True)
     elif out.dim() != 1 or out.numel() != n:
         raise ValueError(f"expected out to be 1-D of length {n} (the frame's n), got shape "
                          f"{tuple(out.shape)}")
