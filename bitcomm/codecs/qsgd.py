@@ -550,7 +550,7 @@ def mean_all(frames: list[torch.Tensor], n: int, bits: int, bucket: int, *,
                                                     residual_of, flat)
             return mean if out is None else out, kept
     values = decode_all(bufs, n, bits, bucket, scale=scale)
-    total = (torch.zeros(n, dtype=torch.float32, device=bufs[0].device) if flat is None
+    total = (_frame.host_array(n, torch.float32, bufs[0], zeroed=True) if flat is None
              else flat.zero_())
     for v in values:  # in list order: the same sum on every device
         total += v
