@@ -774,6 +774,7 @@ def test_bench_tally_shows_the_scheduler_counts_of_the_rows_that_missed(tmp_path
     out = tmp_path / "tally"
     lines = _tally_lines(runs, out)
     assert lines[3:5] == [f"- Run 1: {runs[0]} (t1)", f"- Run 2: {runs[1]} (t2, on CPUs 3 alone)"]
+    assert not any("machines differ" in line for line in lines)  # one machine, one run pinned
     at = lines.index("The benchmark thread's preemptions / moves between CPUs during those "
                      "rows' calls (`preempted` / `migrated`; a miss's in bold):")
     assert lines[at + 2:at + 8] == ["| codec | op | size | run 1 | run 2 |",

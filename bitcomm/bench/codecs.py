@@ -544,7 +544,9 @@ def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
     out += [f"- Run {i + 1}: {name} ({c.get('time', '?')}"
             + (f", on CPUs {c['affinity']} alone" if "affinity" in c else "") + ")"
             for i, (name, c) in enumerate(zip(names, configs, strict=True))]
-    machines = {heading(c, "")[1] for c in configs}
+    # the machines, less the CPUs a run was confined to, which its own line names
+    machines = {heading({k: v for k, v in c.items() if k != "affinity"}, "")[1]
+                for c in configs}
     if len(machines) > 1:
         out.append("- The runs' machines differ: " + "; ".join(sorted(machines)))
     out += ["", "| codec | op | vs | size | runs met | min / median / max | target |",
