@@ -812,13 +812,18 @@ def test_bench_tally_refuses_what_it_cannot_tally(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def _docs_runs(folder: str, count: int, out: Path) -> tuple[Path, list[str], list[str]]:
+    # docs/results, the `count` runs kept in its `folder`, and the lines of their tally
+    root = Path(__file__).resolve().parents[1] / "docs" / "results"
+    runs = sorted(str(p) for p in (root / folder).glob("run*"))
+    assert len(runs) == count
+    return root, runs, _tally_lines(runs, out)
+
+
 def test_the_h200_runs_kept_in_the_docs_tally_as_the_docs_say(tmp_path):
     """gpu-h200.md's codec verdict comes from the saved runs beside it: their tally names the
     runs that met every target and the misses the doc's table shows."""
-    root = Path(__file__).resolve().parents[1] / "docs" / "results"
-    runs = sorted(str(p) for p in (root / "h200-2026-11-28").glob("run*"))
-    assert len(runs) == 10
-    lines = _tally_lines(runs, tmp_path)
+    root, runs, lines = _docs_runs("h200-2026-11-28", 10, tmp_path)
     assert lines[-1] == "Runs that met every target: 2, 3, 4, 5, 8, 10 (6 of 10)."
     doc = (root / "gpu-h200.md").read_text()
     assert "runs 2-5, 8 and 10 met every target: 6 of 10" in " ".join(doc.split())
@@ -829,10 +834,7 @@ def test_the_h200_runs_kept_in_the_docs_tally_as_the_docs_say(tmp_path):
 def test_the_cpu_runs_kept_in_the_docs_tally_as_the_docs_say(tmp_path):
     """codecs-cpu.md's figures come from the three runs saved beside it: their tally meets
     every target, the doc's ranges are the tally's, and its table is the first run's."""
-    root = Path(__file__).resolve().parents[1] / "docs" / "results"
-    runs = sorted(str(p) for p in (root / "cpu-2026-11-28").glob("run*"))
-    assert len(runs) == 3
-    lines = _tally_lines(runs, tmp_path)
+    root, runs, lines = _docs_runs("cpu-2026-11-28", 3, tmp_path)
     assert lines[-1] == "Every target met in every run (3 of 3)."
     doc = (root / "codecs-cpu.md").read_text()
     assert "| sign | decode | unpackbits | 64M | 3 of 3 | 2.66 / 2.67 / 2.70 | >= 0.90 |" in lines
