@@ -176,9 +176,9 @@ def test_gpu_check_runs_the_codecs_benchmark_as_often_as_told_each_into_its_fold
 
 
 def test_gpu_check_pins_every_second_codecs_run_to_the_cpu_it_is_told(tmp_path):
-    """GPU_CHECK_CODECS_PIN=N: runs 2 and 4 run on CPU N alone, runs 1 and 3 on every CPU the
-    script may use, so that one call compares the two; a value that is not a CPU's number is
-    refused before anything runs."""
+    """GPU_CHECK_CODECS_PIN=N: runs 2 and 4 run on CPU N alone (or a list of CPUs, as taskset
+    takes it), runs 1 and 3 on every CPU the script may use, so that one call compares the
+    two; a value that is not a CPU list is refused before anything runs."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(allowed) < 2:
         pytest.skip("needs two CPUs to tell a pinned run from a free one")
@@ -198,7 +198,14 @@ def test_gpu_check_pins_every_second_codecs_run_to_the_cpu_it_is_told(tmp_path):
     assert cpus[1] == cpus[3] == str(allowed[-1]) and cpus[0] == cpus[2] != cpus[1], cpus
     log = (tmp_path / "out" / "gpu-check.log").read_text()
     assert f"## codecs 2 (at most 90s): taskset -c {allowed[-1]} " in log
-    for bad in ("one", "-1", "2,3"):
+    calls.unlink()  # a list of CPUs, as taskset takes it
+    r = _run(str(tmp_path / "out2"), "codecs", env={
+        **env, "GPU_CHECK_CODECS_RUNS": "2", "GPU_CHECK_CODECS_PIN": f"{allowed[0]},{allowed[-1]}"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    cpus = [line.split("|")[1].strip() for line in calls.read_text().splitlines()
+            if "bench codecs" in line]
+    assert cpus[1] in (f"{allowed[0]},{allowed[-1]}", f"{allowed[0]}-{allowed[-1]}"), cpus
+    for bad in ("one", "-1", "2,", "1;2"):
         r = _run(str(tmp_path / "bad"), "codecs", env={**env, "GPU_CHECK_CODECS_PIN": bad})
         assert r.returncode == 2 and "GPU_CHECK_CODECS_PIN" in r.stderr, bad
     assert not (tmp_path / "bad").exists()

@@ -31,11 +31,11 @@
 #                      row, the runs that met each target (tally.md), and gives the host probe
 #                      (the host's speed) and the scheduler's preemptions and CPU moves of
 #                      each row that missed.
-#   GPU_CHECK_CODECS_PIN  a CPU's number: the even-numbered codecs runs (2, 4, ...) run on
-#                      that CPU alone (taskset -c), the odd ones where the scheduler puts
-#                      them, so that one call tells whether a host-bound row misses less
-#                      when its thread is not moved between CPUs (each run's rows record
-#                      its moves; a pinned run's heading names its CPU).
+#   GPU_CHECK_CODECS_PIN  a CPU list as taskset -c takes it (3, 2-3, 1,5): the even-numbered
+#                      codecs runs (2, 4, ...) run on those CPUs alone, the odd ones where
+#                      the scheduler puts them, so that one call tells whether a host-bound
+#                      row misses less when its thread is not moved between CPUs (each
+#                      run's rows record its moves; a pinned run's heading names its CPUs).
 #   GPU_CHECK_WHEELS   the folder of carried wheels (default .whl in the checkout). The
 #                      triton-cache.tgz.part-* files there (the ones an earlier run left in
 #                      OUT), or one whole triton-cache.tgz, are unpacked into Triton's cache
@@ -74,9 +74,10 @@ case $nruns in
 esac
 
 pin=${GPU_CHECK_CODECS_PIN:-}
-case $pin in
-    *[!0-9]*) echo "GPU_CHECK_CODECS_PIN: expected a CPU's number, got '$pin'" >&2; usage ;;
-esac
+if [ -n "$pin" ] && ! [[ $pin =~ ^[0-9]+([,-][0-9]+)*$ ]]; then
+    echo "GPU_CHECK_CODECS_PIN: expected a CPU list as taskset -c takes (3, 2-3, 1,5), got '$pin'" >&2
+    usage
+fi
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 2
