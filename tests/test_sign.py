@@ -224,3 +224,37 @@ def test_layouts_and_devices_without_data_are_type_errors():
         sign.encode(torch.tensor([1.0, -2.0]).to_sparse())
     with pytest.raises(TypeError, match="meta"):
         sign.encode(torch.ones(3, device="meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_cpu_pass_writes_numpys_bytes(monkeypatch, dtype):
+    """From sign._JIT_MIN elements the CPU encoder packs in numba's one pass: the bytes are
+    np.packbits(x >= 0)'s for NaN, +-0.0, +-inf and a partial last byte; a strided input, a
+    process without numba and a shorter vector take numpy's way to the same bytes."""
+    import sys
+
+    from bitcomm.codecs import _sign_cpu
+
+    calls = []
+    compiled = _sign_cpu.pack_bytes
+    monkeypatch.setattr(_sign_cpu, "pack_bytes",
+                        lambda a, out: calls.append(a.size) or compiled(a, out))
+
+    def packed(x):  # the bytes, and whether the compiled pass wrote them
+        before = len(calls)
+        return sign.pack(x).tolist(), len(calls) > before
+
+    g = torch.Generator().manual_seed(7)
+    for n in (sign._JIT_MIN, sign._JIT_MIN + 1, sign._JIT_MIN + 13):
+        x = torch.randn(n, generator=g).to(dtype)
+        x[[3, 17, 100, 101, 102, n - 1]] = torch.tensor(
+            [float("nan"), -0.0, 0.0, float("inf"), -float("inf"), -0.0], dtype=dtype)
+        want = np.packbits((x >= 0).numpy()).tolist()
+        assert packed(x) == (want, True), n
+        strided = torch.randn(2 * n, generator=g).to(dtype)[::2]
+        assert packed(strided) == (np.packbits((strided >= 0).numpy()).tolist(), False)
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, "numba", None)  # `import numba` now fails
+            assert packed(x) == (want, False)
+    short = torch.randn(sign._JIT_MIN - 8, generator=g).to(dtype)
+    assert packed(short) == (np.packbits((short >= 0).numpy()).tolist(), False)

@@ -25,12 +25,11 @@ It computes exactly what the torch path computes (tests compare the bytes):
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import numba
 import numpy as np
 import torch
+
+from bitcomm.codecs._jit import jit as _jit
 
 __all__ = ["TASK", "encode_codes", "encode_codes_serial", "max_scales", "max_scales_serial",
            "threads_for"]
@@ -40,25 +39,6 @@ TASK = 1 << 16
 
 _HALF = TASK // 2
 _M32 = 0xFFFFFFFF
-
-
-def _jit(**options):  # noqa: ANN202 - a numba decorator
-    """``numba.njit(cache=True, **options)``, with a private cache where no other is writable.
-
-    numba caches next to this file or under $HOME; a non-root user of a read-only install (a
-    container, a Slurm job) may have neither, and numba then refuses to compile a cached
-    function at all. Such a process caches in a directory of its own under the temp dir.
-    """
-    def decorate(fn):  # noqa: ANN001, ANN202
-        try:
-            return numba.njit(cache=True, **options)(fn)
-        except RuntimeError as e:
-            if "no locator available" not in str(e):
-                raise
-            numba.config.CACHE_DIR = os.path.join(tempfile.gettempdir(),
-                                                  f"bitcomm-numba-{os.getuid()}")
-            return numba.njit(cache=True, **options)(fn)
-    return decorate
 
 
 def threads_for(n: int) -> int:

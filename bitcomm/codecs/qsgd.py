@@ -59,7 +59,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bitcomm.codecs import _frame, _rng
+from bitcomm.codecs import _frame, _jit, _rng
 from bitcomm.codecs._rng import check_seed
 
 __all__ = ["encode", "decode", "decode_all", "mean_all", "encoded_size", "check_config",
@@ -241,9 +241,7 @@ def encode(x: torch.Tensor, bits: int = 4, bucket: int = DEFAULT_BUCKET, *, scal
 def _has_numba() -> bool:
     # The compiled CPU encoder needs the jit extra; without it the torch ops write the same
     # bytes, several times slower, and the user hears once what to install.
-    try:
-        import numba  # noqa: F401 - importing numba costs ~0.3 s: only on first use
-    except ImportError:
+    if not _jit.available():  # importing numba costs ~0.3 s: only on first use
         warnings.warn("qsgd on CPU tensors runs torch ops without numba (same bytes, several "
                       "times slower): pip install 'bitcomm[jit]' for the compiled encoder",
                       RuntimeWarning, stacklevel=3)

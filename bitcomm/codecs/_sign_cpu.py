@@ -1,0 +1,29 @@
+"""The CPU loop of :func:`bitcomm.codecs.sign.pack`, compiled with numba.
+
+One pass: each byte from its eight values' ``x >= 0``, MSB first, as ``np.packbits(x >= 0)``
+writes it (NaN is not ``>= 0``: bit 0; -0.0 is: bit 1). numpy's way compares into a boolean
+array and packs that; here the comparisons and the packing are one loop. A whole
+``sign.pack`` of float32 took 0.83x the time of its numpy path at 1M elements and 0.92x at
+16M and 64M (1.17, 1.19 and 1.56x ``np.packbits(x < 0)``, against 0.97, 1.10 and 1.45; 2-core
+VM), and was slower below some 256K elements. One thread: a parallel region was slower, and
+it would wake numba's OpenMP team, whose spinning takes the cores the other ranks of a job
+need (see :mod:`bitcomm.codecs._qsgd_cpu`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bitcomm.codecs._jit import jit
+
+__all__ = ["pack_bytes"]
+
+
+@jit(nogil=True)
+def pack_bytes(a: np.ndarray, out: np.ndarray) -> None:
+    """Write the signs of ``a``'s first ``8 * out.size`` values to ``out``, one byte per 8."""
+    for i in range(out.size):
+        k = 8 * i
+        out[i] = (((a[k] >= 0) << 7) | ((a[k + 1] >= 0) << 6) | ((a[k + 2] >= 0) << 5)
+                  | ((a[k + 3] >= 0) << 4) | ((a[k + 4] >= 0) << 3) | ((a[k + 5] >= 0) << 2)
+                  | ((a[k + 6] >= 0) << 1) | (a[k + 7] >= 0))
