@@ -5,9 +5,9 @@ writes it (NaN is not ``>= 0``: bit 0; -0.0 is: bit 1). numpy's way compares int
 array and packs that; here the comparisons and the packing are one loop. A whole
 ``sign.pack`` of float32 took 0.83x the time of its numpy path at 1M elements and 0.92x at
 16M and 64M (1.17, 1.19 and 1.56x ``np.packbits(x < 0)``, against 0.97, 1.10 and 1.45; 2-core
-VM), and was slower below some 256K elements. One thread: a parallel region was slower, and
-it would wake numba's OpenMP team, whose spinning takes the cores the other ranks of a job
-need (see :mod:`bitcomm.codecs._qsgd_cpu`).
+VM), but more at 64K (0.55 against 0.63), hence ``sign._JIT_MIN``. One thread: a parallel
+region was slower, and it would wake numba's OpenMP team, whose spinning takes the cores the
+other ranks of a job need (see :mod:`bitcomm.codecs._qsgd_cpu`).
 """
 
 from __future__ import annotations
