@@ -206,8 +206,7 @@ def _unpack(buf: torch.Tensor, n: int, dtype: torch.dtype, scale: float) -> torc
         rows = _frame.host_array((buf.numel(), 8), dtype, buf)
         np.take(table.numpy(), buf.numpy(), axis=0, out=rows.numpy(), mode="clip")
         return rows.reshape(-1)[:n]
-    else:
-        out = lut.index_select(0, buf.to(torch.int32)).reshape(-1)[:n]
+    out = lut.index_select(0, buf.to(torch.int32)).reshape(-1)[:n]
     return out if scale == 1.0 else out.mul_(scale)
 
 
