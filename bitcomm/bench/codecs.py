@@ -585,54 +585,58 @@ def tally_markdown(tallies: list[Tally], configs: list[dict], names: list[str],
     return "\n".join(out) + "\n"
 
 
-def _probe_table(missing: list[Tally], tallies: list[Tally], nruns: int) -> list[str]:
-    # The host probe (us) of each row that missed somewhere, run by run (a miss's in bold),
-    # and each run's median over all its rows: whether the misses came with a slow host.
-    def cell(value: float | None, bold: bool = False) -> str:
-        if value is None or value != value:
+def _median(values: list) -> float | None:
+    # the median of the values that are there (not None), or None
+    seen = [v for v in values if v is not None]
+    return statistics.median(seen) if seen else None
+
+
+def _state_table(caption: str, missing: list[Tally], tallies: list[Tally], nruns: int,
+                 cell: Callable[[Tally, int], str | None], summary: Callable[[int], str]
+                 ) -> list[str]:
+    # Under the misses: each missed row's cell(row, run) run by run (a miss's in bold; None:
+    # nothing saved, "-"), then each run's summary(run) over all its rows.
+    def shown(t: Tally, r: int) -> str:
+        text = cell(t, r)
+        if text is None:
             return "-"
-        return f"**{value * 1e6:.0f}**" if bold else f"{value * 1e6:.0f}"
+        return f"**{text}**" if t.missed(r) else text
 
     runs = " | ".join(f"run {r + 1}" for r in range(nruns))
-    out = ["The host probe of those rows, us (`host_probe`: a fixed piece of host work timed "
-           "around the row's calls; a miss's in bold):", "",
-           f"| codec | op | size | {runs} |", "|---|---|---|" + "---|" * nruns]
-    for t in missing:
-        out.append(f"| {t.codec} | {t.op} | {human(t.n)} | " + " | ".join(
-            cell(p, t.missed(r)) for r, p in enumerate(t.probes)) + " |")
-    medians = []
-    for r in range(nruns):
-        seen = [t.probes[r] for t in tallies if t.probes[r] is not None]
-        medians.append(statistics.median(seen) if seen else None)
-    out += ["| every row | median | | " + " | ".join(cell(m) for m in medians) + " |", ""]
+    out = [caption, "", f"| codec | op | size | {runs} |", "|---|---|---|" + "---|" * nruns]
+    out += [f"| {t.codec} | {t.op} | {human(t.n)} | "
+            + " | ".join(shown(t, r) for r in range(nruns)) + " |" for t in missing]
+    out += ["| every row | median | | " + " | ".join(summary(r) for r in range(nruns)) + " |",
+            ""]
     return out
+
+
+def _probe_table(missing: list[Tally], tallies: list[Tally], nruns: int) -> list[str]:
+    # The host probe (us) of each row that missed somewhere and each run's median over all
+    # its rows: whether the misses came with a slow host.
+    def us(value: float | None) -> str | None:
+        return None if value is None or value != value else f"{value * 1e6:.0f}"
+
+    return _state_table(
+        "The host probe of those rows, us (`host_probe`: a fixed piece of host work timed "
+        "around the row's calls; a miss's in bold):", missing, tallies, nruns,
+        lambda t, r: us(t.probes[r]),
+        lambda r: us(_median([t.probes[r] for t in tallies])) or "-")
 
 
 def _sched_table(missing: list[Tally], tallies: list[Tally], nruns: int) -> list[str]:
     # The benchmark thread's preemptions / moves between CPUs during each row that missed
-    # somewhere, run by run (a miss's in bold), and each run's medians over all its rows:
-    # whether a miss came with the thread taken off its CPU or moved to another.
+    # somewhere and each run's medians over all its rows: whether a miss came with the
+    # thread taken off its CPU or moved to another.
     def count(value: float | None) -> str:
         return "-" if value is None else f"{value:g}"
 
-    def median(values: list[int | None]) -> float | None:
-        seen = [v for v in values if v is not None]
-        return statistics.median(seen) if seen else None
-
-    runs = " | ".join(f"run {r + 1}" for r in range(nruns))
-    out = ["The benchmark thread's preemptions / moves between CPUs during those rows' calls "
-           "(`preempted` / `migrated`; a miss's in bold):", "",
-           f"| codec | op | size | {runs} |", "|---|---|---|" + "---|" * nruns]
-    for t in missing:
-        cells = []
-        for r in range(nruns):
-            cell = f"{count(t.preempted[r])} / {count(t.migrated[r])}"
-            cells.append(f"**{cell}**" if t.missed(r) else cell)
-        out.append(f"| {t.codec} | {t.op} | {human(t.n)} | " + " | ".join(cells) + " |")
-    medians = [f"{count(median([t.preempted[r] for t in tallies]))} / "
-               f"{count(median([t.migrated[r] for t in tallies]))}" for r in range(nruns)]
-    out += ["| every row | median | | " + " | ".join(medians) + " |", ""]
-    return out
+    return _state_table(
+        "The benchmark thread's preemptions / moves between CPUs during those rows' calls "
+        "(`preempted` / `migrated`; a miss's in bold):", missing, tallies, nruns,
+        lambda t, r: f"{count(t.preempted[r])} / {count(t.migrated[r])}",
+        lambda r: f"{count(_median([t.preempted[r] for t in tallies]))} / "
+                  f"{count(_median([t.migrated[r] for t in tallies]))}")
 
 
 def verdict(tallies: list[Tally], nruns: int) -> str:
