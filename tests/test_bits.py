@@ -127,3 +127,55 @@ def test_few_million():
     n = 3_000_001
     x = torch.randint(0, 1 << 5, (n,), generator=torch.Generator().manual_seed(3))
     assert torch.equal(bits.decode(bits.encode(x, 5))[0].long(), x)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 13, 16])
+def test_the_compiled_cpu_passes_write_and_read_the_planes(monkeypatch, width):
+    """From bits._JIT_MIN values the CPU path packs and unpacks in numba's passes: the planes
+    are bitarray's for partial last words, every integer dtype, a strided and a misaligned
+    input, and the values come back in the default dtype; a process without numba and a
+    shorter vector take numpy's way to the same bytes."""
+    import sys
+
+    from bitcomm.codecs import _bits_cpu
+
+    calls = []
+    for name in ("pack", "unpack"):
+        compiled = getattr(_bits_cpu, name)
+        monkeypatch.setattr(_bits_cpu, name, lambda *a, f=compiled, k=name: calls.append(k)
+                            or f(*a))
+
+    def planes(x):  # the reference: each plane's bits, MSB first, by bitarray
+        return b"".join(bitarray([(int(v) >> p) & 1 for v in x.tolist()], endian="big").tobytes()
+                        for p in range(width - 1, -1, -1))
+
+    g = torch.Generator().manual_seed(width)
+    dtypes = [dt for dt in (torch.uint8, torch.int16, torch.int32, torch.int64)
+              if (1 << width) - 1 <= torch.iinfo(dt).max]
+    for n in (bits._JIT_MIN, bits._JIT_MIN + 1, bits._JIT_MIN + 13):
+        x = torch.randint(0, 1 << width, (n,), generator=g)
+        x[:3] = torch.tensor([0, (1 << width) - 1, 1 << (width - 1)])
+        want = planes(x)
+        for dt in dtypes:
+            calls.clear()
+            payload = bits.pack(x.to(dt), width)
+            assert bytes(payload.numpy()) == want and calls == ["pack"], (n, dt)
+        calls.clear()
+        back = bits.unpack(payload, n, width)
+        assert calls == ["unpack"]
+        assert back.dtype == (torch.uint8 if width <= 8 else torch.int32)
+        assert torch.equal(back.long(), x)
+        strided = torch.randint(0, 1 << width, (2 * n,), generator=g)[::2]
+        assert bytes(bits.pack(strided, width).numpy()) == planes(strided)
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, "numba", None)  # `import numba` now fails
+            calls.clear()
+            assert bytes(bits.pack(x, width).numpy()) == want
+            assert torch.equal(bits.unpack(payload, n, width).long(), x) and not calls
+    if width <= 8:  # 8-byte words read from an address that is not a multiple of 8
+        buf = torch.zeros(n + 1, dtype=torch.uint8)
+        buf[1:] = x.to(torch.uint8)
+        assert buf[1:].numpy().ctypes.data % 8 and bytes(bits.pack(buf[1:], width).numpy()) == want
+    short = torch.randint(0, 1 << width, (bits._JIT_MIN - 1,), generator=g)
+    calls.clear()
+    assert bytes(bits.pack(short, width).numpy()) == planes(short) and not calls
