@@ -153,6 +153,55 @@ def test_few_million():
         assert torch.equal(counts.decode(counts.encode(x, 4, packing))[0].long(), x)
 
 
+
+@pytest.mark.parametrize("m", [2, 4, 8, 40])
+def test_the_compiled_cpu_radix_loops_write_and_read_the_codes(monkeypatch, m):
+    """From bits._JIT_MIN values (codes, unpacking) the CPU radix path composes the codes and
+    splits them in numba's loops: the payload is the planes of each group's base-(m + 1)
+    number written out here (a zero-padded last group; 8, 7, 16 and 11-bit codes), every count
+    comes back, a code out of range and non-zero padding counts are still refused, and a
+    process without numba writes the same bytes."""
+    import sys
+
+    from bitarray import bitarray
+
+    from bitcomm.codecs import _counts_cpu, bits
+
+    calls = []
+    for name in ("radix_codes", "radix_digits"):
+        compiled = getattr(_counts_cpu, name)
+        monkeypatch.setattr(_counts_cpu, name, lambda *a, f=compiled, k=name: calls.append(k)
+                            or f(*a))
+    g, b = counts.radix_group(m)
+    n = g * bits._JIT_MIN + 1  # enough groups to unpack compiled, the last one padded
+    x = torch.randint(0, m + 1, (n,), generator=torch.Generator().manual_seed(m))
+    x[:g] = m  # the largest code
+    values = x.tolist() + [0] * (-n % g)
+    codes = [sum(c * (m + 1) ** (g - 1 - j) for j, c in enumerate(values[i:i + g]))
+             for i in range(0, len(values), g)]
+    want = b"".join(bitarray([(c >> p) & 1 for c in codes], endian="big").tobytes()
+                    for p in range(b - 1, -1, -1))
+    for dt in (torch.uint8, torch.int64):
+        calls.clear()
+        payload = counts.pack(x.to(dt), m, "radix")
+        assert bytes(payload.numpy()) == want and calls == ["radix_codes"]
+    calls.clear()
+    assert torch.equal(counts.unpack(payload, n, m, "radix").long(), x)
+    assert calls == ["radix_digits"]
+    nb = (len(codes) + 7) // 8
+    bad = payload.clone()
+    bad[::nb] = 0xFF  # every plane's first byte: codes of all ones, 2**b - 1 >= (m + 1)**g
+    with pytest.raises(ValueError, match="radix code"):
+        counts.unpack(bad, n, m, "radix")
+    padded = counts.pack(torch.cat([x, torch.tensor([1])]), m, "radix")
+    with pytest.raises(ValueError, match="padding counts"):
+        counts.unpack(padded, n, m, "radix")
+    with monkeypatch.context() as mp:
+        mp.setitem(sys.modules, "numba", None)  # `import numba` now fails
+        calls.clear()
+        assert bytes(counts.pack(x, m, "radix").numpy()) == want
+        assert torch.equal(counts.unpack(payload, n, m, "radix").long(), x) and not calls
+
 @needs_interpreter
 def test_a_checked_pack_reuses_its_flag_until_a_count_is_out_of_range():
     """counts.pack on the Triton path checks the range in its kernel and reads the flag before

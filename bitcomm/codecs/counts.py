@@ -47,7 +47,7 @@ import struct
 import numpy as np
 import torch
 
-from bitcomm.codecs import _frame, bits
+from bitcomm.codecs import _frame, _jit, bits
 
 __all__ = [
     "width",
@@ -171,6 +171,12 @@ def _pack(v: torch.Tensor, m: int, packing: str, check: bool, out: torch.Tensor 
     if g == 1:
         return bits.pack(v, b, check=False)
     groups = -(-n // g)
+    if _frame.use_numpy(v) and n >= bits._JIT_MIN and _jit.available():
+        from bitcomm.codecs import _counts_cpu
+
+        code = _counts_cpu.radix_codes(v.numpy(), m + 1, g, b)
+        return bits.pack(torch.from_numpy(code if b <= 8 else code.view(np.int16)), b,
+                         check=False)
     if _frame.use_numpy(v):
         # Horner's rule in the code's own width (uint8 for b <= 8, else uint16): every partial
         # code is below (m + 1)**g <= 2**b, so nothing wraps, and no int32 copy is made.
@@ -250,7 +256,11 @@ def _unpack_torch(buf: torch.Tensor, n: int, m: int, g: int, b: int, dtype: torc
 
     # Flags, not reads: inside _frame.deferred a collective reads them once per call.
     _frame.check_later(hi >= limit, too_big)
-    if numpy:
+    if numpy and groups >= bits._JIT_MIN and _jit.available():
+        from bitcomm.codecs import _counts_cpu  # the same gather, compiled
+
+        flat = torch.from_numpy(_counts_cpu.radix_digits(code.numpy(), _digit_table(m, g, b)))
+    elif numpy:
         # Every code's g digits in one gather from a table of all 2**b codes (at most 64 Ki
         # rows of g <= 16 bytes): 3-5x the divisions' speed on a CPU. Rows past the limit hold
         # zeros; a code there fails the check above.
