@@ -258,3 +258,42 @@ def test_the_compiled_cpu_pass_writes_numpys_bytes(monkeypatch, dtype):
             assert packed(x) == (want, False)
     short = torch.randn(sign._JIT_MIN - 8, generator=g).to(dtype)
     assert packed(short) == (np.packbits((short >= 0).numpy()).tolist(), False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_cpu_scale_is_the_fp32_of_the_exact_one(monkeypatch, dtype):
+    """From sign._JIT_MIN elements the CPU scale adds in numba's float64 pass: rms and mean
+    |x| equal the fp32 rounding of the exactly summed scale (math.fsum) and the torch path's,
+    a NaN or inf is refused, and a strided input and a process without numba take torch's
+    chunked sums to the same value."""
+    import math
+    import sys
+
+    from bitcomm.codecs import _sign_cpu
+
+    calls = []
+    compiled = _sign_cpu.scale_sum
+    monkeypatch.setattr(_sign_cpu, "scale_sum", lambda a, sq: calls.append(a.size)
+                        or compiled(a, sq))
+    g = torch.Generator().manual_seed(11)
+    n = sign._JIT_MIN + 5
+    for spread in (1.0, 1e-30, 1e30):
+        x = (torch.randn(n, generator=g, dtype=torch.float64) * spread).to(dtype)
+        a = x.double().numpy().tolist()
+        exact = {"rms": math.sqrt(math.fsum(v * v for v in a) / n),
+                 "mean_abs": math.fsum(abs(v) for v in a) / n}
+        for kind, want in exact.items():
+            calls.clear()
+            got = sign.compute_scale(x, kind)
+            assert calls == [n] and got == float(np.float32(want)), (spread, kind)
+            with monkeypatch.context() as m:
+                m.setitem(sys.modules, "numba", None)  # `import numba` now fails
+                assert sign.compute_scale(x, kind) == got and calls == [n]
+            assert sign.compute_scale(torch.stack([x, x], 1)[:, 0], kind) == got
+            assert calls == [n]
+    x[n // 2] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        sign.compute_scale(x)
+    x[n // 2] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        sign.compute_scale(x, "mean_abs")

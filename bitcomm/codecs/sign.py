@@ -73,13 +73,18 @@ SCALES = ("rms", "mean_abs")
 
 _CODEC = "sign"
 _CHUNK = 1 << 20  # elements per chunk on the CPU path; a multiple of 8 keeps bytes aligned
-# From how many elements a CPU encode takes numba's compiled pass (the jit extra), and for
-# which dtypes: below, numpy's packbits was as fast or faster (bitcomm.codecs._sign_cpu), and
-# a small call imports no numba (~0.3 s).
+# From how many elements a CPU encode and scale take numba's compiled passes (the jit extra,
+# float32 and float64): below, numpy's packbits was as fast or faster
+# (bitcomm.codecs._sign_cpu), and a small call imports no numba (~0.3 s).
 _JIT_MIN = 1 << 18
-_JIT_DTYPES = (np.float32, np.float64)
 _LUT: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 _NP_LUT = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1
+
+
+def _jit_path(v: torch.Tensor) -> bool:
+    # Whether a CPU tensor takes numba's compiled loops (bitcomm.codecs._sign_cpu).
+    return (v.numel() >= _JIT_MIN and v.dtype in (torch.float32, torch.float64)
+            and v.is_contiguous() and _frame.use_numpy(v) and _jit.available())
 
 
 def packed_size(n: int) -> int:
@@ -117,7 +122,7 @@ def pack(x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.packbits((v >= 0).numpy()))
     a = v.numpy()
     n = a.size
-    if n >= _JIT_MIN and a.dtype in _JIT_DTYPES and a.flags.c_contiguous and _jit.available():
+    if _jit_path(v):
         # One compiled pass (bitcomm.codecs._sign_cpu); the last partial byte by numpy.
         from bitcomm.codecs import _sign_cpu
 
@@ -256,6 +261,10 @@ def compute_scale(x: torch.Tensor, scale: str = "rms") -> float:
         return 0.0
     if _frame.use_triton(v):  # one read of x, float64 block sums in the kernel
         acc = _frame.kernels().partial_sums(v.contiguous(), scale == "rms").sum()
+    elif _jit_path(v):  # one compiled float64 pass (bitcomm.codecs._sign_cpu)
+        from bitcomm.codecs import _sign_cpu
+
+        acc = _sign_cpu.scale_sum(v.numpy(), scale == "rms")
     else:
         # float64 accumulation, converted a cache-sized chunk at a time (a whole float64 copy
         # of x would cost more than the encoder); one device sync at the end.
@@ -264,7 +273,7 @@ def compute_scale(x: torch.Tensor, scale: str = "rms") -> float:
             c = v[start : start + _CHUNK].to(torch.float64)
             # not abs_(): for float64 input c is a view of the caller's tensor
             acc += torch.dot(c, c) if scale == "rms" else c.abs().sum()
-    total = float(acc.item())
+    total = float(acc)
     value = math.sqrt(total / n) if scale == "rms" else total / n
     value = float(np.float32(value))
     if not math.isfinite(value):
