@@ -8,8 +8,8 @@ the 2-core VM; as a tuple's length, 12.6 us, where numpy's Horner steps over str
 took 420 (64M: 2.2 ms against 36). Unpacking, each code's digits are a row of a table of
 every code's digits, copied with the same constant: 164 us against numpy's ``np.take`` of the
 rows, 401 us (as an argument, 333 us; arithmetic, a division and a remainder per digit, 3.2
-ms). One compiled loop per group size and count dtype, cached
-on disk like every bitcomm loop (:mod:`bitcomm.codecs._jit`).
+ms). One compiled loop per group size and count dtype, cached on disk like every bitcomm loop
+(:mod:`bitcomm.codecs._jit`).
 """
 
 from __future__ import annotations
