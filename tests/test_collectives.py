@@ -413,13 +413,22 @@ def test_onebit_allgather_gives_the_alltoalls_result_bit_for_bit(size):
                                    a[j].server_error)
 
 
+@pytest.mark.parametrize("n", [1001, 3 * 4096 + 5])
 @pytest.mark.parametrize("collective", ["alltoall", "allgather"])
-def test_onebit_numpy_path_gives_the_torch_paths_bits(collective):
+def test_onebit_numpy_path_gives_the_torch_paths_bits(monkeypatch, collective, n):
     """On CPU tensors the sign and error steps set the scale's sign bit instead of multiplying
     by +-1: outputs and both errors must keep the torch path's bits over calls, with -0.0, a
     scale of 0 with negative elements (-1e-30 squares to 0) and NaN (a NaN scale takes the
-    multiplying path)."""
-    size, n = 3, 1001
+    multiplying path). From onebit._JIT_MIN values (the larger n: every chunk) numba's loops
+    compress and decompress."""
+    from bitcomm.collectives import _onebit_cpu, onebit
+
+    calls = []
+    for name in ("sign_error", "scaled_signs"):
+        compiled = getattr(_onebit_cpu, name)
+        monkeypatch.setattr(_onebit_cpu, name, lambda *a, f=compiled, k=name: calls.append(k)
+                            or f(*a))
+    size = 3
     runs = {}
     for path in ("numpy", "torch"):
         states = [OneBitState(n, size, collective=collective) for _ in range(size)]
@@ -443,6 +452,8 @@ def test_onebit_numpy_path_gives_the_torch_paths_bits(collective):
     for r in range(size):
         assert identical([sa[r].worker_error, sb[r].worker_error])
         assert identical([sa[r].server_error, sb[r].server_error])
+    large = sa[0].worker_error.numel() // size >= onebit._JIT_MIN
+    assert set(calls) == ({"sign_error", "scaled_signs"} if large else set()), (n, set(calls))
 
 
 @pytest.mark.parametrize("path", ["numpy", "torch", pytest.param(

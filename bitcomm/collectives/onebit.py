@@ -47,13 +47,15 @@ import math
 import numpy as np
 import torch
 
-from bitcomm.codecs import _frame, sign
+from bitcomm.codecs import _frame, _jit, sign
 from bitcomm.collectives import _common
 from bitcomm.comm.base import Comm
 
 __all__ = ["OneBitState", "onebit_allreduce", "onebit_allreduce_bytes", "padded_length",
            "COLLECTIVES", "collective_for"]
 
+# From how many values the CPU compression and decompression run numba's compiled loops.
+_JIT_MIN = 1 << 12
 COLLECTIVES = ("auto", "alltoall", "allgather")
 """What ``collective=`` accepts: the exchange of :func:`onebit_allreduce`, or ``"auto"``."""
 
@@ -156,6 +158,11 @@ def _sign_error(t: torch.Tensor, scale: torch.Tensor, error: torch.Tensor) -> to
     """
     if t.numel() and _frame.use_numpy(t) and _finite(scale):
         a = t.numpy()
+        if _compiled(t):
+            pos, neg = _with_sign_bit(scale.reshape(1).numpy())
+            packed = np.empty((t.numel() + 7) // 8, dtype=np.uint8)
+            _onebit_cpu().sign_error(a, pos[0], neg[0], error.numpy(), packed)
+            return torch.from_numpy(packed)
         negative = np.less(a, 0)
         scaled = np.left_shift(negative.view(np.uint8), 31, dtype=np.uint32)
         scaled |= scale.numpy().view(np.uint32)
@@ -179,6 +186,10 @@ def _scaled_signs(payload: torch.Tensor, rows: int, cols: int, scales: torch.Ten
     if rows * cols and _frame.use_numpy(payload) and _finite(scales):
         buf = _frame.as_buffer(payload, "payload")
         _frame.check_padding(buf, rows * cols, "sign", "payload")
+        if cols % 8 == 0 and _compiled(buf, rows * cols):
+            out = np.empty((rows, cols), dtype=np.float32)
+            _onebit_cpu().scaled_signs(buf.numpy(), *_with_sign_bit(scales.numpy()), out)
+            return torch.from_numpy(out)
         negative = np.unpackbits(buf.numpy(), count=rows * cols).reshape(rows, cols)
         np.bitwise_xor(negative, 1, out=negative)
         out = np.left_shift(negative, 31, dtype=np.uint32)
@@ -186,6 +197,28 @@ def _scaled_signs(payload: torch.Tensor, rows: int, cols: int, scales: torch.Ten
         return torch.from_numpy(out.view(np.float32))
     signs = _plus_minus(sign.unpack_mask(payload, rows * cols)).reshape(rows, cols)
     return signs.mul_(scales.reshape(rows, 1))
+
+
+def _compiled(t: torch.Tensor, n: int | None = None) -> bool:
+    # Whether the numpy path's loops over n values (t's by default) run compiled
+    # (bitcomm.collectives._onebit_cpu, the jit extra): from _JIT_MIN values, so that a small
+    # call imports no numba (~0.3 s), and for contiguous float32 or bytes.
+    n = t.numel() if n is None else n
+    return (n >= _JIT_MIN and t.is_contiguous() and t.dtype in (torch.float32, torch.uint8)
+            and _jit.available())
+
+
+def _onebit_cpu():  # noqa: ANN202 - the module, imported when a call first needs numba
+    from bitcomm.collectives import _onebit_cpu
+
+    return _onebit_cpu
+
+
+def _with_sign_bit(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # The float32 scales as they are, and with their sign bit set: scale * +1 and scale * -1
+    # to the bit for finite scales (see _sign_error).
+    pos = np.ascontiguousarray(scales, dtype=np.float32)
+    return pos, (pos.view(np.uint32) | np.uint32(1 << 31)).view(np.float32)
 
 
 def _finite(scales: torch.Tensor) -> bool:
