@@ -22,6 +22,21 @@ __all__ = ["sign_error", "scaled_signs"]
 
 
 @jit(nogil=True)
+def _sign_byte(t: np.ndarray, k: int, count: int, pos: np.float32, neg: np.float32,
+               error: np.ndarray) -> int:
+    # The packed signs of t[k:k + count] (count <= 8, MSB first), their errors written.
+    byte = 0
+    for b in range(count):
+        x = t[k + b]
+        if x < 0:
+            error[k + b] = x - neg
+        else:
+            error[k + b] = x - pos
+            byte |= 1 << (7 - b)
+    return byte
+
+
+@jit(nogil=True)
 def sign_error(t: np.ndarray, pos: np.float32, neg: np.float32, error: np.ndarray,
                packed: np.ndarray) -> None:
     """Write ``error = t - (neg if t < 0 else pos)`` and the bits of ``t >= 0`` to ``packed``.
@@ -31,27 +46,9 @@ def sign_error(t: np.ndarray, pos: np.float32, neg: np.float32, error: np.ndarra
     """
     full = t.size // 8
     for i in range(full):
-        k = 8 * i
-        byte = 0
-        for b in range(8):
-            x = t[k + b]
-            if x < 0:
-                error[k + b] = x - neg
-            else:
-                error[k + b] = x - pos
-                byte |= 1 << (7 - b)
-        packed[i] = byte
+        packed[i] = _sign_byte(t, 8 * i, 8, pos, neg, error)
     if full < packed.size:
-        k = 8 * full
-        byte = 0
-        for b in range(t.size - k):
-            x = t[k + b]
-            if x < 0:
-                error[k + b] = x - neg
-            else:
-                error[k + b] = x - pos
-                byte |= 1 << (7 - b)
-        packed[full] = byte
+        packed[full] = _sign_byte(t, 8 * full, t.size - 8 * full, pos, neg, error)
 
 
 @jit(nogil=True)
