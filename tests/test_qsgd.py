@@ -358,22 +358,36 @@ def test_one_thread_never_starts_numbas_thread_pool():
 
 
 @pytest.mark.parametrize("bits", qsgd.BITS)
-def test_numpy_decode_matches_the_torch_decode_bit_for_bit(bits):
-    """CPU frames decode through numpy; the torch path (CUDA's formula) gives the same bits,
-    signed zeros included, and the same errors for a corrupt scale or padding."""
+def test_numpy_decode_matches_the_torch_decode_bit_for_bit(monkeypatch, bits):
+    """CPU frames decode through numpy, and from qsgd._DECODE_JIT_MIN values, where a byte's
+    codes share a bucket, through one compiled pass; the torch path (CUDA's formula) gives the
+    same bits, signed zeros and a zero bucket included, and the same errors for a corrupt
+    scale or padding."""
+    from bitcomm.codecs import _qsgd_cpu
+
+    calls = []
+    compiled = _qsgd_cpu.decode_values
+    monkeypatch.setattr(_qsgd_cpu, "decode_values", lambda *a: calls.append(a[-2].size)
+                        or compiled(*a))
     g = torch.Generator().manual_seed(bits)
-    for n in (0, 1, 7, 8, 9, 100, 1000, 4099):
+    for n in (0, 1, 7, 8, 9, 100, 1000, 4099, 3 * 4096 + 5):
         for bucket in (1, 3, 8, 512, 1 << 20):
             x = torch.randn(n, generator=g) * 4
             x[: min(n, 2)] = torch.tensor([-0.0, 0.0])[: min(n, 2)]
             x[5:40:7] *= 1e20
+            x[1024:1536] = 0.0  # a zero scale where the bucket is 512
             frame = qsgd.encode(x, bits, bucket, seed=n + bucket)
+            calls.clear()
             got, used = qsgd.decode(frame)
             with forced("torch"):
                 ref, ref_used = qsgd.decode(frame)
             assert used == ref_used == frame.numel()
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, bucket)
             assert torch.equal(qsgd.decode(frame, dtype=torch.float16)[0], ref.half())
+            whole_bytes = bucket % (8 // bits) == 0
+            # both numpy-path decodes (float32, float16) or neither
+            assert calls == ([n] * 2 if n >= qsgd._DECODE_JIT_MIN and whole_bytes else []), (
+                n, bucket)
     frame = qsgd.encode(torch.ones(5), bits, 4, seed=1)
     bad_scale = frame.clone()
     bad_scale[qsgd.HEADER.size + 4 : qsgd.HEADER.size + 8] = torch.tensor(

