@@ -448,3 +448,22 @@ def test_frames_of_any_size_are_checked_together(path):
             sparse.decode_all(some, 500, None, "mean")
         counted.append(len(ops))
     assert counted[0] == counted[1], counted
+
+
+def test_checked_encode_sorts_shuffled_entries_on_either_side_of_numpys_sort():
+    """A checked encode sorts its entries: numpy's sort below sparse._NUMPY_SORT_MAX indices
+    (torch's CPU sort is 5x slower there), torch's from it. Either way the frame is that of
+    the same entries given in ascending order, which are not sorted again, and a repeated
+    index is refused."""
+    g = torch.Generator().manual_seed(5)
+    for k in (10_000, sparse._NUMPY_SORT_MAX - 1, sparse._NUMPY_SORT_MAX):
+        n = 40 * k
+        idx = torch.randperm(n, generator=g)[:k]
+        val = torch.randn(k, generator=g)
+        ascending = idx.sort()
+        want = sparse.encode(ascending.values, val[ascending.indices], n, check=False)
+        assert torch.equal(sparse.encode(idx, val, n), want), k
+        repeated = idx.clone()
+        repeated[k // 2] = repeated[k // 3]
+        with pytest.raises(ValueError, match="distinct indices"):
+            sparse.encode(repeated, val, n)
