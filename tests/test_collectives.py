@@ -1280,3 +1280,30 @@ def test_an_announced_frame_length_is_bounded_before_anything_is_allocated():
     out = run_local(job, 3, return_exceptions=True, timeout=20)
     assert all(isinstance(e, ValueError) and "rank(s) [1] announced frames of [1099511627776]"
                in str(e) for e in out), out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_results_and_error_buffers_are_numpys_arrays_where_numpy_has_the_dtype(dtype):
+    """On the CPU path the majorities' and the sparse allgather's new results and 1-bit's new
+    error buffers are arrays numpy allocated, which Linux backs with huge pages (2 ranks x 8M
+    elements: a 1-bit call 49 -> 33 ms, the majority's +-1 result 14.5 -> 3.5 ms), where
+    numpy has the dtype; bfloat16's come from torch."""
+    size, n = 2, 1000
+
+    def numpys(t):  # numpy owns a from_numpy tensor's memory, which torch cannot resize
+        return not t.untyped_storage().resizable()
+
+    xs = [x.to(dtype) for x in inputs(size, n, seed=3)]
+    for fn in (ring_majority, alltoall_majority, allgather_majority):
+        out = run_local(lambda c, fn=fn: fn(c, xs[c.rank]), size)
+        assert identical(out) and out[0].dtype == dtype
+        assert numpys(out[0]) == (dtype != torch.bfloat16), fn.__name__
+    dense = [d for d, _ in run_local(lambda c: sparse_allgather(c, xs[c.rank].float(), 10),
+                                     size)]
+    assert identical(dense) and numpys(dense[0])
+    states = [OneBitState(n, size) for _ in range(size)]
+    run_local(lambda c: onebit_allreduce(c, xs[c.rank], states[c.rank]), size)
+    assert all(numpys(s.worker_error) for s in states)  # 1-bit works in float32
+    served = [OneBitState(n, size, collective="allgather") for _ in range(size)]
+    run_local(lambda c: onebit_allreduce(c, xs[c.rank], served[c.rank]), size)
+    assert all(numpys(s.worker_error) and numpys(s.server_error) for s in served)

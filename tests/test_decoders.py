@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bitcomm import codecs
-from bitcomm.codecs import bits, counts, qsgd, redsync, sign, sparse
+from bitcomm.codecs import _frame, bits, counts, qsgd, redsync, sign, sparse
 
 # A tiny frame whose header claims 2**28 elements (1 GiB as float32), for each decoder whose
 # output is not backed by payload bytes, and a qsgd frame whose bucket field asks for as much.
@@ -379,4 +379,7 @@ def test_large_cpu_outputs_are_numpys_arrays_where_numpy_has_the_dtype(dtype):
         assert numpys == (dtype != torch.bfloat16), name
         assert want[name].untyped_storage().resizable(), name
     assert torch.equal(got["sign"], torch.where(x >= 0, 1.0, -1.0).to(dtype))
+    for shape in (0, (0,), (3, 0)):  # empty: torch's, whose strides let it be viewed as bytes
+        empty = _frame.host_array(shape, dtype, x)
+        assert empty.untyped_storage().resizable() and empty.view(torch.uint8).numel() == 0
     assert torch.equal(got["sparse"][idx], x[idx].to(dtype)) and got["sparse"].count_nonzero() == 3

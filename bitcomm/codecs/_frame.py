@@ -100,9 +100,12 @@ def host_array(shape: int | tuple[int, ...], dtype: torch.dtype, like: torch.Ten
     torch's CPU allocator does only when ``THP_MEM_ALLOC_ENABLE=1`` was set before torch
     started, so a fresh 256 MB output faults 2 MiB at a time rather than 4 KiB (writing one
     took 17 ms against torch's 66 on a 2-core VM). The decoders' large CPU outputs come from
-    here. Like any ``torch.from_numpy`` tensor it cannot be resized in place.
+    here. Like any ``torch.from_numpy`` tensor it cannot be resized in place. Empty ones come
+    from torch: ``torch.from_numpy`` gives an empty array a stride of 0, which ``view`` as
+    another dtype refuses.
     """
-    if use_numpy(like) and dtype in NUMPY_FLOATS:
+    if use_numpy(like) and dtype in NUMPY_FLOATS and (shape if isinstance(shape, int)
+                                                      else all(shape)):
         make = np.zeros if zeroed else np.empty
         return torch.from_numpy(make(shape, dtype=NUMPY_FLOATS[dtype]))
     make = torch.zeros if zeroed else torch.empty

@@ -129,7 +129,7 @@ def _finish(x: torch.Tensor, decided: torch.Tensor, packed: bool,
     # The decisions as packed bytes, or as +-1 in x's dtype (into out, where given).
     if packed:
         return sign.pack_mask(decided)
-    result = _common.result_buffer(out, decided.numel(), x.dtype, decided.device)
+    result = _common.result_buffer(out, decided.numel(), x.dtype, decided)
     _plus_minus(decided, result)
     return result.reshape(x.shape) if out is None else out
 
@@ -229,7 +229,7 @@ def _ring_majority(comm: Comm, x: torch.Tensor, packing: str, tie: str, phase: i
         # Then the ring allgather of the 1-bit decisions (_ring_allgather); every chunk of v
         # has been read by now, so out may be x.
         decided = torch.empty(n, dtype=torch.bool, device=v.device) if packed else None
-        result = None if packed else _common.result_buffer(out, n, x.dtype, v.device)
+        result = None if packed else _common.result_buffer(out, n, x.dtype, v)
 
         def keep(c: int, chunk: torch.Tensor) -> None:
             if decided is not None:
@@ -304,7 +304,7 @@ def _ring_fused(comm: Comm, x: torch.Tensor, v: torch.Tensor, tie: str, phase: i
                                           tie=tie, tie_base=_ring_start(n, size, c) + phase)
     # The decisions, as +-1 (in x's dtype, or float32 to be packed at the end); the steps
     # have read v, so out may be x.
-    result = _common.result_buffer(out, n, torch.float32 if packed else x.dtype, v.device)
+    result = _common.result_buffer(out, n, torch.float32 if packed else x.dtype, v)
     unpack(message, part(v, rank + 1).numel(), result.dtype, out=part(result, rank + 1))
     _ring_allgather(comm, message, part, v, sends, lambda c, got, length: unpack(
         got, length, result.dtype, out=part(result, c)))
@@ -358,7 +358,7 @@ def _alltoall_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check:
         decision = _kernels.vote_count(torch.stack(got), lengths[rank], tie=tie,
                                        tie_base=chunks[rank][0] + phase)
         every = comm.allgatherv(decision, every_size)
-        result = _common.result_buffer(out, n, torch.float32 if packed else x.dtype, v.device)
+        result = _common.result_buffer(out, n, torch.float32 if packed else x.dtype, v)
         for p, (lo, hi) in zip(every, chunks, strict=True):
             _frame.kernels().sign_unpack(p, hi - lo, result.dtype, out=result[lo:hi])
         if packed:
@@ -403,7 +403,7 @@ def _allgather_majority(comm: Comm, x: torch.Tensor, tie: str, phase: int, check
         decision = _kernels.vote_count(torch.stack(every), n, tie=tie, tie_base=phase)
         if packed:
             return decision
-        result = _common.result_buffer(out, n, x.dtype, v.device)
+        result = _common.result_buffer(out, n, x.dtype, v)
         _frame.kernels().sign_unpack(decision, n, x.dtype, out=result)  # our own padding: 0
         return result.reshape(x.shape) if out is None else out
     with _frame.deferred(handover=True):  # the payloads' padding checks: one read at the end

@@ -270,7 +270,7 @@ def onebit_allreduce(comm: Comm, x: torch.Tensor, state: OneBitState, *, check: 
     length, k = state.worker_error.numel(), v.numel()
     # The padded x plus the worker error: v + e, then 0 + e past x (e + 0.0 is the same float,
     # -0.0 becoming +0.0), in one pass instead of zeroing, copying and adding.
-    buf = torch.empty(length, dtype=torch.float32, device=v.device)
+    buf = _frame.host_array(length, torch.float32, v)  # the new worker error (huge pages)
     torch.add(v.reshape(-1), state.worker_error[:k], out=buf[:k])
     torch.add(state.worker_error[k:], 0.0, out=buf[k:])
     worker_scale = _rms(buf)
@@ -322,8 +322,8 @@ def _allgather(comm: Comm, x: torch.Tensor, v: torch.Tensor, state: OneBitState,
     nbytes = chunk // 8
     got, scales = _exchange(comm, packed, worker_scale, length // 8)
     weights = scales.mul_(1 / size)
-    out = torch.empty(size, chunk, dtype=torch.float32, device=v.device)
-    server_error = torch.empty_like(state.server_error)
+    out = _frame.host_array((size, chunk), torch.float32, v)
+    server_error = _frame.host_array(state.server_error.numel(), torch.float32, v)
     for j in range(size):
         error = server_error[j * chunk : (j + 1) * chunk]
         # (rank, element): every rank's signs of chunk j, weighted, as the server receives them
