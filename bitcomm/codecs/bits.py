@@ -196,7 +196,9 @@ def unpack(payload: torch.Tensor, n: int, width: int, *, dtype: torch.dtype | No
             shift = width - 1 - row
             bits = np.unpackbits(p[row])
             if shift:
-                np.left_shift(bits, shift, out=tmp, dtype=acc.dtype)
+                # A product by 2**shift, not a shift: numpy's uint8 left_shift took 261 us for
+                # 1M values where the product took 25 (the bits are 0 or 1, so they are equal).
+                np.multiply(bits, acc.dtype.type(1 << shift), out=tmp)
                 acc |= tmp
             else:
                 acc |= bits
