@@ -131,13 +131,13 @@ def test_few_million():
 
 @pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 13, 16])
 def test_the_compiled_cpu_passes_write_and_read_the_planes(monkeypatch, width):
-    """From bits._JIT_MIN values the CPU path packs and unpacks in numba's passes: the planes
+    """From _jit.MIN_VALUES values the CPU path packs and unpacks in numba's passes: the planes
     are bitarray's for partial last words, every integer dtype, a strided and a misaligned
     input, and the values come back in the default dtype; a process without numba and a
     shorter vector take numpy's way to the same bytes."""
     import sys
 
-    from bitcomm.codecs import _bits_cpu
+    from bitcomm.codecs import _bits_cpu, _jit
 
     calls = []
     for name in ("pack", "unpack"):
@@ -152,7 +152,7 @@ def test_the_compiled_cpu_passes_write_and_read_the_planes(monkeypatch, width):
     g = torch.Generator().manual_seed(width)
     dtypes = [dt for dt in (torch.uint8, torch.int16, torch.int32, torch.int64)
               if (1 << width) - 1 <= torch.iinfo(dt).max]
-    for n in (bits._JIT_MIN, bits._JIT_MIN + 1, bits._JIT_MIN + 13):
+    for n in (_jit.MIN_VALUES, _jit.MIN_VALUES + 1, _jit.MIN_VALUES + 13):
         x = torch.randint(0, 1 << width, (n,), generator=g)
         x[:3] = torch.tensor([0, (1 << width) - 1, 1 << (width - 1)])
         want = planes(x)
@@ -176,6 +176,6 @@ def test_the_compiled_cpu_passes_write_and_read_the_planes(monkeypatch, width):
         buf = torch.zeros(n + 1, dtype=torch.uint8)
         buf[1:] = x.to(torch.uint8)
         assert buf[1:].numpy().ctypes.data % 8 and bytes(bits.pack(buf[1:], width).numpy()) == want
-    short = torch.randint(0, 1 << width, (bits._JIT_MIN - 1,), generator=g)
+    short = torch.randint(0, 1 << width, (_jit.MIN_VALUES - 1,), generator=g)
     calls.clear()
     assert bytes(bits.pack(short, width).numpy()) == planes(short) and not calls

@@ -419,9 +419,10 @@ def test_onebit_numpy_path_gives_the_torch_paths_bits(monkeypatch, collective, n
     """On CPU tensors the sign and error steps set the scale's sign bit instead of multiplying
     by +-1: outputs and both errors must keep the torch path's bits over calls, with -0.0, a
     scale of 0 with negative elements (-1e-30 squares to 0) and NaN (a NaN scale takes the
-    multiplying path). From onebit._JIT_MIN values (the larger n: every chunk) numba's loops
+    multiplying path). From _jit.MIN_VALUES values (the larger n: every chunk) numba's loops
     compress and decompress."""
-    from bitcomm.collectives import _onebit_cpu, onebit
+    from bitcomm.codecs import _jit
+    from bitcomm.collectives import _onebit_cpu
 
     calls = []
     for name in ("sign_error", "scaled_signs"):
@@ -452,7 +453,7 @@ def test_onebit_numpy_path_gives_the_torch_paths_bits(monkeypatch, collective, n
     for r in range(size):
         assert identical([sa[r].worker_error, sb[r].worker_error])
         assert identical([sa[r].server_error, sb[r].server_error])
-    large = sa[0].worker_error.numel() // size >= onebit._JIT_MIN
+    large = sa[0].worker_error.numel() // size >= _jit.MIN_VALUES
     assert set(calls) == ({"sign_error", "scaled_signs"} if large else set()), (n, set(calls))
 
 

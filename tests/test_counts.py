@@ -156,7 +156,7 @@ def test_few_million():
 
 @pytest.mark.parametrize("m", [2, 4, 8, 40])
 def test_the_compiled_cpu_radix_loops_write_and_read_the_codes(monkeypatch, m):
-    """From bits._JIT_MIN values (codes, unpacking) the CPU radix path composes the codes and
+    """From _jit.MIN_VALUES values (codes, unpacking) the CPU radix path composes the codes and
     splits them in numba's loops: the payload is the planes of each group's base-(m + 1)
     number written out here (a zero-padded last group; 8, 7, 16 and 11-bit codes), every count
     comes back, a code out of range and non-zero padding counts are still refused, and a
@@ -165,7 +165,7 @@ def test_the_compiled_cpu_radix_loops_write_and_read_the_codes(monkeypatch, m):
 
     from bitarray import bitarray
 
-    from bitcomm.codecs import _counts_cpu, bits
+    from bitcomm.codecs import _counts_cpu, _jit
 
     calls = []
     for name in ("radix_codes", "radix_digits"):
@@ -173,7 +173,7 @@ def test_the_compiled_cpu_radix_loops_write_and_read_the_codes(monkeypatch, m):
         monkeypatch.setattr(_counts_cpu, name, lambda *a, f=compiled, k=name: calls.append(k)
                             or f(*a))
     g, b = counts.radix_group(m)
-    n = g * bits._JIT_MIN + 1  # enough groups to unpack compiled, the last one padded
+    n = g * _jit.MIN_VALUES + 1  # enough groups to unpack compiled, the last one padded
     x = torch.randint(0, m + 1, (n,), generator=torch.Generator().manual_seed(m))
     x[:g] = m  # the largest code
     values = x.tolist() + [0] * (-n % g)

@@ -359,11 +359,11 @@ def test_one_thread_never_starts_numbas_thread_pool():
 
 @pytest.mark.parametrize("bits", qsgd.BITS)
 def test_numpy_decode_matches_the_torch_decode_bit_for_bit(monkeypatch, bits):
-    """CPU frames decode through numpy, and from qsgd._DECODE_JIT_MIN values, where a byte's
+    """CPU frames decode through numpy, and from _jit.MIN_VALUES values, where a byte's
     codes share a bucket, through one compiled pass; the torch path (CUDA's formula) gives the
     same bits, signed zeros and a zero bucket included, and the same errors for a corrupt
     scale or padding."""
-    from bitcomm.codecs import _qsgd_cpu
+    from bitcomm.codecs import _jit, _qsgd_cpu
 
     calls = []
     compiled = _qsgd_cpu.decode_values
@@ -386,7 +386,7 @@ def test_numpy_decode_matches_the_torch_decode_bit_for_bit(monkeypatch, bits):
             assert torch.equal(qsgd.decode(frame, dtype=torch.float16)[0], ref.half())
             whole_bytes = bucket % (8 // bits) == 0
             # both numpy-path decodes (float32, float16) or neither
-            assert calls == ([n] * 2 if n >= qsgd._DECODE_JIT_MIN and whole_bytes else []), (
+            assert calls == ([n] * 2 if n >= _jit.MIN_VALUES and whole_bytes else []), (
                 n, bucket)
     frame = qsgd.encode(torch.ones(5), bits, 4, seed=1)
     bad_scale = frame.clone()

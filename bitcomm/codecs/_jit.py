@@ -10,7 +10,13 @@ from __future__ import annotations
 import os
 import tempfile
 
-__all__ = ["available", "jit"]
+__all__ = ["MIN_VALUES", "available", "jit", "worth"]
+
+MIN_VALUES = 1 << 12
+"""From how many values a call takes the compiled loops that beat numpy at every size (bits,
+counts, the qsgd decode, 1-bit's compression): below, numpy's way costs a few microseconds
+more, and a small call imports no numba (~0.3 s). sign's packing, which numpy matches up to
+256K elements, keeps its own threshold."""
 
 
 def available() -> bool:
@@ -20,6 +26,14 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def worth(n: int) -> bool:
+    """Say whether a call over ``n`` values takes the compiled loops.
+
+    It does where numba imports and ``n`` is at least :data:`MIN_VALUES`.
+    """
+    return n >= MIN_VALUES and available()
 
 
 def jit(**options):  # noqa: ANN201 - a numba decorator

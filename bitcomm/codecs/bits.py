@@ -44,10 +44,6 @@ HEADER = struct.Struct("<qB")
 _CODEC = "bits"
 MAX_WIDTH = 16
 _CHUNK = 1 << 18  # values per chunk on the CPU path; a multiple of 8 keeps bytes aligned
-# From how many values the CPU path packs and unpacks in numba's compiled passes (the jit
-# extra, bitcomm.codecs._bits_cpu): they were faster at every size, but a small call then
-# imports no numba (~0.3 s).
-_JIT_MIN = 1 << 12
 
 
 def _check_width(width: object) -> int:
@@ -114,7 +110,7 @@ def _pack(v: torch.Tensor, width: int, check: bool, out: torch.Tensor | None = N
     nb = (n + 7) // 8
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=v.device)
-    if path == "numpy" and n >= _JIT_MIN and _jit.available():
+    if path == "numpy" and _jit.worth(n):  # numba's passes (bitcomm.codecs._bits_cpu)
         from bitcomm.codecs import _bits_cpu
 
         return torch.from_numpy(_bits_cpu.pack(v.numpy(), width).reshape(-1))
@@ -182,7 +178,7 @@ def unpack(payload: torch.Tensor, n: int, width: int, *, dtype: torch.dtype | No
         _frame.raise_if(flags, lambda: _frame.check_padding(planes, n, _CODEC, "plane"))
         return out
     _frame.check_padding(planes, n, _CODEC, "plane")
-    if path == "numpy" and n >= _JIT_MIN and _jit.available():
+    if path == "numpy" and _jit.worth(n):
         from bitcomm.codecs import _bits_cpu
 
         return torch.from_numpy(_bits_cpu.unpack(planes.numpy(), n)).to(dtype)

@@ -171,7 +171,7 @@ def _pack(v: torch.Tensor, m: int, packing: str, check: bool, out: torch.Tensor 
     if g == 1:
         return bits.pack(v, b, check=False)
     groups = -(-n // g)
-    if _frame.use_numpy(v) and n >= bits._JIT_MIN and _jit.available():
+    if _frame.use_numpy(v) and _jit.worth(n):
         from bitcomm.codecs import _counts_cpu
 
         code = _counts_cpu.radix_codes(v.numpy(), m + 1, g, b)
@@ -256,7 +256,7 @@ def _unpack_torch(buf: torch.Tensor, n: int, m: int, g: int, b: int, dtype: torc
 
     # Flags, not reads: inside _frame.deferred a collective reads them once per call.
     _frame.check_later(hi >= limit, too_big)
-    if numpy and groups >= bits._JIT_MIN and _jit.available():
+    if numpy and _jit.worth(groups):
         from bitcomm.codecs import _counts_cpu  # the same gather, compiled
 
         flat = torch.from_numpy(_counts_cpu.radix_digits(code.numpy(), _digit_table(m, g, b)))

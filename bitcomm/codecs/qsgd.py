@@ -75,9 +75,6 @@ DEFAULT_BUCKET = 512
 
 _CODEC = "qsgd"
 _CHUNK = 1 << 18  # elements quantised per pass, to stay in cache
-# From how many values a CPU decode runs numba's compiled pass (the jit extra): a smaller one
-# imports no numba (~0.3 s) for the few microseconds it would save.
-_DECODE_JIT_MIN = 1 << 12
 
 
 def check_config(bits: object, bucket: object, scale: object) -> tuple[int, int, str]:
@@ -670,7 +667,7 @@ def _decode_numpy(scales: torch.Tensor, codes: torch.Tensor, n: int, bits: int, 
     with np.errstate(invalid="ignore", over="ignore") if flagged else contextlib.nullcontext():
         step = sc / np.float32((1 << (bits - 1)) - 1)  # float32 / float32: correctly rounded
         per = 8 // bits
-        if n >= _DECODE_JIT_MIN and bucket % per == 0 and _jit.available():
+        if bucket % per == 0 and _jit.worth(n):
             from bitcomm.codecs import _qsgd_cpu  # the same products in one compiled pass
 
             level = np.empty(n, dtype=np.float32)

@@ -54,8 +54,6 @@ from bitcomm.comm.base import Comm
 __all__ = ["OneBitState", "onebit_allreduce", "onebit_allreduce_bytes", "padded_length",
            "COLLECTIVES", "collective_for"]
 
-# From how many values the CPU compression and decompression run numba's compiled loops.
-_JIT_MIN = 1 << 12
 COLLECTIVES = ("auto", "alltoall", "allgather")
 """What ``collective=`` accepts: the exchange of :func:`onebit_allreduce`, or ``"auto"``."""
 
@@ -201,11 +199,9 @@ def _scaled_signs(payload: torch.Tensor, rows: int, cols: int, scales: torch.Ten
 
 def _compiled(t: torch.Tensor, n: int | None = None) -> bool:
     # Whether the numpy path's loops over n values (t's by default) run compiled
-    # (bitcomm.collectives._onebit_cpu, the jit extra): from _JIT_MIN values, so that a small
-    # call imports no numba (~0.3 s), and for contiguous float32 or bytes.
-    n = t.numel() if n is None else n
-    return (n >= _JIT_MIN and t.is_contiguous() and t.dtype in (torch.float32, torch.uint8)
-            and _jit.available())
+    # (bitcomm.collectives._onebit_cpu; _jit.worth), for contiguous float32 or bytes.
+    return (t.is_contiguous() and t.dtype in (torch.float32, torch.uint8)
+            and _jit.worth(t.numel() if n is None else n))
 
 
 def _onebit_cpu():  # noqa: ANN202 - the module, imported when a call first needs numba
