@@ -41,7 +41,12 @@ def by_key(rows, codec, op):
     return next(r for r in rows if (r["codec"], r["op"]) == (codec, op))
 
 
-def test_bench_codecs_prints_and_saves_rows(tmp_path):
+def test_bench_codecs_prints_and_saves_rows(tmp_path, monkeypatch):
+    from bitcomm.bench import codecs as bench_codecs
+
+    # targets judged from 64K here (the CPU's are from 1M): the 64K rows have them, the 1000
+    # rows their ratios only
+    monkeypatch.setitem(bench_codecs.TARGET_SIZES, "cpu", 1 << 16)
     result = CliRunner().invoke(main, ["bench", "codecs", "--sizes", "64K,1000", "--repeat", "1",
                                        "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -74,7 +79,8 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
         row = by[("sign", "encode", n)]
         assert row["anchor"] == "packbits" and by[("sign", "decode", n)]["anchor"] == "unpackbits"
         assert by[("counts-w2", "encode", n)]["anchor"] == "sign.encode"
-        assert by[("counts-w2", "encode", n)]["target"] == 0.5
+        assert by[("counts-w2", "encode", n)]["target"] == (0.5 if n == 65536 else None)
+        assert by[("sign", "encode", n)]["target"] == (0.9 if n == 65536 else None)
         assert row["wire_bytes"] == (n + 7) // 8
         assert by[("qsgd-4", "encode", n)]["wire_bytes"] == 14 + 4 * -(-n // 512) + n // 2
     assert "sign" in result.output and "#wrong" in result.output
@@ -96,8 +102,13 @@ def test_bench_codecs_prints_and_saves_rows(tmp_path):
                 f"{row['gbps']:.2f} ({row['ratio']:.2f})"
             assert cell.strip() == want, (codec, op, n)
         assert vs.strip() == ("" if codec == "anchor" else by[(codec, op, 1000)]["anchor"])
-        want = by[(codec, op, 1000)]["target"]
-        assert target.strip() == ("" if want is None else f">= {want:.2f}")
+        assert by[(codec, op, 1000)]["target"] is None
+        want = by[(codec, op, 65536)]["target"]
+        assert target.strip() == ("" if want is None else f">= {want:.2f} from 64K")
+    # a row without a target is neither ok nor a MISS
+    printed = {tuple(line.split()[:3]): line for line in result.output.splitlines()}
+    assert printed[("64K", "sign", "encode")].endswith((" ok", " MISS"))
+    assert printed[("1000", "sign", "encode")].split()[-1] == "packbits"
 
 
 def test_a_codec_and_its_anchor_are_timed_in_alternation(monkeypatch):
@@ -363,8 +374,9 @@ def test_bench_volume_keeps_oktopk_within_its_bound_while_the_allgather_grows(tm
 def test_bench_codecs_warns_about_load_when_it_misses(load, tmp_path, monkeypatch):
     from bitcomm.bench import codecs as bench_codecs
 
-    # an unreachable target: every sign encode row is a MISS
+    # an unreachable target, judged from 1000 elements: every sign encode row is a MISS
     monkeypatch.setitem(bench_codecs.TARGETS, ("sign", "encode"), ("packbits", 1e9, "never"))
+    monkeypatch.setitem(bench_codecs.TARGET_SIZES, "cpu", 1000)
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     result = CliRunner().invoke(main, ["bench", "codecs", "--sizes", "1000", "--repeat", "1",
                                        "--out", str(tmp_path)])

@@ -40,7 +40,7 @@ from bitcomm.bench import heading
 from bitcomm.codecs import _frame, counts, qsgd, redsync, sign, sparse
 
 __all__ = ["Row", "run", "markdown", "vector", "DEFAULT_SIZES", "TARGETS", "GPU_TARGETS",
-           "time_call", "host_probe", "Tally", "tally", "tally_markdown", "verdict"]
+           "TARGET_SIZES", "time_call", "host_probe", "Tally", "tally", "tally_markdown", "verdict"]
 
 DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
 
@@ -72,6 +72,12 @@ GPU_TARGETS = {
     ("topk-1%", "encode"): ("sum", 0.2, ">= 0.2x the HBM read"),
 }
 """GPU targets (``device="cuda"``), all ratios to the anchor named first."""
+
+TARGET_SIZES = {"cpu": 1 << 20, "cuda": 64 << 20}
+"""The smallest vector a device's targets are judged at: the sizes they were set for (the CPU's
+1M-64M, the GPU's 64M and up). Below, a call's fixed host costs (checks, dispatch, an
+allocation: some microseconds) outweigh its pass over memory, which is what a target measures;
+such rows keep their anchor and ratio but have no target and no MISS."""
 
 
 @dataclasses.dataclass
@@ -400,6 +406,8 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, repeat: int = 3, seed: int = 0,
                 for name in names:
                     anchor, minimum, why = targets.get(
                         (name, op), ("sum" if gpu else _CPU_ANCHOR[op], float("nan"), ""))
+                    if n < TARGET_SIZES[device.type]:
+                        minimum, why = float("nan"), ""
                     [(t, host), (against, _)], state = _measured([fn, anchors[anchor]],
                                                                  repeat, device)
                     emit(Row(name, op, n, t, 4 * n / t / 1e9, int(frame.numel()), wrong,
@@ -432,7 +440,11 @@ def markdown(rows: list[Row], config: dict, command: str) -> str:
                 cells.append(f"{r.gbps:.2f}")
             else:
                 cells.append(f"{r.gbps:.2f} ({r.ratio:.2f})")
-        target = "" if first.target != first.target else f">= {first.target:.2f}"
+        # The target of the sizes that have one; where smaller ones have none, from which size.
+        judged = [n for n in sizes if n in by_size and by_size[n].target == by_size[n].target]
+        target = "" if not judged else f">= {by_size[judged[0]].target:.2f}"
+        if judged and any(n in by_size and n < min(judged) for n in sizes):
+            target += f" from {human(min(judged))}"
         vs = "" if codec == "anchor" else first.anchor
         out.append(f"| {codec} | {op} | {vs} | " + " | ".join(cells) + f" | {target} |")
     return "\n".join(out) + "\n"
