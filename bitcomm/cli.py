@@ -662,22 +662,24 @@ def bench_collectives(ranks: int, transport: str, launcher: str | None, hostfile
     if not worker and _launched() is None:
         sys.exit(_launch(ranks, transport, ["collectives", *args], launcher, hostfile))
     from bitcomm.bench import collectives as bench_mod
+    from bitcomm.collectives.registry import COLLECTIVES
     from bitcomm.comm.launch import world
 
     comm = world(transport)
     config = _machine() | {"ranks": comm.size, "transport": transport, "sizes": list(sizes),
                            "repeat": repeat, "seed": seed}
+    wide = max(map(len, COLLECTIVES))  # every row's name fits: rows print as measured
     if comm.rank == 0:
         _announce("bench collectives", config)
         click.echo("# algbw = 4n bytes / time (GB = 1e9), busbw = algbw * 2(N-1)/N; time = "
                    "median over calls of each call's slowest rank (min, max in the JSON)")
-        click.echo(f"{'size(B)':>7} {'count':>10} {'collective':<20} {'time(ms)':>10} "
+        click.echo(f"{'size(B)':>7} {'count':>10} {'collective':<{wide}} {'time(ms)':>10} "
                    f"{'algbw':>8} {'busbw':>8} {'wire_bytes':>12} {'formula':>12} "
                    f"{'#wrong':>6} {'vs a2a':>7}")
 
     def show(row) -> None:
         speed = "" if row.speedup_vs_alltoall is None else f"{row.speedup_vs_alltoall:.2f}"
-        click.echo(f"{_human(4 * row.n):>7} {row.n:>10} {row.collective:<20} "
+        click.echo(f"{_human(4 * row.n):>7} {row.n:>10} {row.collective:<{wide}} "
                    f"{row.seconds * 1e3:>10.2f} {row.algbw:>8.3f} {row.busbw:>8.3f} "
                    f"{row.wire_bytes:>12} {row.expected_bytes:>12} {row.wrong:>6} {speed:>7}",
                    nl=True)
