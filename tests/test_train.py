@@ -671,6 +671,43 @@ def test_a_parameter_without_a_gradient_does_not_move(kind):
         assert frozen_state == 0
 
 
+def test_qsgd_feedback_keeps_a_frozen_parameters_residual_unsent_until_it_has_a_gradient():
+    """With error feedback, a parameter without a gradient sends nothing and its residual
+    waits as it was (zero where it never had one), while the others' residuals move on."""
+    def worker(comm):
+        a, b = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8))
+        # one bucket holds both: a frozen residual sent would change a's scale and its codes
+        opt = QSGDSGD([a, b], comm, lr=0.1, bits=2, bucket=16, error_feedback=True, seed=5)
+        grads = torch.linspace(-1, 1, 8) * (comm.rank + 1)
+        kept = []
+        for has_b in (False, True, False, True):  # b frozen first, then every other step
+            opt.zero_grad()
+            a.grad = grads.clone()
+            if has_b:  # its 40s round to 0 or 100: a residual far above a's values
+                b.grad = torch.tensor([100.0] + [40.0] * 7)
+            before = b.detach().clone()
+            opt.step()
+            residual = opt.feedback.residuals["flat"]
+            kept.append((residual[:8].clone(), residual[8:].clone(),
+                         torch.equal(b.detach(), before)))
+        # step 2 (b frozen) by hand: a's gradient plus its residual, beside zeros where b's
+        # waiting residual is not sent, quantised with rank r's seed of that step (5 + 2N + r)
+        compensated = torch.cat([grads + kept[1][0], torch.zeros(8)])
+        frame = qsgd.encode(compensated, 2, 16, seed=5 + 2 * comm.size + comm.rank)
+        sent, _ = qsgd.decode(frame)
+        return kept, compensated[:8] - sent[:8]
+
+    for kept, a2_by_hand in run_local(worker, size=2):
+        (a0, b0, still0), (a1, b1, still1), (a2, b2, still2), (a3, b3, still3) = kept
+        assert torch.equal(a2, a2_by_hand)
+        assert still0 and still2 and not still1 and not still3  # b moves only with a gradient
+        assert torch.equal(b0, torch.zeros(8))  # never had a gradient: no residual
+        assert b1.abs().sum() > 0  # 2-bit quantisation of b's gradient left one
+        assert torch.equal(b2, b1)  # frozen: unsent and unchanged
+        assert not torch.equal(b3, b2)  # with a gradient again it was sent and moved on
+        assert not torch.equal(a1, a2)  # a's residual moves at every step
+
+
 def test_rgc_sends_nothing_for_a_sparse_parameter_that_no_rank_has_a_gradient_for():
     def worker(comm, with_b):
         a, b = torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(10))
