@@ -226,6 +226,25 @@ def test_layouts_and_devices_without_data_are_type_errors():
         sign.encode(torch.ones(3, device="meta"))
 
 
+def test_numpys_way_packs_a_long_vector_a_chunk_at_a_time_to_the_same_bytes(monkeypatch):
+    """Past sign._CHUNK elements, where numba does not pack (float16, a strided vector, no
+    numba), numpy compares and packs a chunk at a time: the bytes are np.packbits(x >= 0)'s,
+    across chunk boundaries and with a partial last byte."""
+    import sys
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2 * sign._CHUNK + 13, generator=g).to(torch.float16)
+    x[[0, sign._CHUNK - 1, sign._CHUNK, -1]] = torch.tensor([-0.0, float("nan"), 0.0, -1.0],
+                                                             dtype=torch.float16)
+    assert sign.pack(x).tolist() == np.packbits((x >= 0).numpy()).tolist()
+    monkeypatch.setattr(sign, "_CHUNK", 64)  # many chunks, at small sizes
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` now fails
+    for n in (64, 65, 3 * 64, 3 * 64 + 5, 1000):
+        for v in (torch.randn(n, generator=g),
+                  torch.randn(2 * n, generator=g, dtype=torch.float64)[::2]):
+            assert sign.pack(v).tolist() == np.packbits((v >= 0).numpy()).tolist(), n
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_compiled_cpu_pass_writes_numpys_bytes(monkeypatch, dtype):
     """From sign._JIT_MIN elements the CPU encoder packs in numba's one pass: the bytes are
