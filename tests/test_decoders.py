@@ -5,6 +5,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +109,25 @@ def test_an_expected_length_is_checked_against_the_header(name):
         decode(frame, n=49)
     with pytest.raises(TypeError, match="n"):
         decode(frame, n=50.0)
+
+
+@pytest.mark.parametrize("name", sorted(FRAMES))
+def test_a_frame_is_taken_as_bytes_or_a_numpy_array_and_must_be_one_row(name):
+    """Every decoder reads bytes, bytearray, memoryview and a uint8 numpy array as it reads
+    the tensor of the same bytes; any other dtype is a TypeError, and a frame of two or more
+    dimensions a ValueError, whether a tensor or an array."""
+    make, decode = FRAMES[name]
+    frame = make()
+    want, used = decode(frame)
+    raw = frame.numpy()
+    for form in (bytes(raw), bytearray(raw), memoryview(raw), raw, raw.copy()[::1]):
+        got, at = decode(form)
+        assert at == used and torch.equal(got, want), type(form)
+    with pytest.raises(TypeError, match="uint8"):
+        decode(raw.astype(np.int16))
+    for rows in (frame.reshape(1, -1), raw.reshape(1, -1)):
+        with pytest.raises(ValueError, match="expected frame to be 1-D, got shape"):
+            decode(rows)
 
 
 def test_the_collectives_decode_with_the_length_they_expect(monkeypatch):

@@ -11,8 +11,10 @@ One module per codec, each documenting its wire format with a worked example:
 * :mod:`~bitcomm.codecs.stream`: SparCML's sparse streams, switching to dense when smaller.
 * :mod:`~bitcomm.codecs.select`: top-k, trimmed top-k and threshold binary search selectors.
 
-Every ``decode`` returns ``(result, bytes_consumed)`` (the convention of Python's ``codecs``
-module), so frames can be read back to back from one buffer. :func:`backend` says which
+Every ``decode`` takes its frame as a 1-D uint8 tensor on any device, a 1-D uint8 numpy array
+or bytes (``bytes``, ``bytearray``, ``memoryview``), and returns ``(result, bytes_consumed)``
+(the convention of Python's ``codecs`` module), so frames can be read back to back from one
+buffer. :func:`backend` says which
 implementation a tensor gets (numpy on the CPU, Triton kernels on CUDA, torch ops otherwise);
 all three write the same bytes.
 

@@ -490,13 +490,20 @@ def check_length(n: int, frame_bytes: int, expected: object, codec: str,
 
 
 def as_buffer(buf: object, name: str = "frame") -> torch.Tensor:
-    """Return ``buf`` as a contiguous 1-D uint8 tensor (bytes-like objects are copied to CPU)."""
+    """Return ``buf`` as a contiguous 1-D uint8 tensor.
+
+    ``buf``: a 1-D uint8 tensor, a 1-D uint8 numpy array (shared where contiguous), or bytes,
+    bytearray or memoryview (copied to the CPU). A frame is one row of bytes: a tensor or an
+    array of more dimensions is a ``ValueError``, not read in its memory order.
+    """
     if isinstance(buf, (bytes, bytearray, memoryview)):
         return torch.frombuffer(bytearray(buf), dtype=torch.uint8)
     if isinstance(buf, np.ndarray):
         if buf.dtype != np.uint8:
             raise TypeError(f"expected {name} to hold uint8, got numpy dtype {buf.dtype}")
-        return torch.from_numpy(np.ascontiguousarray(buf).reshape(-1))
+        if buf.ndim != 1:
+            raise ValueError(f"expected {name} to be 1-D, got shape {buf.shape}")
+        return torch.from_numpy(np.ascontiguousarray(buf))
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"expected {name} to be a uint8 tensor or bytes, got {type(buf).__name__}")
     if buf.dtype != torch.uint8:
