@@ -684,6 +684,23 @@ def test_bad_options():
         run_local(lambda c: sparse_allgather(c, torch.ones(3), 4), 1)
     with pytest.raises(TypeError, match="OneBitState"):
         run_local(lambda c: onebit_allreduce(c, torch.ones(3), None), 1)
+    with pytest.raises(ValueError, match="method in .* got 'sorted'"):
+        run_local(lambda c: sparse_allgather(c, torch.ones(3), 1, method="sorted"), 1)
+    for k in (True, 1.0):
+        with pytest.raises(TypeError, match="k to be an int"):
+            run_local(lambda c, k=k: sparse_allgather(c, torch.ones(3), k), 1)
+    with pytest.raises(ValueError, match="side applies to fmt='mean' only"):
+        run_local(lambda c: sparse_allgather(c, torch.ones(3), 1, side="top"), 1)
+    with pytest.raises(ValueError, match="side in .* got 'up'"):
+        run_local(lambda c: sparse_allgather(c, torch.ones(3), 1, fmt="mean", side="up"), 1)
+    with pytest.raises(TypeError, match="average to be a bool"):
+        run_local(lambda c: sparse_allgather(c, torch.ones(3), 1, average=1), 1)
+    # without the agreement each rank still refuses what it cannot compute with
+    with pytest.raises(TypeError, match="floating-point torch.Tensor, got a tensor of dtype "
+                                        "torch.int32 on rank 0"):
+        run_local(lambda c: allreduce(c, torch.ones(3, dtype=torch.int32), check=False), 1)
+    with pytest.raises(TypeError, match="floating-point torch.Tensor, got list on rank 0"):
+        run_local(lambda c: ring_majority(c, [1.0, -1.0], check=False), 1)
 
 
 def test_a_failing_rank_stops_the_others_quickly():
