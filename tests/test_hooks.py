@@ -178,6 +178,25 @@ def run_hook(hook, make_state, grads_of_rank, size=2, steps=1, layouts=None):
     return run_local(rank_fn, size=size)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_qsgd_hook_without_feedback_is_the_mean_of_the_workers_quantised_gradients(overlap):
+    """error_feedback=False: each step's bucket becomes the rank-order mean of the workers'
+    frames as qsgd.decode reads them (rank r of step t rounding with seed + t * N + r), and
+    no residual is kept."""
+    size, n, seed = 3, 300, 7
+    grads = randn_grads(n)
+    res = run_hook(qsgd_hook, lambda c: QsgdState(c, bits=2, bucket_size=64, seed=seed,
+                                                  error_feedback=False, overlap=overlap),
+                   lambda r, t: [grads(r, t)], size=size, steps=2)
+    for step in range(2):
+        decoded = [qsgd.decode(qsgd.encode(grads(r, step), 2, 64, seed=seed + step * size + r))[0]
+                   for r in range(size)]
+        want = (decoded[0] + decoded[1] + decoded[2]) / size
+        for outs, state in res:
+            assert torch.equal(outs[step][0], want), step
+            assert not state.error_feedback and len(state.residuals) == 0
+
+
 def opposite(rank, step):
     return [torch.tensor([1., -2., 3.]) * (1 if rank == 0 else -1), torch.tensor([0.5])]
 
