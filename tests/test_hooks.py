@@ -423,6 +423,15 @@ def test_each_state_takes_only_its_own_options():
             OneBitHookState(comm, collective="ring")
         with pytest.raises(ValueError, match="tie"):
             SignState(comm, tie="up")
+        with pytest.raises(ValueError, match=r"expected bits in \(2, 4, 8\), got 3"):
+            QsgdState(comm, bits=3)
+        for size in (0, True, 64.0):
+            with pytest.raises(ValueError, match="bucket_size to be an int >= 1"):
+                QsgdState(comm, bucket_size=size)
+        with pytest.raises(TypeError, match="seed to be an int, got float"):
+            QsgdState(comm, seed=1.0)
+        with pytest.raises(ValueError, match="method in .* got 'exact'"):
+            TopkState(comm, method="exact")
         return True
 
     assert run_local(rank_fn, size=1) == [True]
