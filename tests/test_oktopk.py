@@ -194,6 +194,25 @@ def test_bad_input_raises_on_every_rank():
                                           "ValueError", "ValueError"]
 
 
+@pytest.mark.parametrize("options, kind, message", [
+    ({"tau": 2.0}, TypeError, "tau to be an int, got float"),
+    ({"tau_prime": True}, TypeError, "tau_prime to be an int, got bool"),
+    ({"throttle": 0}, ValueError, "throttle >= 1, got 0"),
+    ({"regions": "even-ish"}, ValueError, "regions in"),
+    ({"raise_step": 2}, ValueError, r"raise_step in \[1, 2\), got 2"),
+    ({"raise_tries": -1}, ValueError, "raise_tries to be an int >= 0, got -1"),
+    ({"raise_tries": 1.5}, ValueError, "raise_tries to be an int >= 0, got 1.5"),
+    ({"local_stages": 0}, ValueError, "local_stages to be an int >= 1, got 0"),
+    ({"local_stages": True}, ValueError, "local_stages to be an int >= 1, got True"),
+])
+def test_a_state_option_out_of_range_is_refused_naming_it(options, kind, message):
+    with pytest.raises(kind, match=message):
+        OkTopkState(**options).check()
+    with pytest.raises(kind, match=message):
+        run_local(lambda c: oktopk_allreduce(c, torch.ones(8), 2, OkTopkState(**options)), 2,
+                  timeout=30)
+
+
 def test_state_round_trips():
     s = OkTopkState(tau=3, iteration=5, local_th=0.5, global_th=0.25, boundaries=[4, 9])
     t = OkTopkState()

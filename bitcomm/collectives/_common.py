@@ -147,7 +147,8 @@ def prepare(comm: Comm, x: object, check: bool, name: str, *, float32: bool = Fa
             anything is sent; the ``ValueError``, ``TypeError`` or ``OverflowError`` it raises is
             raised on every rank.
         length: the length every rank must agree on, where it is not ``x``'s own (a sparse
-            vector's ``n``, while its values differ in number between ranks).
+            vector's ``n``, while its values differ in number between ranks); negative where
+            this rank's length argument is not a length, which ``validate`` must then refuse.
 
     Raises on every rank, the first that applies: ``TypeError`` if any rank's input is not a
     floating-point tensor; ``ValueError`` if the lengths differ; the exception type of the
@@ -233,7 +234,9 @@ def _agree(comm: Comm, x: object, check: bool, name: str, float32: bool,
         raise TypeError(f"{name}: expected a floating-point torch.Tensor on every rank, got "
                         f"something else on rank(s) {bad} (here: {what})")
     sizes = [c for c, _, _ in table]
-    if len(set(sizes)) > 1:
+    # A negative length is a rank's word that its own length argument was refused: its
+    # validation error, raised below, says what is wrong where a mismatch would not.
+    if len({c for c in sizes if c >= 0}) > 1:
         what = "number of elements" if length is None else "length n"
         raise ValueError(f"{name}: expected the same {what} on every rank, got {sizes} (by "
                          "rank)")
