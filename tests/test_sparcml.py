@@ -231,6 +231,7 @@ def _bad(size, bad_rank, make_bad, name, **kw):
     (lambda ix, v, n: (ix.tolist(), v, n), TypeError, "indices to be an integer torch.Tensor"),
     (lambda ix, v, n: (ix, v, 10.0), TypeError, "n to be an int, got float"),
     (lambda ix, v, n: (ix, v, True), TypeError, "n to be an int, got bool"),
+    (lambda ix, v, n: (ix, v, -1), ValueError, "n >= 0, got -1"),
 ])
 def test_bad_input_raises_on_every_rank(name, make_bad, kind, message):
     out = _bad(3, 2, make_bad, name)
