@@ -886,6 +886,7 @@ def test_fused_majorities_equal_the_numpy_path(size):
         allgather_majority_packed,
         alltoall_majority,
         alltoall_majority_bytes,
+        alltoall_majority_packed,
         ring_majority,
         ring_majority_bytes,
         ring_majority_packed,
@@ -917,17 +918,19 @@ def test_fused_majorities_equal_the_numpy_path(size):
             ag_extra = c.counters.total_sent - allgather_majority_bytes(n, size)
             packed = ring_majority_packed(c, x.double(), tie=tie, phase=1)
             ag_packed = allgather_majority_packed(c, x, tie=tie, phase=1)
-            return ring, a2a, packed, ag, ag_packed, ring_extra, a2a_extra, ag_extra
+            a2a_packed = alltoall_majority_packed(c, x, tie=tie, phase=1)
+            return (ring, a2a, packed, ag, ag_packed, a2a_packed, ring_extra, a2a_extra,
+                    ag_extra)
 
         ref = run_local(fn, size)
         with forced("triton"):
             got = run_local(fn, size)
         for r in range(size):
-            for a, b in zip(ref[r][:5], got[r][:5], strict=True):
+            for a, b in zip(ref[r][:6], got[r][:6], strict=True):
                 assert a.dtype == b.dtype and torch.equal(a, b), (n, size, tie)
             assert torch.equal(got[r][3], got[r][1])  # all-to-all and allgather agree
-            assert torch.equal(got[r][4], got[r][2])
-            assert got[r][5:] == (0, 0, 0)  # bytes sent equal the documented formulas
+            assert torch.equal(got[r][4], got[r][2]) and torch.equal(got[r][5], got[r][2])
+            assert got[r][6:] == (0, 0, 0)  # bytes sent equal the documented formulas
         # Against a brute-force count of the votes: ties give -1, or +1 with tie="positive",
         # or (phase 1) +1 at odd indices with tie="alternate".
         odd = torch.arange(n) % 2 == 1
