@@ -130,6 +130,20 @@ def test_a_frame_is_taken_as_bytes_or_a_numpy_array_and_must_be_one_row(name):
             decode(rows)
 
 
+@pytest.mark.parametrize("name", sorted(FRAMES))
+@pytest.mark.parametrize("n", [-1, -(2**63)])
+def test_a_negative_length_in_the_header_is_refused(name, n):
+    """Every frame starts with its length as an int64: a negative one is a ValueError that
+    names the field, with or without an expected length."""
+    make, decode = FRAMES[name]
+    frame = make().clone()
+    frame[:8] = torch.tensor(list(struct.pack("<q", n)), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=f"expected n >= 0, got {n}"):
+        decode(frame)
+    with pytest.raises(ValueError):
+        decode(frame, n=50)
+
+
 def test_the_collectives_decode_with_the_length_they_expect(monkeypatch):
     from bitcomm.collectives import qsgd_allgather, sparse_allgather
     from bitcomm.comm import run_local
