@@ -14,9 +14,8 @@ One module per codec, each documenting its wire format with a worked example:
 Every ``decode`` takes its frame as a 1-D uint8 tensor on any device, a 1-D uint8 numpy array
 or bytes (``bytes``, ``bytearray``, ``memoryview``), and returns ``(result, bytes_consumed)``
 (the convention of Python's ``codecs`` module), so frames can be read back to back from one
-buffer. :func:`backend` says which
-implementation a tensor gets (numpy on the CPU, Triton kernels on CUDA, torch ops otherwise);
-all three write the same bytes.
+buffer. :func:`backend` says which implementation a tensor gets (numpy on the CPU, Triton
+kernels on CUDA, torch ops otherwise); all three write the same bytes.
 
 Decoders allocate only what their frame can justify: every ``decode`` takes an optional ``n``,
 the length the caller expects (a header that says otherwise is a ``ValueError``), and without
