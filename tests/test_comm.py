@@ -68,6 +68,32 @@ def test_isend_checks_its_arguments():
     assert run_local(fn, 2, timeout=30) == [0, 0]
 
 
+def test_every_primitive_checks_its_arguments_before_sending():
+    """A wrong buffer or size list is refused on the rank that passed it, before a byte moves:
+    TypeError for what is not a 1-D uint8 tensor, ValueError for sizes that do not fit."""
+    def fn(c):
+        other = 1 - c.rank
+        with pytest.raises(TypeError, match="buf to be a torch.Tensor, got bytes"):
+            c.send(b"\x01", other)
+        with pytest.raises(TypeError, match="1-D uint8 tensor, got torch.uint8 with shape"):
+            c.send(torch.zeros(2, 2, dtype=torch.uint8), other)
+        with pytest.raises(ValueError, match="expected 2 buffers and sizes, got 1 and 2"):
+            c.alltoallv([_bytes(1)], [1, 1])
+        with pytest.raises(ValueError, match=f"sizes\\[{c.rank}\\] = 3, got \\[1, 1\\]"):
+            c.allgatherv(_bytes(7, 7, 7), [1, 1])
+        with pytest.raises(TypeError, match="x to be a torch.Tensor, got list"):
+            c.allreduce([1.0])
+        return c.counters.total_sent
+
+    assert run_local(fn, 2, timeout=30) == [0, 0]
+    from bitcomm.comm.local import LocalGroup
+
+    with pytest.raises(ValueError, match="rank=2, size=2"):
+        LocalGroup(2).comm(2)
+    with pytest.raises(ValueError, match="size >= 1, got 0"):
+        LocalGroup(0)
+
+
 def test_launch_commands_for_each_transport(tmp_path, monkeypatch):
     import sys
 
