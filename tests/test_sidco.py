@@ -26,6 +26,12 @@ def test_pareto_moments_by_hand():
     s = torch.tensor([1.0, 2, 3, 4])
     assert sidco.threshold(s, 0.5, "pareto") == pytest.approx(2.8125, rel=1e-12)
     assert sidco.sidco(s, 2, "pareto").tolist() == [2, 3]
+    # [0, 2] / 2: mean 0.5, variance 0.25, mu^2 / s2 = 1, so xi = 0: the Pareto is the
+    # exponential of mean beta = 0.5, whose delta-tail starts at beta * ln(1 / delta) of the
+    # largest (the closed form's limit as xi -> 0, where it would divide by zero)
+    two = torch.tensor([0.0, 2.0])
+    assert sidco.threshold(two, 0.1, "pareto") == pytest.approx(math.log(10), rel=1e-15)
+    assert sidco.threshold(two, 0.1, "pareto") == sidco.threshold(two, 0.1, "exponential")
 
 
 def test_exponential_second_stage_fits_the_shifted_exceedances_by_hand():
@@ -98,8 +104,13 @@ def test_guards():
 
 def test_bad_input():
     x = torch.ones(8)
-    with pytest.raises(ValueError, match="finite"):
-        sidco.sidco(torch.tensor([1.0, float("nan")]), 1)
+    for k in (0, 1, 2):  # no fit at k = 0 or n, and the scores are still checked
+        with pytest.raises(ValueError, match="finite"):
+            sidco.sidco(torch.tensor([1.0, float("nan")]), k)
+    with pytest.raises(TypeError, match="delta to be a number, got str"):
+        sidco.threshold(x, "0.1")
+    with pytest.raises(ValueError, match="period to be an int >= 1"):
+        sidco.StageControl(period=0)
     with pytest.raises(ValueError, match="non-negative"):
         sidco.threshold(torch.tensor([1.0, -1.0]), 0.5)
     with pytest.raises(ValueError, match="delta"):
