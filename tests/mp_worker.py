@@ -280,11 +280,35 @@ def inconsistent(comm):
           flush=True)
 
 
+def sizes(comm):
+    # A message longer or shorter than its receive is a ValueError on the receiver naming both
+    # sizes, with blocking receives and with polled ones (the emulator's), and the ranks go on.
+    from bitcomm.comm.mpi import MPIComm
+
+    for polled in (False, True):
+        c = MPIComm(poll_interval=1e-3) if polled else comm
+        for sent, want in ((5, "got more"), (2, "got 2")):
+            if c.rank == 0:
+                c.send(torch.arange(sent, dtype=torch.uint8), 1)
+            elif c.rank == 1:
+                try:
+                    c.recv(torch.empty(3, dtype=torch.uint8), 0)
+                except ValueError as e:
+                    assert f"rank 1 expected 3 bytes from rank 0, {want}" in str(e), (polled, e)
+                else:
+                    raise AssertionError(f"a {sent}-byte message was taken for 3 bytes")
+            c.barrier()
+        # still in step: an exchange of the right size goes through
+        got = c.sendrecv(torch.full((4,), c.rank, dtype=torch.uint8), (c.rank + 1) % c.size,
+                         torch.empty(4, dtype=torch.uint8), (c.rank - 1) % c.size)
+        assert got.tolist() == [(c.rank - 1) % c.size] * 4, got
+
+
 def main():
     kind, mode = sys.argv[1], sys.argv[2]
     comm = make_comm(kind)
     {"check": check, "fault": fault, "check-cuda": check_cuda,
-     "inconsistent": inconsistent}[mode](comm)
+     "inconsistent": inconsistent, "sizes": sizes}[mode](comm)
     comm.barrier()
     print(f"OK rank {comm.rank}", flush=True)
 

@@ -94,6 +94,23 @@ def test_every_primitive_checks_its_arguments_before_sending():
         LocalGroup(0)
 
 
+def test_a_local_message_of_the_wrong_length_is_refused_by_its_receiver():
+    def fn(c):
+        if c.rank == 0:
+            c.send(_bytes(1, 2, 3, 4, 5), 1)
+            c.send(_bytes(1, 2), 1)
+            return None
+        errors = []
+        for _ in range(2):
+            with pytest.raises(ValueError) as e:
+                c.recv(torch.empty(3, dtype=torch.uint8), 0)
+            errors.append(str(e.value))
+        return errors
+
+    assert run_local(fn, 2, timeout=30)[1] == ["rank 1 expected 3 bytes from rank 0, got 5",
+                                              "rank 1 expected 3 bytes from rank 0, got 2"]
+
+
 def test_launch_commands_for_each_transport(tmp_path, monkeypatch):
     import sys
 

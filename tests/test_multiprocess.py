@@ -89,6 +89,13 @@ def test_inconsistent_calls_raise_on_every_gloo_rank(tmp_path):
 
 
 @pytest.mark.timeout(LIMIT + 30)
+def test_an_mpi_message_of_the_wrong_length_is_refused_by_its_receiver():
+    r = run_mpi(2, "sizes")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(map(int, re.findall(r"OK rank (\d+)", r.stdout))) == [0, 1]
+
+
+@pytest.mark.timeout(LIMIT + 30)
 def test_a_failing_mpi_rank_aborts_the_job():
     r = run_mpi(3, "fault")
     assert r.returncode != 0
