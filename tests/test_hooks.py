@@ -339,6 +339,24 @@ def test_topk_residual_follows_the_parameters_across_a_rebuild():
     assert len(state.residuals) == 4
 
 
+def test_onebit_server_errors_of_buckets_a_rebuild_removed_are_dropped():
+    """Server errors are kept per bucket index: after DDP's rebuild into fewer buckets, the
+    last bucket's call drops those of the indices that no longer exist, and bucket 0's is
+    made again for its new length (its worker error follows the parameters)."""
+    def layouts(step, params, grads):
+        if step == 0:
+            return three_buckets(step, params, grads)
+        return [Bucket(0, params, grads, last=True)]
+
+    res = run_hook(onebit_hook, lambda c: OneBitHookState(c, freeze_step=0), step_grads,
+                   size=2, steps=2, layouts=layouts)
+    for outs, state in res:
+        assert len(outs[0]) == 3 and len(outs[1]) == 1
+        assert sorted(state.server_errors) == [0]
+        assert state.server_errors[0].numel == 40 + 24 + 16
+        assert len(state.worker_errors) == 80  # each parameter's once
+
+
 def test_state_dict_resumes_a_hook_bit_identically():
     def grads(rank, step):
         g = torch.Generator().manual_seed(10 * rank + step)
