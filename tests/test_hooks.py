@@ -68,6 +68,15 @@ def test_param_buffers_follow_their_parameters_across_a_rebuild():
     assert sorted(buffers._flats) == [0] and len(buffers) == 6
 
 
+def test_param_buffers_refuse_a_bucket_its_parameters_do_not_fill():
+    """A hook's buffers follow whole parameters: a gradient longer or shorter than the
+    bucket's parameters (not a dense bucket DDP makes) is refused, naming the bucket."""
+    a, b = torch.zeros(2), torch.zeros(3)
+    for grads in ([torch.zeros(6)], [torch.zeros(4)]):
+        with pytest.raises(ValueError, match=r"bucket 1's parameters to fill its \d gradient"):
+            ParamBuffers().get(Bucket(1, [a, b], grads))
+
+
 def test_param_buffers_state_dict_goes_back_by_parameter_number():
     a, b = torch.zeros(2), torch.zeros(1)
     saved = ParamBuffers()
