@@ -241,6 +241,16 @@ def test_bad_input_raises_on_every_rank(name, make_bad, kind, message):
     assert all("[2]" in str(e) for e in out[:2]) or "[10, 10, 11]" in str(out[0]), out
 
 
+def test_lengths_that_differ_are_named_by_rank_and_one_that_is_no_length_as_none():
+    def job(c):
+        n = [10, 11, 10.0][c.rank]
+        return sparcml.ssar_split_allgather(c, torch.tensor([1, 4]), torch.ones(2), n)
+
+    out = run_local(job, 3, return_exceptions=True, timeout=20)
+    assert all(isinstance(e, ValueError) and "got [10, 11, None] (by rank)" in str(e)
+               for e in out), out
+
+
 def test_bad_quantisation_settings_raise_on_every_rank():
     out = _bad(3, 1, lambda ix, v, n: (ix, v, n), "dsar_split_allgather", bits=3)
     assert all(isinstance(e, ValueError) and "bits" in str(e) for e in out), out

@@ -238,7 +238,8 @@ def _agree(comm: Comm, x: object, check: bool, name: str, float32: bool,
     # validation error, raised below, says what is wrong where a mismatch would not.
     if len({c for c in sizes if c >= 0}) > 1:
         what = "number of elements" if length is None else "length n"
-        raise ValueError(f"{name}: expected the same {what} on every rank, got {sizes} (by "
+        shown = [c if c >= 0 else None for c in sizes]
+        raise ValueError(f"{name}: expected the same {what} on every rank, got {shown} (by "
                          "rank)")
     bad = [r for r, (_, s, _) in enumerate(table) if s in _ARGUMENT_ERRORS]
     if bad:
