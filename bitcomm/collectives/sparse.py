@@ -149,7 +149,7 @@ def sparse_allgather(comm: Comm, x: torch.Tensor, k: int, *, fmt: sparse.ValueFo
         else:
             frames = [frame]
         # x was read when this rank's frame was made: out may be x.
-        dense = _common.result_buffer(out, n, torch.float32, v).zero_()
+        dense = _common.result_buffer(out, n, torch.float32, v, zeroed=True)
         # Frames of one known format, each as long as its entries (the lengths are known to
         # every rank): checked together. This rank's entries come back as the receivers decode
         # them, for the sum and the caller's residual bookkeeping.
